@@ -1,0 +1,41 @@
+"""fxq: PyTorch FX graph-mode quantization for integer neural-network accelerators.
+
+The pipeline::
+
+    fxq.set_march("bayes")
+    qat = fxq.prepare_qat_fx(model, {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)   # calibrate
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.QAT)           # fine-tune
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)    # evaluate
+"""
+
+from fxq import qconfig
+from fxq.dtypes import QDType, qint8, qint16, qint32
+from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from fxq.fx import FxqTraceError, fuse_fx, fx_wrap, prepare_qat_fx, symbolic_trace
+from fxq.march import March, get_march, get_march_spec, set_march
+from fxq.stubs import DeQuantStub, QuantStub
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "March",
+    "set_march",
+    "get_march",
+    "get_march_spec",
+    "fx_wrap",
+    "symbolic_trace",
+    "fuse_fx",
+    "prepare_qat_fx",
+    "set_fake_quantize",
+    "FakeQuantState",
+    "FakeQuantize",
+    "QuantStub",
+    "DeQuantStub",
+    "QDType",
+    "qint8",
+    "qint16",
+    "qint32",
+    "qconfig",
+    "FxqTraceError",
+]

@@ -1,0 +1,178 @@
+"""Small graph helpers shared by the passes."""
+
+from __future__ import annotations
+
+import builtins
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Interpreter, Node
+from torch.fx.node import map_arg
+
+__all__ = [
+    "owner_path",
+    "tensor_inputs",
+    "infer_tensor_nodes",
+    "set_submodule",
+    "unique_name",
+    "call_sites",
+    "take_name",
+]
+
+_TENSOR_ATTRS = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+_NONTENSOR_METHODS = frozenset(
+    {"size", "dim", "numel", "nelement", "element_size", "is_contiguous", "get_device", "tolist", "item", "__len__"}
+)
+_SCALAR_ANNOTATIONS = (int, float, bool, str)
+
+
+def owner_path(node: Node) -> str:
+    """Dotted path of the module whose forward created ``node`` ("" for the root)."""
+    if node.op == "call_module":
+        return node.target
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    last = list(stack.values())[-1]
+    path = last[0] if isinstance(last, tuple) else str(last)
+    return path
+
+
+def _flatten_nodes(value: Any) -> Iterator[Node]:
+    found: list[Node] = []
+    map_arg(value, lambda n: found.append(n) or n)
+    return iter(found)
+
+
+def tensor_inputs(node: Node, is_tensor: dict[Node, bool]) -> list[Node]:
+    """The node's inputs that carry tensors, in flattened argument order (duplicates kept)."""
+    return [n for n in _flatten_nodes((node.args, node.kwargs)) if is_tensor.get(n, True)]
+
+
+def _is_torch_function(target: Any) -> bool:
+    mod = getattr(target, "__module__", None) or ""
+    return mod.startswith("torch") and not mod.startswith("torch.fx")
+
+
+def infer_tensor_nodes(gm: GraphModule, example_inputs: Sequence[Any] | None = None) -> dict[Node, bool]:
+    """Which nodes hold tensors (or containers of tensors) rather than Python values.
+
+    Static rules cover the common cases (``x.size()``, ``x.shape[0] * 2``,
+    annotated int arguments). With ``example_inputs`` the float graph is also
+    run once (in eval mode, without gradients) and the observed types win.
+    """
+    is_tensor: dict[Node, bool] = {}
+    for node in gm.graph.nodes:
+        inputs = list(_flatten_nodes((node.args, node.kwargs)))
+        any_tensor_input = any(is_tensor.get(n, False) for n in inputs)
+        if node.op == "placeholder":
+            ann = node.type
+            is_tensor[node] = not (isinstance(ann, type) and issubclass(ann, _SCALAR_ANNOTATIONS))
+        elif node.op == "get_attr":
+            try:
+                value = _get_attr(gm, node.target)
+            except AttributeError:
+                value = None
+            is_tensor[node] = isinstance(value, torch.Tensor)
+        elif node.op == "call_method":
+            is_tensor[node] = node.target not in _NONTENSOR_METHODS and any_tensor_input
+        elif node.op == "call_module":
+            is_tensor[node] = True
+        elif node.op == "call_function":
+            target = node.target
+            if target is builtins.getattr:
+                is_tensor[node] = len(node.args) > 1 and node.args[1] in _TENSOR_ATTRS and any_tensor_input
+            elif target in (builtins.len, math.floor, math.ceil, math.sqrt, builtins.int, builtins.float):
+                is_tensor[node] = False
+            elif getattr(target, "__module__", None) in ("_operator", "operator"):
+                is_tensor[node] = any_tensor_input
+            elif any_tensor_input:
+                is_tensor[node] = True
+            else:
+                is_tensor[node] = _is_torch_function(target)
+        else:
+            is_tensor[node] = False
+    if example_inputs is not None:
+        is_tensor.update(_observed_tensor_nodes(gm, example_inputs))
+    return is_tensor
+
+
+def _get_attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    return False
+
+
+def _observed_tensor_nodes(gm: GraphModule, example_inputs: Sequence[Any]) -> dict[Node, bool]:
+    seen: dict[Node, bool] = {}
+
+    class _Recorder(Interpreter):
+        def run_node(self, n: Node) -> Any:
+            out = super().run_node(n)
+            seen[n] = _holds_tensor(out)
+            return out
+
+    modes = {m: m.training for m in gm.modules()}
+    gm.eval()
+    try:
+        with torch.no_grad():
+            _Recorder(gm).run(*example_inputs)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return seen
+
+
+def set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Replace (or add) the submodule at dotted ``path``."""
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, name, module)
+
+
+def unique_name(root: nn.Module, parent_path: str, base: str) -> str:
+    """A free attribute name under ``parent_path`` starting with ``base``; returns the full path."""
+    parent = root.get_submodule(parent_path) if parent_path else root
+    base = base.replace(".", "_")
+    name, i = base, 1
+    while hasattr(parent, name) or name in parent._modules:
+        name = f"{base}_{i}"
+        i += 1
+    return f"{parent_path}.{name}" if parent_path else name
+
+
+def call_sites(gm: GraphModule) -> dict[str, list[Node]]:
+    """call_module nodes per target."""
+    sites: dict[str, list[Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            sites.setdefault(node.target, []).append(node)
+    return sites
+
+
+
+def take_name(node: Node, name: str) -> None:
+    """Rename ``node`` to ``name`` once no live node of its graph uses that name.
+
+    Passes that replace a node by a new one use this so printed graphs keep
+    the user's names (``layer1_0_conv1``, not ``layer1_0_conv1_3``).
+    """
+    graph = node.graph
+    if node.name == name or any(n.name == name for n in graph.nodes):
+        return
+    graph._graph_namespace._used_names.discard(name)
+    node._rename(name)

@@ -1,0 +1,291 @@
+"""``prepare_qat_fx``: float model -> QAT model.
+
+Steps (each reads a table, none edits the user's model):
+
+1. copy the model, resolve and check the qconfig_dict for the current march;
+2. trace (``fxq.symbolic_trace``) and fuse (``fuse_graph_module``);
+3. walk the graph once, in order, tracking for each value the fake quant
+   whose grid it lies on (or None for float values):
+
+   * WEIGHTED / COMPUTE ops with a qconfig become fxq.qat modules owning
+     their output fake quant; their tensor inputs are linked to the fake
+     quants that produce them, and a float input gets a quantize stub first
+     (so model inputs are quantized automatically when there is no
+     ``QuantStub``, and float regions are re-quantized at their border);
+   * PASSTHROUGH ops keep their input's fake quant;
+   * a module called at several places gets one QAT module per call site,
+     sharing weights, weight fake quant and BatchNorm, each with its own
+     output fake quant;
+
+4. swap modules that only opaque code reaches (``@fx_wrap()`` methods and
+   leaf classes) for standalone QAT modules that quantize their own inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from fxq.fx.fuse import fuse_graph_module
+from fxq.fx.fused import Fused
+from fxq.fx.graph_utils import (
+    call_sites,
+    infer_tensor_nodes,
+    owner_path,
+    set_submodule,
+    tensor_inputs,
+    unique_name,
+)
+from fxq.fx.tracer import is_fx_wrapped, symbolic_trace
+from fxq.march import MarchSpec, get_march_spec
+from fxq.qat.base import QATModule
+from fxq.qat.mapping import MODULE_RULES, Kind, functional_target, rule_for
+from fxq.qat.stubs import QuantStub
+from fxq.qconfig import QConfig, QConfigChoice, QConfigResolver, canonical_op
+
+__all__ = ["prepare_qat_fx"]
+
+
+def prepare_qat_fx(
+    model: nn.Module,
+    qconfig_dict: Mapping[str, Any] | None = None,
+    example_inputs: Sequence[Any] | None = None,
+) -> GraphModule:
+    """Turn a float model into a QAT model for the current march.
+
+    Args:
+        model: the float model (not modified).
+        qconfig_dict: see ``fxq.qconfig``; may be None when modules carry
+            ``qconfig`` attributes (e.g. ``model.qconfig = ...``).
+        example_inputs: optional positional inputs; when given, the float
+            graph runs once so that tensors and Python values are told apart
+            exactly (otherwise static rules decide).
+
+    Returns:
+        a GraphModule in ``FakeQuantState.QAT``.
+
+    Raises:
+        RuntimeError: no march is set.
+        ValueError: bad qconfig_dict (unknown key, wrong type, a dtype the
+            march cannot run), or nothing to quantize.
+        fxq.fx.tracer.FxqTraceError: the model cannot be traced; the message
+            names the source line and what to wrap with ``@fxq.fx_wrap()``.
+    """
+    spec = get_march_spec()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare_qat_fx expects an nn.Module, got {type(model).__name__}")
+    work = copy.deepcopy(model)
+    resolver = QConfigResolver(qconfig_dict, work, spec)
+    if not resolver.anything_quantized():
+        raise ValueError(
+            "prepare_qat_fx: nothing to quantize. Pass a qconfig_dict, e.g. "
+            "{'': fxq.qconfig.default_qat_8bit_fake_quant_qconfig}, or set model.qconfig"
+        )
+    gm = work if isinstance(work, GraphModule) else symbolic_trace(work)
+    fuse_graph_module(gm, spec)
+    _Preparer(gm, resolver, spec, example_inputs).run()
+    set_fake_quantize(gm, FakeQuantState.QAT)
+    return gm
+
+
+class _Preparer:
+    def __init__(
+        self,
+        gm: GraphModule,
+        resolver: QConfigResolver,
+        spec: MarchSpec,
+        example_inputs: Sequence[Any] | None,
+    ) -> None:
+        self.gm = gm
+        self.resolver = resolver
+        self.spec = spec
+        self.modules = dict(gm.named_modules())
+        self.is_tensor = infer_tensor_nodes(gm, example_inputs)
+        self.sites = call_sites(gm)
+        self.site_count: dict[str, int] = {}
+        self.fq_of: dict[Node, FakeQuantize | None] = {}
+        self.border: dict[tuple[Node, str], Node] = {}
+        self.swapped_first: dict[str, QATModule] = {}
+
+    # -- qconfig ---------------------------------------------------------------
+    def choice_for(self, node: Node, module: nn.Module | None) -> QConfigChoice:
+        if node.op == "call_module":
+            type_key = type(module.op) if isinstance(module, Fused) else type(module)
+            return self.resolver.resolve(node.target, type_key)
+        return self.resolver.resolve(owner_path(node), node.target)
+
+    # -- main walk ---------------------------------------------------------------
+    def run(self) -> None:
+        for node in list(self.gm.graph.nodes):
+            self.fq_of[node] = None
+            if node.op in ("placeholder", "get_attr", "output") or not self.is_tensor.get(node, True):
+                continue
+            if node.op == "call_module" and node.target in self.swapped_first:
+                self._install_call_site(node)
+                continue
+            rule, module = rule_for(node, self.modules)
+            if rule.kind in (Kind.NONTENSOR, Kind.FLOAT, Kind.DEQUANT_STUB):
+                continue
+            choice = self.choice_for(node, module)
+            qconfig = choice.qconfig
+            if qconfig is None:
+                continue
+            if rule.kind is Kind.PASSTHROUGH:
+                inputs = tensor_inputs(node, self.is_tensor)
+                self.fq_of[node] = self.fq_of.get(inputs[0]) if inputs else None
+            elif rule.kind is Kind.QUANT_STUB:
+                scale = getattr(module, "scale", None)
+                qat = QuantStub(qconfig, scale=scale if isinstance(scale, float) else None)
+                self._install_module(node, qat, choice)
+            else:  # WEIGHTED or COMPUTE
+                if rule.kind is Kind.WEIGHTED:
+                    qat = rule.qat_class.from_float(module, qconfig)
+                elif module is not None:
+                    qat = rule.qat_class(qconfig, module=module)
+                else:
+                    qat = rule.qat_class(qconfig, fn=functional_target(node))
+                qat.set_input_quants(self._quantize_inputs(node, qconfig))
+                self._install_module(node, qat, choice)
+        self._swap_opaque_modules()
+        self.gm.graph.lint()
+        self.gm.recompile()
+
+    def _install_module(self, node: Node, qat: QATModule, choice: QConfigChoice) -> None:
+        qat.qconfig_source = f"{choice.source}: {choice.key}"
+        if node.op == "call_module":
+            path = node.target
+            set_submodule(self.gm, path, qat)
+            self.swapped_first[path] = qat
+            self.site_count[path] = 1
+        else:
+            owner = owner_path(node)
+            try:
+                self.gm.get_submodule(owner)
+            except AttributeError:
+                owner = ""
+            key = canonical_op(node.target)
+            path = unique_name(self.gm, owner, key if isinstance(key, str) else node.name)
+            set_submodule(self.gm, path, qat)
+            node.op = "call_module"
+            node.target = path
+        self._register(node, path, qat)
+
+    def _install_call_site(self, node: Node) -> None:
+        """Another call of an already swapped module: share weights, own output fake quant."""
+        first = self.swapped_first[node.target]
+        index = self.site_count[node.target]
+        self.site_count[node.target] = index + 1
+        clone = _clone_for_call_site(first)
+        if not isinstance(first, QuantStub):
+            clone.set_input_quants(self._quantize_inputs(node, first.qconfig))
+        path = unique_name(self.gm, "", f"{node.target}_call{index}")
+        self.gm.add_module(path, clone)
+        node.target = path
+        self._register(node, path, clone)
+
+    def _register(self, node: Node, path: str, qat: QATModule) -> None:
+        self.modules[path] = qat
+        _name_fake_quants(qat, path)
+        self.fq_of[node] = None if qat.high_precision_output else qat.activation_post_process
+
+    def _quantize_inputs(self, node: Node, qconfig: QConfig) -> list[FakeQuantize]:
+        """Fake quants of the node's tensor inputs, inserting stubs for float ones."""
+        quants: list[FakeQuantize] = []
+        for inp in tensor_inputs(node, self.is_tensor):
+            fq = self.fq_of.get(inp)
+            if fq is None:
+                stub_node = self._border_quantizer(inp, node, qconfig)
+                node.replace_input_with(inp, stub_node)
+                fq = self.fq_of[stub_node]
+            quants.append(fq)
+        return quants
+
+    def _border_quantizer(self, producer: Node, consumer: Node, qconfig: QConfig) -> Node:
+        key = (producer, qconfig.activation_dtype.name)
+        if key in self.border:
+            return self.border[key]
+        stub = QuantStub(qconfig)
+        path = unique_name(self.gm, "", f"{producer.name}_quant")
+        self.gm.add_module(path, stub)
+        stub.qconfig_source = "inserted: float value entering a quantized op"
+        self.modules[path] = stub
+        with self.gm.graph.inserting_before(consumer):
+            new = self.gm.graph.call_module(path, (producer,))
+        new.meta = {"nn_module_stack": consumer.meta.get("nn_module_stack", {})}
+        self.is_tensor[new] = True
+        self.fq_of[new] = stub.activation_post_process
+        _name_fake_quants(stub, path)
+        self.border[key] = new
+        return new
+
+    def _swap_opaque_modules(self) -> None:
+        """Standalone QAT modules for modules that only opaque code calls."""
+        in_graph = {n.target for n in self.gm.graph.nodes if n.op == "call_module"}
+
+        def visit(module: nn.Module, prefix: str) -> None:
+            for name, child in list(module.named_children()):
+                path = f"{prefix}.{name}" if prefix else name
+                if isinstance(child, (QATModule, FakeQuantize)) or path in in_graph:
+                    if path in in_graph and _opaque_container(child):
+                        visit(child, path)
+                    continue
+                rule = MODULE_RULES.get(type(child))
+                if rule is not None and rule.kind in (Kind.WEIGHTED, Kind.COMPUTE):
+                    choice = self.resolver.resolve(path, type(child.op) if isinstance(child, Fused) else type(child))
+                    if choice.qconfig is not None:
+                        resolved = rule.resolve(None, child)
+                        if resolved.kind in (Kind.WEIGHTED, Kind.COMPUTE) and resolved.qat_class is not None:
+                            qat = self._make_standalone(resolved, child, choice)
+                            setattr(module, name, qat)
+                            continue
+                if isinstance(child, Fused) or _is_torch_builtin(child):
+                    continue
+                visit(child, path)
+
+        visit(self.gm, "")
+
+    def _make_standalone(self, rule, child: nn.Module, choice: QConfigChoice) -> QATModule:
+        if rule.kind is Kind.WEIGHTED:
+            qat = rule.qat_class.from_float(child, choice.qconfig)
+            inputs = 2 if getattr(qat, "add", False) else 1
+        else:
+            qat = rule.qat_class(choice.qconfig, module=child)
+            inputs = 1
+        qat.make_standalone(inputs)
+        qat.qconfig_source = f"{choice.source}: {choice.key} (standalone: called from opaque code)"
+        return qat
+
+
+def _opaque_container(module: nn.Module) -> bool:
+    """A leaf in the graph whose forward is user code (so its children are opaque)."""
+    return is_fx_wrapped(type(module)) and not _is_torch_builtin(module)
+
+
+def _is_torch_builtin(module: nn.Module) -> bool:
+    return type(module).__module__.startswith(("torch.", "torchvision."))
+
+
+def _clone_for_call_site(qat: QATModule) -> QATModule:
+    """A QAT module sharing ``qat``'s parameters and submodules, with a fresh output fake quant."""
+    clone = copy.copy(qat)
+    clone._parameters = dict(qat._parameters)
+    clone._buffers = dict(qat._buffers)
+    clone._modules = dict(qat._modules)
+    if qat.has_output_quant:
+        clone.activation_post_process = qat.qconfig.activation()
+    return clone
+
+
+def _name_fake_quants(qat: QATModule, path: str) -> None:
+    if qat.has_output_quant:
+        qat.activation_post_process.set_name(f"the output of '{path}'")
+    wfq = getattr(qat, "weight_fake_quant", None)
+    if isinstance(wfq, FakeQuantize):
+        wfq.set_name(f"the weight of '{path}'")
+    for i, fq in enumerate(getattr(qat, "input_quant", []) or []):
+        fq.set_name(f"input {i} of '{path}'")

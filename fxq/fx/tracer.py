@@ -1,0 +1,316 @@
+"""Tracing: ``fxq.symbolic_trace`` and ``@fxq.fx_wrap()``.
+
+``fx_wrap`` marks code that must not be traced into:
+
+* a module-level function becomes one ``call_function`` node;
+* a method becomes one node too; at run time it is called on the real module,
+  so ``self.training`` branches and data-dependent Python run at call time,
+  and the submodules it uses through ``self`` are the (swapped) modules of the
+  graph module;
+* a module class becomes a leaf: each instance is one ``call_module`` node.
+
+Example::
+
+    class Detector(nn.Module):
+        def forward(self, x):
+            return self.postprocess(self.head(self.backbone(x)))
+
+        @fxq.fx_wrap()
+        def postprocess(self, out):
+            if self.training:
+                return out
+            return decode(out, self.anchors)          # arbitrary Python
+
+    gm = fxq.symbolic_trace(Detector())   # postprocess is one node
+
+When tracing meets control flow that depends on tensor values, the error
+names the source line and says which code to wrap.
+"""
+
+from __future__ import annotations
+
+import functools
+import linecache
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.fx
+from torch import nn
+from torch.fx import GraphModule
+from torch.fx.proxy import TraceError
+
+__all__ = ["fx_wrap", "Tracer", "symbolic_trace", "FxqTraceError", "call_wrapped_method", "is_fx_wrapped"]
+
+T = TypeVar("T")
+
+_ACTIVE: list[Tracer] = []  # tracers currently tracing (innermost last)
+
+
+class _SelfRef:
+    """Stands for the traced root module in a graph; generated code prints it as ``self``."""
+
+    _instance: _SelfRef | None = None
+
+    def __new__(cls) -> _SelfRef:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "self"
+
+    def __reduce__(self):
+        return (_SelfRef, ())
+
+
+SELF = _SelfRef()
+
+
+class FxqTraceError(TraceError):
+    """Tracing failed; the message names the source line and what to wrap."""
+
+
+def is_fx_wrapped(obj: Any) -> bool:
+    """True for functions, methods and module classes marked with ``@fxq.fx_wrap()``."""
+    return bool(getattr(obj, "_fxq_fx_wrap", False))
+
+
+def fx_wrap() -> Callable[[T], T]:
+    """Decorator: keep a function, a method or a module class as one graph node.
+
+    Returns:
+        a decorator. Applied to a function or method it returns a wrapper that
+        behaves exactly like the original outside tracing; applied to an
+        ``nn.Module`` subclass it marks the class as a leaf and returns it.
+
+    Raises:
+        TypeError: when applied to something that is neither callable nor a
+            module class.
+    """
+
+    def decorator(obj: T) -> T:
+        if isinstance(obj, type):
+            if not issubclass(obj, nn.Module):
+                raise TypeError(f"@fxq.fx_wrap() on a class needs an nn.Module subclass, got {obj!r}")
+            obj._fxq_fx_wrap = True  # type: ignore[attr-defined]
+            return obj
+        if isinstance(obj, (staticmethod, classmethod)) or not callable(obj):
+            raise TypeError(
+                f"@fxq.fx_wrap() applies to functions, methods and nn.Module classes, got {obj!r}"
+            )
+        fn = obj
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _ACTIVE:
+                return _ACTIVE[-1].record_wrapped_call(wrapper, args, kwargs)
+            return fn(*args, **kwargs)
+
+        wrapper._fxq_fx_wrap = True  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorator
+
+
+# Module internals, i.e. everything that is not a user attribute.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+
+
+class _RootState(nn.Module):
+    """The traced root's class and plain attributes, for its wrapped methods.
+
+    A wrapped method of the root module runs on a view of the graph module:
+    an instance of the root's class whose submodules, parameters, buffers and
+    ``training`` flag are the graph module's own, and whose plain attributes
+    (thresholds, lists, ...) are those held here. Kept as a submodule so that
+    deepcopy, ``torch.save`` and ``.to()`` carry it along.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self.root_class = type(root)
+        for key, value in root.__dict__.items():
+            if key not in _MODULE_INTERNALS and key not in self.__dict__:
+                self.__dict__[key] = value
+
+    def plain_attributes(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in _MODULE_INTERNALS and k != "root_class"}
+
+    def extra_repr(self) -> str:
+        return self.root_class.__qualname__
+
+
+def _root_view(gm: nn.Module, state: _RootState) -> nn.Module:
+    view = object.__new__(state.root_class)
+    d = state.plain_attributes()
+    for key in _MODULE_INTERNALS:
+        if key in gm.__dict__:
+            d[key] = gm.__dict__[key]
+    object.__setattr__(view, "__dict__", d)
+    return view
+
+
+@fx_wrap()
+def call_wrapped_method(owner: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
+    """Run ``owner.<name>(*args, **kwargs)``: how graphs call wrapped methods.
+
+    ``owner`` is a submodule of the graph module, or the graph module itself
+    for methods of the traced root (then the method runs on a view whose class
+    is the root's class).
+    """
+    state = owner._modules.get("_fxq_self") if isinstance(owner, GraphModule) else None
+    if isinstance(state, _RootState):
+        owner = _root_view(owner, state)
+    return getattr(owner, name)(*args, **kwargs)
+
+
+def _torchvision_leaves() -> tuple[type, ...]:
+    try:
+        from torchvision.ops import StochasticDepth
+    except Exception:  # torchvision is optional
+        return ()
+    return (StochasticDepth,)
+
+
+_FXQ_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+class Tracer(torch.fx.Tracer):
+    """torch.fx tracer that honours ``@fxq.fx_wrap()`` and fxq's leaf modules."""
+
+    def __init__(self, extra_leaf_types: tuple[type, ...] = ()) -> None:
+        super().__init__()
+        self.extra_leaf_types = extra_leaf_types + _torchvision_leaves()
+        self.uses_root_methods = False
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if is_fx_wrapped(type(m)) or getattr(m, "_fxq_leaf", False):
+            return True
+        if isinstance(m, self.extra_leaf_types):
+            return True
+        from torch.ao.quantization import DeQuantStub, QuantStub
+
+        if isinstance(m, (QuantStub, DeQuantStub)):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def create_arg(self, a: Any) -> Any:
+        if a is getattr(self, "root", None) and isinstance(a, nn.Module):
+            return SELF
+        return super().create_arg(a)
+
+    def record_wrapped_call(self, wrapper: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Emit the node for a call to an ``fx_wrap``-ed function or method."""
+        name = wrapper.__name__
+        owner = args[0] if args else None
+        is_method = (
+            isinstance(owner, nn.Module)
+            and wrapper is not call_wrapped_method
+            and getattr(type(owner), name, None) is wrapper
+        )
+        if is_method:
+            if owner is self.root:
+                self.uses_root_methods = True
+            elif not any(m is owner for m in self.root.modules()):
+                raise FxqTraceError(
+                    f"@fx_wrap() method {type(owner).__qualname__}.{name} was called on a module that "
+                    "is not part of the traced model; register that module as a submodule"
+                )
+            return self.create_proxy(
+                "call_function", call_wrapped_method, (owner, name, *args[1:]), kwargs
+            )
+        if wrapper is call_wrapped_method and args and args[0] is self.root:
+            self.uses_root_methods = True
+        return self.create_proxy("call_function", wrapper, args, kwargs)
+
+    def trace(self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None):
+        _ACTIVE.append(self)
+        try:
+            return super().trace(root, concrete_args)
+        except FxqTraceError:
+            raise
+        except Exception as e:
+            located = self._locate(e)
+            if located is None:
+                raise
+            raise FxqTraceError(located) from e
+        finally:
+            _ACTIVE.remove(self)
+
+    def _locate(self, error: BaseException) -> str | None:
+        """Describe where in user code ``error`` happened, with advice."""
+        user_frame = None
+        for frame, lineno in traceback.walk_tb(error.__traceback__):
+            filename = os.path.abspath(frame.f_code.co_filename)
+            if filename.startswith((_FXQ_DIR, _TORCH_DIR)) or filename.startswith("<"):
+                continue
+            user_frame = (frame, lineno)
+        if user_frame is None:
+            return None
+        frame, lineno = user_frame
+        filename = frame.f_code.co_filename
+        line = linecache.getline(filename, lineno).strip()
+        func = frame.f_code.co_qualname if hasattr(frame.f_code, "co_qualname") else frame.f_code.co_name
+        module_note = ""
+        self_obj = frame.f_locals.get("self")
+        if isinstance(self_obj, nn.Module) and isinstance(getattr(self, "root", None), nn.Module):
+            for path, m in self.root.named_modules():
+                if m is self_obj:
+                    module_note = f" (module '{path or '<root>'}', {type(m).__name__})"
+                    break
+        control_flow = isinstance(error, TraceError) or "Proxy" in str(error)
+        advice = (
+            "This code depends on tensor values (an `if`/`while` on a tensor, len(), iterating a "
+            "tensor or other data-dependent Python), which a graph cannot record. "
+            if control_flow
+            else ""
+        )
+        return (
+            f"fxq.symbolic_trace failed: {type(error).__name__}: {error}\n"
+            f"  at {filename}:{lineno}, in {func}{module_note}:\n"
+            f"      {line}\n"
+            f"{advice}Wrap the function or method containing this line with @fxq.fx_wrap() so it "
+            "runs at call time as one graph node (or put @fxq.fx_wrap() on its module class to "
+            "keep the whole module as a leaf)."
+        )
+
+
+def symbolic_trace(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> GraphModule:
+    """Trace ``model`` into a ``torch.fx.GraphModule``, honouring ``@fxq.fx_wrap()``.
+
+    Like ``torch.fx.symbolic_trace`` the result shares submodules with
+    ``model``; ``prepare_qat_fx`` copies before it changes anything.
+
+    Args:
+        model: the float module.
+        concrete_args: inputs to specialise, as in ``torch.fx``.
+
+    Raises:
+        FxqTraceError: when tracing fails, with the source line and advice.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxq.symbolic_trace expects an nn.Module, got {type(model).__name__}")
+    tracer = Tracer()
+    graph = tracer.trace(model, concrete_args)
+    gm = GraphModule(model, graph, type(model).__name__)
+    if tracer.uses_root_methods:
+        _attach_root_state(gm, model)
+    return gm
+
+
+def _attach_root_state(gm: GraphModule, root: nn.Module) -> None:
+    """Give ``gm`` everything the root's wrapped methods may reach through ``self``."""
+    for name, child in root.named_children():
+        if name not in gm._modules:
+            gm.add_module(name, child)
+    for name, p in root.named_parameters(recurse=False):
+        if name not in gm._parameters:
+            gm.register_parameter(name, p)
+    for name, b in root.named_buffers(recurse=False):
+        if name not in gm._buffers:
+            gm.register_buffer(name, b, persistent=name not in root._non_persistent_buffers_set)
+    gm.add_module("_fxq_self", _RootState(root))

@@ -1,0 +1,216 @@
+"""Observers: statistics that decide a quantization scale.
+
+An observer sees float tensors and keeps running statistics in buffers (so
+they travel with ``state_dict``); ``FakeQuantize`` turns them into a scale.
+Every observer is symmetric (zero point 0) and reports ``amax()``, the
+magnitude that should map to the largest quantized value.
+
+Observers raise ``ValueError`` naming the layer when they see NaN or Inf: a
+non-finite activation would silently poison the scale, and it is almost
+always a training bug worth stopping for.
+
+Per-channel observers reduce over every axis but ``ch_axis``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "ObserverBase",
+    "MinMaxObserver",
+    "MovingAverageMinMaxObserver",
+    "PerChannelMinMaxObserver",
+    "MovingAveragePerChannelMinMaxObserver",
+    "FixedScaleObserver",
+    "OBSERVERS",
+    "get_observer_class",
+]
+
+
+class ObserverBase(nn.Module):
+    """Base class: min/max buffers, NaN/Inf checks and ``amax``.
+
+    Args:
+        ch_axis: None for per-tensor statistics, else the channel axis.
+        num_channels: size of the per-channel buffers when known up front;
+            otherwise they are sized by the first observed tensor.
+
+    Attributes:
+        name: set by ``prepare_qat_fx`` to say where the observer sits; used in
+            error messages.
+    """
+
+    def __init__(self, ch_axis: int | None = None, num_channels: int | None = None) -> None:
+        super().__init__()
+        self.ch_axis = ch_axis
+        shape = (num_channels,) if (ch_axis is not None and num_channels) else (1,)
+        if ch_axis is not None and not num_channels:
+            shape = (0,)
+        self.register_buffer("min_val", torch.full(shape, float("inf")))
+        self.register_buffer("max_val", torch.full(shape, float("-inf")))
+        self.name = ""
+
+    # -- statistics -------------------------------------------------------
+    def _batch_minmax(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        x = x.detach()
+        if self.ch_axis is None:
+            if x.numel() == 0:
+                return self.min_val, self.max_val
+            mn, mx = torch.aminmax(x)
+            return mn.reshape(1).float(), mx.reshape(1).float()
+        axis = self.ch_axis % x.dim()
+        flat = x.transpose(0, axis).reshape(x.shape[axis], -1)
+        mn, mx = torch.aminmax(flat, dim=1)
+        return mn.float(), mx.float()
+
+    def _check_finite(self, mn: Tensor, mx: Tensor) -> None:
+        if not bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):
+            where = self.name or type(self).__name__
+            raise ValueError(
+                f"observer of {where} saw NaN or Inf values; fxq does not ignore them. "
+                "Check the inputs and the loss (a diverging QAT run often starts here), "
+                "or keep this layer in float with a qconfig of None."
+            )
+
+    def _resize_to(self, mn: Tensor) -> None:
+        if self.min_val.shape != mn.shape:
+            self.min_val = torch.full_like(mn, float("inf"))
+            self.max_val = torch.full_like(mn, float("-inf"))
+
+    def _update(self, mn: Tensor, mx: Tensor) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Record statistics of ``x`` and return it unchanged."""
+        mn, mx = self._batch_minmax(x)
+        self._check_finite(mn, mx)
+        self._resize_to(mn)
+        self._update(mn, mx)
+        return x
+
+    def amax(self) -> Tensor:
+        """Largest magnitude to represent (per channel for per-channel observers)."""
+        return torch.maximum(-self.min_val, self.max_val).clamp(min=0)
+
+    def has_statistics(self) -> bool:
+        return bool(self.min_val.numel()) and bool(torch.isfinite(self.min_val).all())
+
+    def reset(self) -> None:
+        """Forget every statistic."""
+        self.min_val.fill_(float("inf"))
+        self.max_val.fill_(float("-inf"))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        # per-channel buffers may be sized lazily: adopt the saved shapes
+        for key in ("min_val", "max_val"):
+            saved = state_dict.get(prefix + key)
+            if saved is not None and getattr(self, key).shape != saved.shape:
+                setattr(self, key, torch.empty_like(saved, device=getattr(self, key).device))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+
+    def extra_repr(self) -> str:
+        axis = "" if self.ch_axis is None else f"ch_axis={self.ch_axis}, "
+        if self.min_val.numel() == 1:
+            return f"{axis}min={self.min_val.item():.6g}, max={self.max_val.item():.6g}"
+        return f"{axis}channels={self.min_val.numel()}"
+
+
+class MinMaxObserver(ObserverBase):
+    """Running minimum and maximum over everything observed."""
+
+    def __init__(self, ch_axis: int | None = None, num_channels: int | None = None) -> None:
+        super().__init__(ch_axis, num_channels)
+
+    def _update(self, mn: Tensor, mx: Tensor) -> None:
+        torch.minimum(self.min_val, mn, out=self.min_val)
+        torch.maximum(self.max_val, mx, out=self.max_val)
+
+
+class MovingAverageMinMaxObserver(ObserverBase):
+    """Exponential moving average of each batch's minimum and maximum.
+
+    The first batch initialises the averages; afterwards
+    ``stat = stat + averaging_constant * (batch_stat - stat)``.
+    A state_dict loaded from a calibrated model is the starting point.
+    """
+
+    def __init__(
+        self,
+        averaging_constant: float = 0.01,
+        ch_axis: int | None = None,
+        num_channels: int | None = None,
+    ) -> None:
+        super().__init__(ch_axis, num_channels)
+        if not 0.0 < averaging_constant <= 1.0:
+            raise ValueError(f"averaging_constant must be in (0, 1], got {averaging_constant}")
+        self.averaging_constant = averaging_constant
+
+    def _update(self, mn: Tensor, mx: Tensor) -> None:
+        fresh = torch.isinf(self.min_val)
+        c = self.averaging_constant
+        self.min_val.copy_(torch.where(fresh, mn, self.min_val + c * (mn - self.min_val)))
+        self.max_val.copy_(torch.where(fresh, mx, self.max_val + c * (mx - self.max_val)))
+
+
+class PerChannelMinMaxObserver(MinMaxObserver):
+    """Per-channel running min/max (weights: ``ch_axis=0``)."""
+
+    def __init__(self, ch_axis: int = 0, num_channels: int | None = None) -> None:
+        super().__init__(ch_axis, num_channels)
+
+
+class MovingAveragePerChannelMinMaxObserver(MovingAverageMinMaxObserver):
+    """Per-channel moving-average min/max."""
+
+    def __init__(
+        self, averaging_constant: float = 0.01, ch_axis: int = 0, num_channels: int | None = None
+    ) -> None:
+        super().__init__(averaging_constant, ch_axis, num_channels)
+
+
+class FixedScaleObserver(ObserverBase):
+    """An observer whose scale is given, e.g. ``1/128`` for centered YUV input.
+
+    ``amax`` is such that ``FakeQuantize`` computes exactly ``scale`` for any
+    dtype, so the scale is independent of what is observed (statistics are
+    still recorded for summaries).
+    """
+
+    def __init__(self, scale: float, ch_axis: int | None = None, num_channels: int | None = None) -> None:
+        super().__init__(ch_axis, num_channels)
+        if not scale > 0:
+            raise ValueError(f"a fixed scale must be positive, got {scale}")
+        self.register_buffer("fixed_scale", torch.tensor([float(scale)]))
+
+    def _update(self, mn: Tensor, mx: Tensor) -> None:
+        torch.minimum(self.min_val, mn, out=self.min_val)
+        torch.maximum(self.max_val, mx, out=self.max_val)
+
+    def has_statistics(self) -> bool:
+        return True
+
+
+# Observer classes by the names accepted in get_default_qconfig(...observer=...).
+OBSERVERS: dict[str, tuple[type[ObserverBase], type[ObserverBase]]] = {
+    # name: (per-tensor class, per-channel class)
+    "min_max": (MinMaxObserver, PerChannelMinMaxObserver),
+    "moving_average": (MovingAverageMinMaxObserver, MovingAveragePerChannelMinMaxObserver),
+    "fixed_scale": (FixedScaleObserver, FixedScaleObserver),
+}
+
+
+def get_observer_class(name: str, per_channel: bool) -> type[ObserverBase]:
+    """Look up an observer class by name.
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones.
+    """
+    try:
+        pair = OBSERVERS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown observer {name!r}; known observers: {', '.join(sorted(OBSERVERS))}"
+        ) from None
+    return pair[1] if per_channel else pair[0]

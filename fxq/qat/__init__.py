@@ -1,0 +1,49 @@
+"""QAT modules: float ops with fake quantization, one file per op family."""
+
+from fxq.qat.activation import Clamp, LookupTableOp
+from fxq.qat.base import FunctionalQAT, QATModule, freeze_bn_stats, update_bn_stats
+from fxq.qat.batchnorm import BatchNorm
+from fxq.qat.elementwise import Add, Cat, Mul, Sub
+from fxq.qat.interpolate import Interpolate
+from fxq.qat.matmul import MatMul
+from fxq.qat.pooling import AdaptiveAvgPool, AvgPool, Mean, Sum
+from fxq.qat.stubs import QuantStub
+from fxq.qat.weighted import (
+    Conv1d,
+    Conv2d,
+    Conv3d,
+    ConvTranspose1d,
+    ConvTranspose2d,
+    ConvTranspose3d,
+    Linear,
+    WeightedQAT,
+)
+
+__all__ = [
+    "QATModule",
+    "FunctionalQAT",
+    "WeightedQAT",
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+    "Linear",
+    "BatchNorm",
+    "QuantStub",
+    "Add",
+    "Sub",
+    "Mul",
+    "Cat",
+    "MatMul",
+    "AvgPool",
+    "AdaptiveAvgPool",
+    "Mean",
+    "Sum",
+    "Clamp",
+    "LookupTableOp",
+    "Interpolate",
+    "freeze_bn_stats",
+    "update_bn_stats",
+]

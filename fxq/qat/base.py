@@ -1,0 +1,190 @@
+"""What every fxq.qat module shares.
+
+A QAT module computes its op in float on fake-quantized inputs and
+fake-quantizes its output with ``activation_post_process`` (so every
+quantized value has exactly one output fake quant). It also knows the fake
+quants that produced its inputs (``input_quants``, linked by
+``prepare_qat_fx``): their scales give the int32 bias scale and, in
+VALIDATION state, the integer simulation.
+
+A module reached only from opaque code (inside an ``@fx_wrap()`` method)
+has no graph producer to link; prepare puts it in *standalone* mode, where it
+quantizes its own tensor inputs with ``input_quant`` fake quants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from fxq.dtypes import qint32
+from fxq.fake_quantize import FakeQuantize, FakeQuantState, _as_state, fake_quantize_ste
+from fxq.march import spec_for
+from fxq.qconfig import QConfig
+
+__all__ = ["QATModule", "FunctionalQAT", "quantize_bias", "freeze_bn_stats", "update_bn_stats"]
+
+
+class QATModule(nn.Module):
+    """Base class of fxq.qat modules.
+
+    Args:
+        qconfig: the resolved QConfig of this op.
+
+    Attributes:
+        activation_post_process: the output fake quant.
+        qconfig: the QConfig used to build the module.
+        qconfig_source: where the qconfig came from (set by prepare).
+        state: the current ``FakeQuantState``.
+    """
+
+    _fxq_leaf = True
+    #: True for ops whose output is a new value with its own fake quant.
+    has_output_quant = True
+
+    def __init__(self, qconfig: QConfig) -> None:
+        super().__init__()
+        self.qconfig = qconfig
+        self.qconfig_source = ""
+        if self.has_output_quant:
+            self.activation_post_process = qconfig.activation()
+            self.march = self.activation_post_process.march
+        else:
+            self.march = qconfig.weight().march
+        self.state = FakeQuantState.QAT
+        self._input_quants: tuple[FakeQuantize | None, ...] = ()
+        self.standalone = False
+
+    # -- wiring ----------------------------------------------------------------
+    @property
+    def spec(self):
+        return spec_for(self.march)
+
+    @property
+    def input_quants(self) -> tuple[FakeQuantize | None, ...]:
+        """Fake quants of the tensor inputs, in argument order (flattened)."""
+        return self._input_quants
+
+    def set_input_quants(self, quants: Sequence[FakeQuantize | None]) -> None:
+        """Link the fake quants that produce this module's tensor inputs.
+
+        Stored as a plain tuple (not submodules): the fake quants belong to
+        their producers.
+        """
+        self._input_quants = tuple(quants)
+
+    def make_standalone(self, num_inputs: int = 1) -> None:
+        """Quantize the inputs here (for modules called from opaque code)."""
+        self.standalone = True
+        self.input_quant = nn.ModuleList(self.qconfig.activation() for _ in range(num_inputs))
+        for fq in self.input_quant:
+            if fq.is_high_precision:  # an int32 input is not a thing: use int8
+                raise ValueError("a high-precision (int32) qconfig cannot quantize inputs")
+        self._input_quants = tuple(self.input_quant)
+
+    def quantize_standalone_inputs(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        if not self.standalone:
+            return list(tensors)
+        return [fq(t) for fq, t in zip(self.input_quant, tensors)]
+
+    def input_scale(self, index: int = 0) -> Tensor | None:
+        quants = self._input_quants
+        if index < len(quants) and quants[index] is not None and not quants[index].is_high_precision:
+            return quants[index].scale
+        return None
+
+    # -- state -------------------------------------------------------------------
+    def set_fake_quant_state(self, state: FakeQuantState | str) -> None:
+        self.state = _as_state(state)
+
+    @property
+    def output_dtype(self):
+        return self.activation_post_process.dtype if self.has_output_quant else None
+
+    @property
+    def high_precision_output(self) -> bool:
+        return self.has_output_quant and self.activation_post_process.dtype is qint32
+
+    def quantize_output(self, y: Tensor) -> Tensor:
+        return self.activation_post_process(y)
+
+    def extra_repr(self) -> str:
+        parts = [f"state={self.state.value}"]
+        if self.standalone:
+            parts.append("standalone")
+        return ", ".join(parts)
+
+
+def quantize_bias(
+    bias: Tensor, input_scale: Tensor | None, weight_scale: Tensor, state: FakeQuantState, march: Any
+) -> Tensor:
+    """Fake-quantize a bias to int32 at ``input_scale * weight_scale`` (per channel).
+
+    Skipped (bias returned as is) in CALIBRATION state and when the input
+    scale is unknown.
+    """
+    if state is FakeQuantState.CALIBRATION or input_scale is None:
+        return bias
+    scale = (input_scale.reshape(()) * weight_scale).to(bias.dtype)
+    return fake_quantize_ste(bias, scale, qint32, spec_for(march).rounding, 0)
+
+
+def _set_bn_frozen(module: nn.Module, frozen: bool) -> nn.Module:
+    for m in module.modules():
+        if hasattr(m, "freeze_bn"):
+            m.freeze_bn = frozen
+    return module
+
+
+def freeze_bn_stats(module: nn.Module) -> nn.Module:
+    """Stop updating BatchNorm statistics in fused QAT modules (also via ``model.apply``).
+
+    Frozen modules fold the running statistics even in training mode, which
+    is what the integer model computes; usual practice is to freeze for the
+    last epochs of QAT.
+    """
+    return _set_bn_frozen(module, True)
+
+
+def update_bn_stats(module: nn.Module) -> nn.Module:
+    """Resume updating BatchNorm statistics in fused QAT modules."""
+    return _set_bn_frozen(module, False)
+
+
+class FunctionalQAT(QATModule):
+    """An op without weights whose output is a new value (``+``, ``cat``, pooling, ...).
+
+    The float computation is the original function, or the original
+    (stateless) module for module-form ops such as ``nn.AvgPool2d``; the
+    output goes through ``activation_post_process``. The forward signature is
+    that of the replaced function, so prepare keeps the node's arguments.
+
+    Args:
+        qconfig: the resolved QConfig.
+        fn: the functional op (for ``call_function`` / ``call_method`` nodes).
+        module: the float module (for ``call_module`` nodes).
+    """
+
+    def __init__(self, qconfig: QConfig, fn: Any = None, module: nn.Module | None = None) -> None:
+        super().__init__(qconfig)
+        if (fn is None) == (module is None):
+            raise ValueError(f"{type(self).__name__} needs exactly one of fn and module")
+        self.fn = fn
+        self.op = module
+
+    def float_forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if self.op is not None:
+            return self.op(*args, **kwargs)
+        return self.fn(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if self.standalone:
+            args = tuple(self.quantize_standalone_inputs(args))
+        return self.quantize_output(self.float_forward(*args, **kwargs))
+
+    def extra_repr(self) -> str:
+        name = getattr(self.fn, "__name__", None) if self.fn is not None else None
+        base = super().extra_repr()
+        return f"fn={name}, {base}" if name else base

@@ -1,0 +1,79 @@
+"""A BatchNorm that no conv absorbed: a per-channel affine op.
+
+In the integer model it is ``x * a + b`` with ``a = gamma / std`` quantized
+per channel (like a depthwise 1x1 conv weight) and ``b`` an int32 bias; the
+QAT module mirrors that, and trains the statistics like a fused conv + BN.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fxq.fake_quantize import FakeQuantState
+from fxq.fx.fused import ACTIVATIONS, Fused
+from fxq.qat.base import QATModule, quantize_bias
+from fxq.qconfig import QConfig
+
+__all__ = ["BatchNorm"]
+
+
+class BatchNorm(QATModule):
+    """QAT BatchNorm1d/2d/3d as a per-channel affine op (optionally + ReLU).
+
+    Args:
+        bn: the float BatchNorm (kept as ``self.bn``).
+        qconfig: the resolved QConfig.
+        activation: ``"relu"`` / ``"relu6"`` for the ``bn_relu`` fusion.
+    """
+
+    def __init__(self, bn: nn.Module, qconfig: QConfig, activation: str | None = None) -> None:
+        super().__init__(qconfig)
+        if bn.running_var is None:
+            raise ValueError("a standalone BatchNorm needs running statistics (track_running_stats=True)")
+        self.bn = bn
+        self.activation = activation
+        self.freeze_bn = False
+        self.weight_fake_quant = qconfig.weight(ch_axis=0, num_channels=bn.num_features)
+
+    @classmethod
+    def from_float(cls, module: nn.Module, qconfig: QConfig) -> BatchNorm:
+        if isinstance(module, Fused):
+            return cls(module.op, qconfig, activation=module.activation)
+        return cls(module, qconfig)
+
+    @property
+    def out_channels(self) -> int:
+        return self.bn.num_features
+
+    def factor(self) -> Tensor:
+        std = torch.sqrt(self.bn.running_var + self.bn.eps)
+        return self.bn.weight / std if self.bn.weight is not None else 1.0 / std
+
+    def folded_bias(self) -> Tensor:
+        beta = self.bn.bias if self.bn.bias is not None else torch.zeros_like(self.bn.running_mean)
+        return beta - self.bn.running_mean * self.factor()
+
+    def _shape(self, ndim: int) -> list[int]:
+        shape = [1] * ndim
+        shape[1] = -1
+        return shape
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.standalone:
+            (x,) = self.quantize_standalone_inputs([x])
+        factor = self.factor()
+        a_q = self.weight_fake_quant(factor)
+        shape = self._shape(x.dim())
+        if self.training and not self.freeze_bn and self.state is not FakeQuantState.VALIDATION:
+            y = self.bn(x * (a_q / factor).reshape(shape))
+        else:
+            b = quantize_bias(self.folded_bias(), self.input_scale(0), self.weight_fake_quant.scale, self.state, self.march)
+            y = x * a_q.reshape(shape) + b.reshape(shape)
+        if self.activation is not None:
+            y = ACTIVATIONS[self.activation](y)
+        return self.quantize_output(y)
+
+    def extra_repr(self) -> str:
+        act = f", activation={self.activation}" if self.activation else ""
+        return f"{self.bn.num_features}{act}, {super().extra_repr()}"

@@ -1,0 +1,28 @@
+"""Elementwise ops and concatenation: add, sub, mul, cat.
+
+Each output gets its own fake quant. In the integer model the inputs are
+rescaled to the output scale with fixed-point multipliers (see
+``docs/arithmetic.md``).
+"""
+
+from __future__ import annotations
+
+from fxq.qat.base import FunctionalQAT
+
+__all__ = ["Add", "Sub", "Mul", "Cat"]
+
+
+class Add(FunctionalQAT):
+    """``input + other`` (``+``, ``+=``, ``torch.add``, ``Tensor.add``); ``other`` may be a scalar."""
+
+
+class Sub(FunctionalQAT):
+    """``input - other``; ``other`` may be a scalar."""
+
+
+class Mul(FunctionalQAT):
+    """``input * other``; ``other`` may be a scalar."""
+
+
+class Cat(FunctionalQAT):
+    """``torch.cat(tensors, dim)``; every input is requantized to the output scale."""

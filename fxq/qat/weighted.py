@@ -1,0 +1,326 @@
+"""Ops with weights: conv, transposed conv, linear, each optionally fused with
+BatchNorm, a residual add and ReLU/ReLU6.
+
+The math, per forward:
+
+* BatchNorm is folded into the weight with the *running* statistics,
+  ``w' = w * gamma / sqrt(running_var + eps)``, and ``w'`` is fake-quantized
+  per output channel: the weight the integer model will hold.
+* While BatchNorm statistics train (``self.training`` and not frozen), the
+  conv output is unfolded (divided by the same factor) and passed through
+  the BatchNorm in training mode, so statistics keep updating and the
+  gradient sees batch normalisation (the folding scheme of Jacob et al. /
+  Krishnamoorthi 2018, as in torch.ao).
+* Otherwise (eval, frozen statistics, VALIDATION) the folded bias
+  ``beta + (b - running_mean) * gamma / std`` is fake-quantized to int32 at
+  ``input_scale * weight_scale`` and the op runs once, as deployed.
+* A residual is added before the activation; the output fake quant follows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fxq.fake_quantize import FakeQuantState
+from fxq.fx.fused import ACTIVATIONS, Fused
+from fxq.qat.base import QATModule, quantize_bias
+from fxq.qconfig import QConfig
+
+__all__ = ["WeightedQAT"]
+
+
+class WeightedQAT(QATModule):
+    """Shared implementation of fxq.qat conv / transposed conv / linear.
+
+    Subclasses set ``_FLOAT`` (the float classes they replace) and implement
+    ``_apply`` (the float op), ``_out_axis`` and the out-major weight view.
+
+    Args:
+        float_op: the float conv / linear module (its parameters are taken over).
+        qconfig: the resolved QConfig.
+        bn: a BatchNorm to fold, or None.
+        activation: ``"relu"``, ``"relu6"`` or None.
+        add: whether a residual is added before the activation.
+    """
+
+    _FLOAT: tuple[type[nn.Module], ...] = ()
+    #: axis of the output channel in the op's output
+    _out_axis = 1
+
+    def __init__(
+        self,
+        float_op: nn.Module,
+        qconfig: QConfig,
+        bn: nn.Module | None = None,
+        activation: str | None = None,
+        add: bool = False,
+    ) -> None:
+        super().__init__(qconfig)
+        self._copy_hyperparameters(float_op)
+        self.weight = float_op.weight
+        self.bias = float_op.bias
+        if bn is not None and (bn.running_var is None or bn.running_mean is None):
+            raise ValueError(
+                f"cannot fold {type(bn).__name__} without running statistics (track_running_stats=False)"
+            )
+        self.bn = bn
+        if activation is not None and activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}")
+        self.activation = activation
+        self.add = add
+        self.freeze_bn = False
+        self.weight_fake_quant = qconfig.weight(ch_axis=0, num_channels=self.out_channels)
+
+    @classmethod
+    def from_float(cls, module: nn.Module, qconfig: QConfig) -> WeightedQAT:
+        """Build from a float op or a ``Fused`` chain around one."""
+        if isinstance(module, Fused):
+            return cls(module.op, qconfig, bn=module.bn, activation=module.activation, add=module.add)
+        return cls(module, qconfig)
+
+    # -- subclass hooks ------------------------------------------------------------
+    def _copy_hyperparameters(self, float_op: nn.Module) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    @property
+    def out_channels(self) -> int:  # pragma: no cover
+        raise NotImplementedError
+
+    def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def weight_to_out_major(self, w: Tensor) -> Tensor:
+        """View the weight with output channels on axis 0 (identity for conv / linear)."""
+        return w
+
+    def weight_from_out_major(self, w: Tensor) -> Tensor:
+        return w
+
+    # -- folding -----------------------------------------------------------------
+    def _channel_shape(self, ndim: int) -> list[int]:
+        shape = [1] * ndim
+        shape[self._out_axis % ndim] = -1
+        return shape
+
+    def bn_factor(self) -> Tensor | None:
+        """``gamma / sqrt(running_var + eps)`` per output channel, or None without BN."""
+        bn = self.bn
+        if bn is None:
+            return None
+        std = torch.sqrt(bn.running_var + bn.eps)
+        return bn.weight / std if bn.weight is not None else 1.0 / std
+
+    def folded_weight(self) -> Tensor:
+        """The BN-folded float weight in out-major layout (before fake quant)."""
+        w = self.weight_to_out_major(self.weight)
+        factor = self.bn_factor()
+        if factor is not None:
+            w = w * factor.reshape([-1] + [1] * (w.dim() - 1))
+        return w
+
+    def folded_bias(self) -> Tensor | None:
+        """The BN-folded float bias (None when there is neither bias nor BN)."""
+        bn = self.bn
+        if bn is None:
+            return self.bias
+        factor = self.bn_factor()
+        b = self.bias if self.bias is not None else torch.zeros_like(bn.running_mean)
+        beta = bn.bias if bn.bias is not None else torch.zeros_like(bn.running_mean)
+        return beta + (b - bn.running_mean) * factor
+
+    def quantized_weight(self) -> Tensor:
+        """Fake-quantized folded weight in the op's layout (observes in CALIBRATION / QAT)."""
+        return self.weight_from_out_major(self.weight_fake_quant(self.folded_weight()))
+
+    def _bn_statistics_train(self) -> bool:
+        return (
+            self.bn is not None
+            and self.training
+            and not self.freeze_bn
+            and self.state is not FakeQuantState.VALIDATION
+        )
+
+    # -- forward -------------------------------------------------------------------
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        if self.standalone:
+            inputs = [x] if residual is None else [x, residual]
+            quantized = self.quantize_standalone_inputs(inputs)
+            x = quantized[0]
+            residual = quantized[1] if residual is not None else None
+        if self.add and residual is None:
+            raise ValueError(f"{type(self).__name__} fused with add needs a residual input")
+        w_q = self.quantized_weight()
+        if self._bn_statistics_train():
+            y = self._apply(x, w_q, None)
+            shape = self._channel_shape(y.dim())
+            y = y / self.bn_factor().reshape(shape)
+            if self.bias is not None:
+                y = y + self.bias.reshape(shape)
+            y = self.bn(y)
+        else:
+            b = self.folded_bias()
+            if b is not None:
+                b = quantize_bias(b, self.input_scale(0), self.weight_fake_quant.scale, self.state, self.march)
+            y = self._apply(x, w_q, b)
+        if self.add:
+            y = y + residual
+        if self.activation is not None:
+            y = ACTIVATIONS[self.activation](y)
+        return self.quantize_output(y)
+
+    def fused_description(self) -> str:
+        parts = [type(self).__name__]
+        if self.bn is not None:
+            parts.append("bn")
+        if self.add:
+            parts.append("add")
+        if self.activation:
+            parts.append(self.activation)
+        return "+".join(parts)
+
+    def extra_repr(self) -> str:
+        fused = self.fused_description()
+        return f"{self._hyper_repr()}, fused={fused}, {super().extra_repr()}"
+
+    def _hyper_repr(self) -> str:  # pragma: no cover
+        return ""
+
+
+class _ConvBase(WeightedQAT):
+    _DIM = 2
+    _TRANSPOSED = False
+
+    def _copy_hyperparameters(self, conv: nn.Module) -> None:
+        if not isinstance(conv, self._FLOAT):
+            raise TypeError(f"{type(self).__name__} replaces {self._FLOAT}, got {type(conv).__name__}")
+        self.in_channels_ = conv.in_channels
+        self.out_channels_ = conv.out_channels
+        self.kernel_size = conv.kernel_size
+        self.stride = conv.stride
+        self.padding = conv.padding
+        self.dilation = conv.dilation
+        self.groups = conv.groups
+        self.padding_mode = conv.padding_mode
+        self.output_padding = getattr(conv, "output_padding", None)
+        self._reversed_padding_repeated_twice = getattr(conv, "_reversed_padding_repeated_twice", None)
+
+    @property
+    def out_channels(self) -> int:
+        return self.out_channels_
+
+    @property
+    def in_channels(self) -> int:
+        return self.in_channels_
+
+    def _hyper_repr(self) -> str:
+        return (
+            f"{self.in_channels_}, {self.out_channels_}, kernel_size={self.kernel_size}, "
+            f"stride={self.stride}, padding={self.padding}, groups={self.groups}"
+        )
+
+
+_CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONVT_FN = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+class _Conv(_ConvBase):
+    def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        fn = _CONV_FN[self._DIM]
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            return fn(x, weight, bias, self.stride, 0, self.dilation, self.groups)
+        return fn(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class _ConvTranspose(_ConvBase):
+    _TRANSPOSED = True
+
+    def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        fn = _CONVT_FN[self._DIM]
+        return fn(x, weight, bias, self.stride, self.padding, self.output_padding, self.groups, self.dilation)
+
+    # ConvTranspose weights are [in, out/groups, *k]; output channel o = g * (out/groups) + j.
+    def weight_to_out_major(self, w: Tensor) -> Tensor:
+        g = self.groups
+        k = w.shape[2:]
+        w = w.reshape(g, w.shape[0] // g, w.shape[1], *k).transpose(1, 2)
+        return w.reshape(g * w.shape[1], w.shape[2], *k)
+
+    def weight_from_out_major(self, w: Tensor) -> Tensor:
+        g = self.groups
+        k = w.shape[2:]
+        w = w.reshape(g, w.shape[0] // g, w.shape[1], *k).transpose(1, 2)
+        return w.reshape(g * w.shape[1], w.shape[2], *k)
+
+
+class Conv1d(_Conv):
+    """QAT Conv1d (optionally fused with BN, add, ReLU/ReLU6)."""
+
+    _FLOAT = (nn.Conv1d,)
+    _DIM = 1
+
+
+class Conv2d(_Conv):
+    """QAT Conv2d (optionally fused with BN, add, ReLU/ReLU6)."""
+
+    _FLOAT = (nn.Conv2d,)
+    _DIM = 2
+
+
+class Conv3d(_Conv):
+    """QAT Conv3d (optionally fused with BN, add, ReLU/ReLU6)."""
+
+    _FLOAT = (nn.Conv3d,)
+    _DIM = 3
+
+
+class ConvTranspose1d(_ConvTranspose):
+    """QAT ConvTranspose1d (optionally fused with BN, ReLU)."""
+
+    _FLOAT = (nn.ConvTranspose1d,)
+    _DIM = 1
+
+
+class ConvTranspose2d(_ConvTranspose):
+    """QAT ConvTranspose2d (optionally fused with BN, ReLU)."""
+
+    _FLOAT = (nn.ConvTranspose2d,)
+    _DIM = 2
+
+
+class ConvTranspose3d(_ConvTranspose):
+    """QAT ConvTranspose3d (optionally fused with BN, ReLU)."""
+
+    _FLOAT = (nn.ConvTranspose3d,)
+    _DIM = 3
+
+
+class Linear(WeightedQAT):
+    """QAT Linear (optionally fused with BatchNorm1d, ReLU/ReLU6)."""
+
+    _FLOAT = (nn.Linear,)
+    _out_axis = -1
+
+    def _copy_hyperparameters(self, linear: nn.Module) -> None:
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"qat.Linear replaces nn.Linear, got {type(linear).__name__}")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+
+    @property
+    def out_channels(self) -> int:
+        return self.out_features
+
+    def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return F.linear(x, weight, bias)
+
+    def _channel_shape(self, ndim: int) -> list[int]:
+        # BatchNorm1d after a linear normalises dim 1 of a [N, C] output
+        shape = [1] * ndim
+        shape[1 if (self.bn is not None and ndim == 2) else -1] = -1
+        return shape
+
+    def _hyper_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"

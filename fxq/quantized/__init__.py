@@ -1,0 +1,1 @@
+"""Integer modules and the integer kernels (``fxq.quantized.functional``)."""
