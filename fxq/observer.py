@@ -154,11 +154,20 @@ class MovingAverageMinMaxObserver(ObserverBase):
         self.max_val.copy_(torch.where(fresh, mx, self.max_val + c * (mx - self.max_val)))
 
 
-class PerChannelMinMaxObserver(MinMaxObserver):
-    """Per-channel running min/max (weights: ``ch_axis=0``)."""
+class PerChannelMinMaxObserver(ObserverBase):
+    """Per-channel min/max of the most recent tensor: the weight observer.
+
+    Weights change at every training step and the integer model uses the
+    final ones, so the range is that of the latest weights, not a running
+    extreme that could only grow.
+    """
 
     def __init__(self, ch_axis: int = 0, num_channels: int | None = None) -> None:
         super().__init__(ch_axis, num_channels)
+
+    def _update(self, mn: Tensor, mx: Tensor) -> None:
+        self.min_val.copy_(mn)
+        self.max_val.copy_(mx)
 
 
 class MovingAveragePerChannelMinMaxObserver(MovingAverageMinMaxObserver):

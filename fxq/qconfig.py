@@ -228,7 +228,7 @@ class QConfigResolver:
                     + "; valid keys are "
                     + ", ".join(repr(k) for k in _VALID_KEYS)
                 )
-        self.global_qconfig = self._check("''", qconfig_dict.get(""), "global")
+        self.global_qconfig = self._check("the global qconfig ('')", qconfig_dict.get(""), "global")
         self.has_global = "" in qconfig_dict
         types: dict[Any, QConfig | None] = {}
         for key in ("object_type", "module_type"):

@@ -1,0 +1,110 @@
+"""QAT training-step time of fxq and torch.ao, each divided by the float step.
+
+All three models are built from the same float model and timed in the same
+run, on the same inputs, alternating so that machine noise hits all alike:
+
+    python benchmarks/qat_speed.py                    # resnet18 and mobilenet_v2
+    python benchmarks/qat_speed.py --models resnet18 --batch 16 --size 160
+
+Prints one row per model: float ms/step, fxq ms/step and ratio, torch.ao
+ms/step and ratio (torch.ao: prepare_qat_fx with the x86 default QAT qconfig
+mapping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+import torchvision
+from tabulate import tabulate
+
+import fxq
+from fxq.qconfig import default_qat_8bit_fake_quant_qconfig
+
+
+def torch_ao_qat(model: torch.nn.Module, example: torch.Tensor) -> torch.nn.Module:
+    from torch.ao.quantization import get_default_qat_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import prepare_qat_fx
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return prepare_qat_fx(copy.deepcopy(model).train(), get_default_qat_qconfig_mapping("x86"), (example,))
+
+
+def fxq_qat(model: torch.nn.Module, example: torch.Tensor) -> torch.nn.Module:
+    fxq.set_march("bayes")
+    qat = fxq.prepare_qat_fx(model, {"": default_qat_8bit_fake_quant_qconfig}).train()
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.QAT)
+    return qat
+
+
+def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def measure(steps: dict[str, callable], iters: int, warmup: int) -> dict[str, float]:
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(iters):
+        for name, step in steps.items():  # interleaved: noise hits every variant alike
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows = []
+    for name in args.models:
+        model = getattr(torchvision.models, name)(num_classes=1000).train()
+        x = torch.randn(args.batch, 3, args.size, args.size)
+        y = torch.randint(0, 1000, (args.batch,))
+        variants = {
+            "float": copy.deepcopy(model),
+            "fxq": fxq_qat(model, x[:1]),
+            "torch.ao": torch_ao_qat(model, x[:1]),
+        }
+        t = measure({k: step_fn(m, x, y) for k, m in variants.items()}, args.iters, args.warmup)
+        rows.append(
+            [
+                name,
+                f"{t['float'] * 1e3:.0f}",
+                f"{t['fxq'] * 1e3:.0f}",
+                f"{t['fxq'] / t['float']:.2f}x",
+                f"{t['torch.ao'] * 1e3:.0f}",
+                f"{t['torch.ao'] / t['float']:.2f}x",
+            ]
+        )
+    print(f"QAT training step, batch {args.batch}, {args.size}x{args.size}, {torch.get_num_threads()} threads, median of {args.iters}")
+    print(tabulate(rows, headers=["model", "float ms", "fxq ms", "fxq/float", "torch.ao ms", "torch.ao/float"]))
+
+
+if __name__ == "__main__":
+    main()

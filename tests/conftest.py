@@ -1,0 +1,20 @@
+import pytest
+import torch
+
+import fxq.march as march_module
+
+
+@pytest.fixture(autouse=True)
+def _isolate_global_state():
+    """Every test starts with no march set and a fixed seed; the march is restored after."""
+    saved = march_module._global_march
+    march_module._global_march = None
+    torch.manual_seed(0)
+    yield
+    march_module._global_march = saved
+
+
+@pytest.fixture
+def bayes():
+    march_module.set_march("bayes")
+    return march_module.get_march_spec()

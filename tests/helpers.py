@@ -1,0 +1,140 @@
+"""Models and measurements shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxq
+
+
+def sqnr(reference: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB."""
+    noise = (reference.double() - test.double()).pow(2).mean()
+    return float(10 * torch.log10(reference.double().pow(2).mean() / noise.clamp_min(1e-30)))
+
+
+@torch.no_grad()
+def recalibrate_bn(model: nn.Module, batches) -> nn.Module:
+    """Set BatchNorm running statistics from data (cumulative average), so a
+    randomly initialised model has normalised activations in eval mode."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for bn in bns:
+        bn.reset_running_stats()
+        bn.momentum = None
+    model.train()
+    for x in batches:
+        model(x)
+    return model.eval()
+
+
+def calibrate(qat: nn.Module, batches) -> nn.Module:
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    qat.eval()
+    with torch.no_grad():
+        for x in batches:
+            qat(x)
+    return qat
+
+
+def fake_quant_modules(model: nn.Module) -> dict[str, fxq.FakeQuantize]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, fxq.FakeQuantize)}
+
+
+class SeedNet(nn.Module):
+    """The seed example: QuantStub, conv, bn, relu and a qconfig attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant = fxq.QuantStub()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU()
+        self.dequant = fxq.DeQuantStub()
+        self.qconfig = fxq.qconfig.default_qat_8bit_fake_quant_qconfig
+
+    def forward(self, x):
+        return self.dequant(self.relu(self.bn(self.conv(self.quant(x)))))
+
+
+class ResidualNet(nn.Module):
+    """conv-bn-relu, a residual block with `+=`, pooling and a linear head."""
+
+    def __init__(self, channels: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1, bias=False)
+        self.bn0 = nn.BatchNorm2d(channels)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn0(self.stem(x)))
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        out = F.relu(out)
+        return self.fc(torch.flatten(self.pool(out), 1))
+
+
+# -- a RetinaNet-style detector -------------------------------------------------------------
+class _Head(nn.Module):
+    """Shared across pyramid levels: each conv is called once per level."""
+
+    def __init__(self, channels: int, outputs: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.out = nn.Conv2d(channels, outputs, 3, padding=1)
+
+    def forward(self, x):
+        return self.out(F.relu(self.conv(x)))
+
+
+class TinyRetinaNet(nn.Module):
+    """Backbone, two pyramid levels, shared class / box heads, and an
+    ``@fx_wrap()`` post-process whose ``self.training`` branch returns raw
+    outputs while eval decodes boxes with data-dependent Python."""
+
+    def __init__(self, num_classes: int = 3, anchors_per_cell: int = 2) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.anchors_per_cell = anchors_per_cell
+        self.score_thresh = 0.05
+        self.quant = fxq.QuantStub()
+        self.c1 = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.c2 = nn.Sequential(nn.Conv2d(16, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.lat1 = nn.Conv2d(16, 16, 1)
+        self.lat2 = nn.Conv2d(16, 16, 1)
+        self.cls_head = _Head(16, anchors_per_cell * num_classes)
+        self.box_head = _Head(16, anchors_per_cell * 4)
+        self.box_scale = nn.Linear(4, 4)  # used only inside the wrapped post-process
+
+    def forward(self, x):
+        x = self.quant(x)
+        f1 = self.c1(x)
+        f2 = self.c2(f1)
+        p2 = self.lat2(f2)
+        p1 = self.lat1(f1) + F.interpolate(p2, scale_factor=2.0, mode="nearest")
+        feats = [p1, p2]
+        cls = [self.cls_head(f) for f in feats]
+        box = [self.box_head(f) for f in feats]
+        return self.postprocess(cls, box)
+
+    @fxq.fx_wrap()
+    def postprocess(self, cls, box):
+        if self.training:
+            return {"cls": cls, "box": box}
+        detections = []
+        for c, b in zip(cls, box):
+            n, _, h, w = c.shape
+            scores = c.sigmoid().reshape(n, self.anchors_per_cell, self.num_classes, h, w)
+            deltas = self.box_scale(b.reshape(n, self.anchors_per_cell, 4, h, w).permute(0, 1, 3, 4, 2))
+            keep = scores.amax(2) > self.score_thresh
+            detections.append((scores.amax(2)[keep], deltas[keep]))
+        scores = torch.cat([d[0] for d in detections])
+        boxes = torch.cat([d[1] for d in detections])
+        return {"scores": scores, "boxes": boxes, "count": int(scores.numel())}
