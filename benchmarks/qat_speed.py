@@ -33,7 +33,9 @@ def torch_ao_qat(model: torch.nn.Module, example: torch.Tensor) -> torch.nn.Modu
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return prepare_qat_fx(copy.deepcopy(model).train(), get_default_qat_qconfig_mapping("x86"), (example,))
+        return prepare_qat_fx(
+            copy.deepcopy(model).train(), get_default_qat_qconfig_mapping("x86"), (example,)
+        )
 
 
 def fxq_qat(model: torch.nn.Module, example: torch.Tensor) -> torch.nn.Module:
@@ -102,8 +104,15 @@ def main() -> None:
                 f"{t['torch.ao'] / t['float']:.2f}x",
             ]
         )
-    print(f"QAT training step, batch {args.batch}, {args.size}x{args.size}, {torch.get_num_threads()} threads, median of {args.iters}")
-    print(tabulate(rows, headers=["model", "float ms", "fxq ms", "fxq/float", "torch.ao ms", "torch.ao/float"]))
+    print(
+        f"QAT training step, batch {args.batch}, {args.size}x{args.size}, {torch.get_num_threads()} threads, median of {args.iters}"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=["model", "float ms", "fxq ms", "fxq/float", "torch.ao ms", "torch.ao/float"],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -155,23 +155,26 @@ class FakeQuantize(nn.Module):
         spec = get_march_spec(march)
         self.march = spec.march
         self.dtype = as_qdtype(dtype)
-        if self.dtype is not qint32 and self.dtype is not spec.weight_dtype:
-            if not spec.supports_activation(self.dtype):
-                raise ValueError(
-                    f"dtype {self.dtype.name} is not available on march {spec.march.value} "
-                    f"(it runs: {spec.allowed_dtype_names()})"
-                )
+        if self.dtype not in (qint32, spec.weight_dtype) and not spec.supports_activation(
+            self.dtype
+        ):
+            raise ValueError(
+                f"dtype {self.dtype.name} is not available on march {spec.march.value} "
+                f"(it runs: {spec.allowed_dtype_names()})"
+            )
         self.ch_axis = ch_axis
         if scale is not None:
-            if (
-                spec.scale_constraint is ScaleConstraint.POWER_OF_TWO
-                and float(qf.constrain_scale(torch.tensor(float(scale)), spec.scale_constraint)) != float(scale)
-            ):
+            if spec.scale_constraint is ScaleConstraint.POWER_OF_TWO and float(
+                qf.constrain_scale(torch.tensor(float(scale)), spec.scale_constraint)
+            ) != float(scale):
                 raise ValueError(
                     f"fixed scale {scale} is not a power of two, which march {spec.march.value} requires"
                 )
             observer = functools.partial(FixedScaleObserver, scale=float(scale))
-        self.activation_post_process = observer(ch_axis=ch_axis, num_channels=num_channels, **observer_kwargs)
+            observer_kwargs = {}  # statistics options do not apply to a fixed scale
+        self.activation_post_process = observer(
+            ch_axis=ch_axis, num_channels=num_channels, **observer_kwargs
+        )
         n = num_channels if (ch_axis is not None and num_channels) else 1
         self.register_buffer("scale", torch.ones(n))
         self.register_buffer("observed", torch.zeros((), dtype=torch.bool))
@@ -232,11 +235,15 @@ class FakeQuantize(nn.Module):
         self.scale.copy_(new)
         self.observed.fill_(True)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+    ):
         saved = state_dict.get(prefix + "scale")
         if saved is not None and saved.shape != self.scale.shape:
             self.scale = torch.empty_like(saved, device=self.scale.device)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+        )
 
     # -- forward -----------------------------------------------------------
     def forward(self, x: Tensor) -> Tensor:
@@ -264,7 +271,11 @@ class FakeQuantize(nn.Module):
         self._checked_observed = True
 
     def extra_repr(self) -> str:
-        parts = [f"dtype={self.dtype.name}", f"march={self.march.value}", f"state={self.state.value}"]
+        parts = [
+            f"dtype={self.dtype.name}",
+            f"march={self.march.value}",
+            f"state={self.state.value}",
+        ]
         if self.ch_axis is not None:
             parts.append(f"ch_axis={self.ch_axis}")
         if self.scale.numel() == 1:

@@ -102,13 +102,17 @@ class ObserverBase(nn.Module):
         self.min_val.fill_(float("inf"))
         self.max_val.fill_(float("-inf"))
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+    ):
         # per-channel buffers may be sized lazily: adopt the saved shapes
         for key in ("min_val", "max_val"):
             saved = state_dict.get(prefix + key)
             if saved is not None and getattr(self, key).shape != saved.shape:
                 setattr(self, key, torch.empty_like(saved, device=getattr(self, key).device))
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+        )
 
     def extra_repr(self) -> str:
         axis = "" if self.ch_axis is None else f"ch_axis={self.ch_axis}, "
@@ -187,7 +191,9 @@ class FixedScaleObserver(ObserverBase):
     still recorded for summaries).
     """
 
-    def __init__(self, scale: float, ch_axis: int | None = None, num_channels: int | None = None) -> None:
+    def __init__(
+        self, scale: float, ch_axis: int | None = None, num_channels: int | None = None
+    ) -> None:
         super().__init__(ch_axis, num_channels)
         if not scale > 0:
             raise ValueError(f"a fixed scale must be positive, got {scale}")

@@ -121,8 +121,12 @@ def get_default_qconfig(
     akw.setdefault("dtype", qint8)
     wkw.setdefault("dtype", qint8)
     if wkw["dtype"] not in (qint8, "qint8", torch.int8):
-        raise ValueError(f"weights are int8 on every march; weight_qkwargs asked for {wkw['dtype']!r}")
-    act = FakeQuantizeFactory(act_cls, observer=get_observer_class(activation_observer, False), **akw)
+        raise ValueError(
+            f"weights are int8 on every march; weight_qkwargs asked for {wkw['dtype']!r}"
+        )
+    act = FakeQuantizeFactory(
+        act_cls, observer=get_observer_class(activation_observer, False), **akw
+    )
     wt = FakeQuantizeFactory(
         wt_cls, observer=get_observer_class(weight_observer, True), ch_axis=0, **wkw
     )
@@ -133,7 +137,9 @@ def _lookup(table: Mapping[str, Any], name: str, what: str) -> Any:
     try:
         return table[name]
     except KeyError:
-        raise ValueError(f"unknown {what} {name!r}; choose from {', '.join(sorted(table))}") from None
+        raise ValueError(
+            f"unknown {what} {name!r}; choose from {', '.join(sorted(table))}"
+        ) from None
 
 
 default_calib_8bit_fake_quant_qconfig = get_default_qconfig(activation_observer="min_max")
@@ -148,7 +154,9 @@ default_qat_8bit_weight_16bit_act_fake_quant_qconfig = get_default_qconfig(
     activation_qkwargs={"dtype": qint16, "averaging_constant": 0.01},
 )
 # High-precision final output: the conv / linear keeps its int32 accumulator.
-default_calib_out_8bit_fake_quant_qconfig = get_default_qconfig(activation_qkwargs={"dtype": qint32})
+default_calib_out_8bit_fake_quant_qconfig = get_default_qconfig(
+    activation_qkwargs={"dtype": qint32}
+)
 default_qat_out_8bit_fake_quant_qconfig = get_default_qconfig(activation_qkwargs={"dtype": qint32})
 
 
@@ -195,7 +203,9 @@ class QConfigChoice:
     """A resolved qconfig and where it came from (for summaries and errors)."""
 
     qconfig: QConfig | None
-    source: str  # "attribute", "module_name", "module_name_regex", "module_type", "global", "default"
+    source: (
+        str  # "attribute", "module_name", "module_name_regex", "module_type", "global", "default"
+    )
     key: str  # the matched key, human readable
 
 
@@ -259,7 +269,9 @@ class QConfigResolver:
             try:
                 compiled = re.compile(pattern)
             except re.error as e:
-                raise ValueError(f"qconfig_dict['module_name_regex']: bad regex {pattern!r}: {e}") from None
+                raise ValueError(
+                    f"qconfig_dict['module_name_regex']: bad regex {pattern!r}: {e}"
+                ) from None
             self.regexes.append(
                 (compiled, self._check(f"module_name_regex {pattern!r}", qc, "module_name_regex"))
             )
@@ -334,7 +346,9 @@ class QConfigResolver:
         path = module_path
         while True:
             if path in self.attributes:
-                return QConfigChoice(self.attributes[path], "attribute", f"{path or '<root>'}.qconfig")
+                return QConfigChoice(
+                    self.attributes[path], "attribute", f"{path or '<root>'}.qconfig"
+                )
             if not path:
                 break
             path = path.rpartition(".")[0]

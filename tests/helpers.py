@@ -105,8 +105,12 @@ class TinyRetinaNet(nn.Module):
         self.anchors_per_cell = anchors_per_cell
         self.score_thresh = 0.05
         self.quant = fxq.QuantStub()
-        self.c1 = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU())
-        self.c2 = nn.Sequential(nn.Conv2d(16, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.c1 = nn.Sequential(
+            nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU()
+        )
+        self.c2 = nn.Sequential(
+            nn.Conv2d(16, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU()
+        )
         self.lat1 = nn.Conv2d(16, 16, 1)
         self.lat2 = nn.Conv2d(16, 16, 1)
         self.cls_head = _Head(16, anchors_per_cell * num_classes)
@@ -132,7 +136,9 @@ class TinyRetinaNet(nn.Module):
         for c, b in zip(cls, box):
             n, _, h, w = c.shape
             scores = c.sigmoid().reshape(n, self.anchors_per_cell, self.num_classes, h, w)
-            deltas = self.box_scale(b.reshape(n, self.anchors_per_cell, 4, h, w).permute(0, 1, 3, 4, 2))
+            deltas = self.box_scale(
+                b.reshape(n, self.anchors_per_cell, 4, h, w).permute(0, 1, 3, 4, 2)
+            )
             keep = scores.amax(2) > self.score_thresh
             detections.append((scores.amax(2)[keep], deltas[keep]))
         scores = torch.cat([d[0] for d in detections])

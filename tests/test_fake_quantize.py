@@ -58,7 +58,9 @@ def test_validation_before_any_observation_is_an_error(bayes):
     fq = _fq()
     fq.set_name("the output of 'conv1'")
     fq.set_fake_quant_state("validation")
-    with pytest.raises(RuntimeError, match=r"fake quant the output of 'conv1' has never observed data"):
+    with pytest.raises(
+        RuntimeError, match=r"fake quant the output of 'conv1' has never observed data"
+    ):
         fq(torch.ones(2))
 
 
@@ -74,7 +76,9 @@ def test_power_of_two_scales_on_bernoulli2():
 
 def test_int16_is_refused_on_bernoulli2():
     fxq.set_march("bernoulli2")
-    with pytest.raises(ValueError, match=r"qint16 is not available on march bernoulli2 \(it runs: qint8\)"):
+    with pytest.raises(
+        ValueError, match=r"qint16 is not available on march bernoulli2 \(it runs: qint8\)"
+    ):
         _fq(dtype=fxq.qint16)
 
 

@@ -10,10 +10,16 @@ from fxq import qat
 from fxq.qconfig import (
     QConfig,
     QConfigResolver,
-    default_qat_8bit_fake_quant_qconfig as q8,
-    default_qat_8bit_weight_16bit_act_fake_quant_qconfig as q16,
-    default_qat_out_8bit_fake_quant_qconfig as qout,
     get_default_qconfig,
+)
+from fxq.qconfig import (
+    default_qat_8bit_fake_quant_qconfig as q8,
+)
+from fxq.qconfig import (
+    default_qat_8bit_weight_16bit_act_fake_quant_qconfig as q16,
+)
+from fxq.qconfig import (
+    default_qat_out_8bit_fake_quant_qconfig as qout,
 )
 from tests.helpers import fake_quant_modules
 
@@ -82,8 +88,14 @@ def test_functional_aliases_and_object_type(bayes):
     "bad, message",
     [
         ({"module_types": {}}, r"unknown key 'module_types' \(did you mean 'module_type'\?\)"),
-        ({"": "int8"}, r"the value for the global qconfig \(''\) must be a fxq QConfig or None, got str"),
-        ({"module_name": {"backbone.9": q8}}, r"no module named 'backbone.9' in the model; close names: .*backbone.0"),
+        (
+            {"": "int8"},
+            r"the value for the global qconfig \(''\) must be a fxq QConfig or None, got str",
+        ),
+        (
+            {"module_name": {"backbone.9": q8}},
+            r"no module named 'backbone.9' in the model; close names: .*backbone.0",
+        ),
         ({"module_name": [("head", q8, 1)]}, r"must be a dict or a list of \(key, qconfig\) pairs"),
         ({"module_type": q8}, r"must be a dict or a list of \(key, qconfig\) pairs, got QConfig"),
         ({"module_name_regex": [("(", q8)]}, r"bad regex '\('"),
@@ -98,7 +110,9 @@ def test_bad_qconfig_dicts_are_value_errors(bayes, bad, message):
 
 def test_dtype_the_march_cannot_run():
     fxq.set_march("bernoulli2")
-    with pytest.raises(ValueError, match=r"module_name 'head'.* qint16, which march bernoulli2 cannot run"):
+    with pytest.raises(
+        ValueError, match=r"module_name 'head'.* qint16, which march bernoulli2 cannot run"
+    ):
         _resolver({"module_name": {"head": q16}})
     model = Model()
     model.qconfig = q16
@@ -115,7 +129,11 @@ def test_prepare_honours_none_regions(bayes):
     # the float region's output re-enters quantized code through an inserted quantize stub
     head_inputs = prepared.head.input_quants
     assert len(head_inputs) == 1 and head_inputs[0].name.startswith("the output of '")
-    stubs = [n for n in prepared.graph.nodes if n.op == "call_module" and isinstance(prepared.get_submodule(n.target), qat.QuantStub)]
+    stubs = [
+        n
+        for n in prepared.graph.nodes
+        if n.op == "call_module" and isinstance(prepared.get_submodule(n.target), qat.QuantStub)
+    ]
     assert [n.args[0].name for n in stubs] == ["x", "add_1"]
 
 
@@ -126,7 +144,9 @@ def test_functional_op_types_in_prepare(bayes):
 
 
 def test_get_default_qconfig_names(bayes):
-    qc = get_default_qconfig(activation_observer="moving_average", activation_qkwargs={"dtype": fxq.qint16})
+    qc = get_default_qconfig(
+        activation_observer="moving_average", activation_qkwargs={"dtype": fxq.qint16}
+    )
     fq = qc.activation()
     assert fq.dtype is fxq.qint16 and type(fq.observer).__name__ == "MovingAverageMinMaxObserver"
     w = qc.weight(num_channels=3)
@@ -151,4 +171,7 @@ def test_functional_ops_take_their_owners_qconfig(bayes):
     prepared = fxq.prepare_qat_fx(M(), {"": q8, "module_name": {"inner": q16}})
     assert prepared.inner.add.activation_post_process.dtype is fxq.qint16  # '+' inside Block
     assert prepared.mul.activation_post_process.dtype is fxq.qint8  # '*' in the root
-    assert set(fake_quant_modules(prepared)) >= {"inner.add.activation_post_process", "mul.activation_post_process"}
+    assert set(fake_quant_modules(prepared)) >= {
+        "inner.add.activation_post_process",
+        "mul.activation_post_process",
+    }

@@ -148,9 +148,7 @@ class _Match:
     activation: str | None
 
 
-def _match(
-    anchor: Node, pattern: FusionPattern, modules: dict[str, nn.Module]
-) -> _Match | None:
+def _match(anchor: Node, pattern: FusionPattern, modules: dict[str, nn.Module]) -> _Match | None:
     anchor_mod = _module(anchor, modules)
     nodes = [anchor]
     bn = residual = None
@@ -232,7 +230,8 @@ def fuse_graph_module(gm: GraphModule, spec: MarchSpec) -> list[tuple[str, str]]
         sites = call_sites[target]
         first = ms[0]
         consistent = len(ms) == len(sites) and all(
-            m.pattern == first.pattern and (m.bn.target if m.bn else None) == (first.bn.target if first.bn else None)
+            m.pattern == first.pattern
+            and (m.bn.target if m.bn else None) == (first.bn.target if first.bn else None)
             for m in ms
         )
         bn_shared_elsewhere = first.bn is not None and len(call_sites[first.bn.target]) != len(ms)

@@ -24,7 +24,18 @@ __all__ = [
 
 _TENSOR_ATTRS = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
 _NONTENSOR_METHODS = frozenset(
-    {"size", "dim", "numel", "nelement", "element_size", "is_contiguous", "get_device", "tolist", "item", "__len__"}
+    {
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "element_size",
+        "is_contiguous",
+        "get_device",
+        "tolist",
+        "item",
+        "__len__",
+    }
 )
 _SCALAR_ANNOTATIONS = (int, float, bool, str)
 
@@ -57,7 +68,9 @@ def _is_torch_function(target: Any) -> bool:
     return mod.startswith("torch") and not mod.startswith("torch.fx")
 
 
-def infer_tensor_nodes(gm: GraphModule, example_inputs: Sequence[Any] | None = None) -> dict[Node, bool]:
+def infer_tensor_nodes(
+    gm: GraphModule, example_inputs: Sequence[Any] | None = None
+) -> dict[Node, bool]:
     """Which nodes hold tensors (or containers of tensors) rather than Python values.
 
     Static rules cover the common cases (``x.size()``, ``x.shape[0] * 2``,
@@ -84,8 +97,17 @@ def infer_tensor_nodes(gm: GraphModule, example_inputs: Sequence[Any] | None = N
         elif node.op == "call_function":
             target = node.target
             if target is builtins.getattr:
-                is_tensor[node] = len(node.args) > 1 and node.args[1] in _TENSOR_ATTRS and any_tensor_input
-            elif target in (builtins.len, math.floor, math.ceil, math.sqrt, builtins.int, builtins.float):
+                is_tensor[node] = (
+                    len(node.args) > 1 and node.args[1] in _TENSOR_ATTRS and any_tensor_input
+                )
+            elif target in (
+                builtins.len,
+                math.floor,
+                math.ceil,
+                math.sqrt,
+                builtins.int,
+                builtins.float,
+            ):
                 is_tensor[node] = False
             elif getattr(target, "__module__", None) in ("_operator", "operator"):
                 is_tensor[node] = any_tensor_input
@@ -162,7 +184,6 @@ def call_sites(gm: GraphModule) -> dict[str, list[Node]]:
         if node.op == "call_module":
             sites.setdefault(node.target, []).append(node)
     return sites
-
 
 
 def take_name(node: Node, name: str) -> None:

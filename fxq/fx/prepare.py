@@ -123,7 +123,9 @@ class _Preparer:
     def run(self) -> None:
         for node in list(self.gm.graph.nodes):
             self.fq_of[node] = None
-            if node.op in ("placeholder", "get_attr", "output") or not self.is_tensor.get(node, True):
+            if node.op in ("placeholder", "get_attr", "output") or not self.is_tensor.get(
+                node, True
+            ):
                 continue
             if node.op == "call_module" and node.target in self.swapped_first:
                 self._install_call_site(node)
@@ -236,10 +238,15 @@ class _Preparer:
                     continue
                 rule = MODULE_RULES.get(type(child))
                 if rule is not None and rule.kind in (Kind.WEIGHTED, Kind.COMPUTE):
-                    choice = self.resolver.resolve(path, type(child.op) if isinstance(child, Fused) else type(child))
+                    choice = self.resolver.resolve(
+                        path, type(child.op) if isinstance(child, Fused) else type(child)
+                    )
                     if choice.qconfig is not None:
                         resolved = rule.resolve(None, child)
-                        if resolved.kind in (Kind.WEIGHTED, Kind.COMPUTE) and resolved.qat_class is not None:
+                        if (
+                            resolved.kind in (Kind.WEIGHTED, Kind.COMPUTE)
+                            and resolved.qat_class is not None
+                        ):
                             qat = self._make_standalone(resolved, child, choice)
                             setattr(module, name, qat)
                             continue

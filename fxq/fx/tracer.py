@@ -42,7 +42,14 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.fx.proxy import TraceError
 
-__all__ = ["fx_wrap", "Tracer", "symbolic_trace", "FxqTraceError", "call_wrapped_method", "is_fx_wrapped"]
+__all__ = [
+    "fx_wrap",
+    "Tracer",
+    "symbolic_trace",
+    "FxqTraceError",
+    "call_wrapped_method",
+    "is_fx_wrapped",
+]
 
 T = TypeVar("T")
 
@@ -94,7 +101,9 @@ def fx_wrap() -> Callable[[T], T]:
     def decorator(obj: T) -> T:
         if isinstance(obj, type):
             if not issubclass(obj, nn.Module):
-                raise TypeError(f"@fxq.fx_wrap() on a class needs an nn.Module subclass, got {obj!r}")
+                raise TypeError(
+                    f"@fxq.fx_wrap() on a class needs an nn.Module subclass, got {obj!r}"
+                )
             obj._fxq_fx_wrap = True  # type: ignore[attr-defined]
             return obj
         if isinstance(obj, (staticmethod, classmethod)) or not callable(obj):
@@ -137,7 +146,11 @@ class _RootState(nn.Module):
                 self.__dict__[key] = value
 
     def plain_attributes(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in _MODULE_INTERNALS and k != "root_class"}
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in _MODULE_INTERNALS and k != "root_class"
+        }
 
     def extra_repr(self) -> str:
         return self.root_class.__qualname__
@@ -227,7 +240,9 @@ class Tracer(torch.fx.Tracer):
             self.uses_root_methods = True
         return self.create_proxy("call_function", wrapper, args, kwargs)
 
-    def trace(self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None):
+    def trace(
+        self, root: nn.Module | Callable[..., Any], concrete_args: dict[str, Any] | None = None
+    ):
         _ACTIVE.append(self)
         try:
             return super().trace(root, concrete_args)
@@ -254,7 +269,11 @@ class Tracer(torch.fx.Tracer):
         frame, lineno = user_frame
         filename = frame.f_code.co_filename
         line = linecache.getline(filename, lineno).strip()
-        func = frame.f_code.co_qualname if hasattr(frame.f_code, "co_qualname") else frame.f_code.co_name
+        func = (
+            frame.f_code.co_qualname
+            if hasattr(frame.f_code, "co_qualname")
+            else frame.f_code.co_name
+        )
         module_note = ""
         self_obj = frame.f_locals.get("self")
         if isinstance(self_obj, nn.Module) and isinstance(getattr(self, "root", None), nn.Module):

@@ -91,7 +91,11 @@ class QATModule(nn.Module):
 
     def input_scale(self, index: int = 0) -> Tensor | None:
         quants = self._input_quants
-        if index < len(quants) and quants[index] is not None and not quants[index].is_high_precision:
+        if (
+            index < len(quants)
+            and quants[index] is not None
+            and not quants[index].is_high_precision
+        ):
             return quants[index].scale
         return None
 
@@ -118,7 +122,11 @@ class QATModule(nn.Module):
 
 
 def quantize_bias(
-    bias: Tensor, input_scale: Tensor | None, weight_scale: Tensor, state: FakeQuantState, march: Any
+    bias: Tensor,
+    input_scale: Tensor | None,
+    weight_scale: Tensor,
+    state: FakeQuantState,
+    march: Any,
 ) -> Tensor:
     """Fake-quantize a bias to int32 at ``input_scale * weight_scale`` (per channel).
 

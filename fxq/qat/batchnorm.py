@@ -30,7 +30,9 @@ class BatchNorm(QATModule):
     def __init__(self, bn: nn.Module, qconfig: QConfig, activation: str | None = None) -> None:
         super().__init__(qconfig)
         if bn.running_var is None:
-            raise ValueError("a standalone BatchNorm needs running statistics (track_running_stats=True)")
+            raise ValueError(
+                "a standalone BatchNorm needs running statistics (track_running_stats=True)"
+            )
         self.bn = bn
         self.activation = activation
         self.freeze_bn = False
@@ -68,7 +70,13 @@ class BatchNorm(QATModule):
         if self.training and not self.freeze_bn and self.state is not FakeQuantState.VALIDATION:
             y = self.bn(x * (a_q / factor).reshape(shape))
         else:
-            b = quantize_bias(self.folded_bias(), self.input_scale(0), self.weight_fake_quant.scale, self.state, self.march)
+            b = quantize_bias(
+                self.folded_bias(),
+                self.input_scale(0),
+                self.weight_fake_quant.scale,
+                self.state,
+                self.march,
+            )
             y = x * a_q.reshape(shape) + b.reshape(shape)
         if self.activation is not None:
             y = ACTIVATIONS[self.activation](y)

@@ -365,7 +365,11 @@ def functional_target(node: Node) -> Callable:
     """The function a COMPUTE call_function / call_method node computes."""
     if node.op == "call_function":
         return node.target
-    name = node.target.rstrip("_") if node.target.endswith("_") and not node.target.startswith("__") else node.target
+    name = (
+        node.target.rstrip("_")
+        if node.target.endswith("_") and not node.target.startswith("__")
+        else node.target
+    )
     fn = getattr(torch, name, None)
     if fn is None:
         return getattr(torch.Tensor, node.target)

@@ -26,7 +26,9 @@ class QuantStub(QATModule):
                 "give the stub an 8- or 16-bit qconfig"
             )
         if scale is not None:
-            qconfig = QConfig(activation=qconfig.activation.with_args(scale=float(scale)), weight=qconfig.weight)
+            qconfig = QConfig(
+                activation=qconfig.activation.with_args(scale=float(scale)), weight=qconfig.weight
+            )
         super().__init__(qconfig)
         self.fixed_scale = scale
 

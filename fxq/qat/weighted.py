@@ -77,7 +77,9 @@ class WeightedQAT(QATModule):
     def from_float(cls, module: nn.Module, qconfig: QConfig) -> WeightedQAT:
         """Build from a float op or a ``Fused`` chain around one."""
         if isinstance(module, Fused):
-            return cls(module.op, qconfig, bn=module.bn, activation=module.activation, add=module.add)
+            return cls(
+                module.op, qconfig, bn=module.bn, activation=module.activation, add=module.add
+            )
         return cls(module, qconfig)
 
     # -- subclass hooks ------------------------------------------------------------
@@ -162,7 +164,9 @@ class WeightedQAT(QATModule):
         else:
             b = self.folded_bias()
             if b is not None:
-                b = quantize_bias(b, self.input_scale(0), self.weight_fake_quant.scale, self.state, self.march)
+                b = quantize_bias(
+                    b, self.input_scale(0), self.weight_fake_quant.scale, self.state, self.march
+                )
             y = self._apply(x, w_q, b)
         if self.add:
             y = y + residual
@@ -194,7 +198,9 @@ class _ConvBase(WeightedQAT):
 
     def _copy_hyperparameters(self, conv: nn.Module) -> None:
         if not isinstance(conv, self._FLOAT):
-            raise TypeError(f"{type(self).__name__} replaces {self._FLOAT}, got {type(conv).__name__}")
+            raise TypeError(
+                f"{type(self).__name__} replaces {self._FLOAT}, got {type(conv).__name__}"
+            )
         self.in_channels_ = conv.in_channels
         self.out_channels_ = conv.out_channels
         self.kernel_size = conv.kernel_size
@@ -204,7 +210,9 @@ class _ConvBase(WeightedQAT):
         self.groups = conv.groups
         self.padding_mode = conv.padding_mode
         self.output_padding = getattr(conv, "output_padding", None)
-        self._reversed_padding_repeated_twice = getattr(conv, "_reversed_padding_repeated_twice", None)
+        self._reversed_padding_repeated_twice = getattr(
+            conv, "_reversed_padding_repeated_twice", None
+        )
 
     @property
     def out_channels(self) -> int:
@@ -239,7 +247,16 @@ class _ConvTranspose(_ConvBase):
 
     def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         fn = _CONVT_FN[self._DIM]
-        return fn(x, weight, bias, self.stride, self.padding, self.output_padding, self.groups, self.dilation)
+        return fn(
+            x,
+            weight,
+            bias,
+            self.stride,
+            self.padding,
+            self.output_padding,
+            self.groups,
+            self.dilation,
+        )
 
     # ConvTranspose weights are [in, out/groups, *k]; output channel o = g * (out/groups) + j.
     def weight_to_out_major(self, w: Tensor) -> Tensor:

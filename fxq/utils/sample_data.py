@@ -99,10 +99,15 @@ def photo_crops(
         side = int(min(h, w) * rng.uniform(min_scale, 1.0))
         top = int(rng.integers(0, h - side + 1))
         left = int(rng.integers(0, w - side + 1))
-        crop = torch.from_numpy(img[top : top + side, left : left + side]).permute(2, 0, 1).float() / 255.0
+        crop = (
+            torch.from_numpy(img[top : top + side, left : left + side]).permute(2, 0, 1).float()
+            / 255.0
+        )
         if rng.random() < 0.5:
             crop = crop.flip(-1)
-        out[i] = F.interpolate(crop[None], size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+        out[i] = F.interpolate(
+            crop[None], size=(size, size), mode="bilinear", antialias=True, align_corners=False
+        )[0]
     out.clamp_(0.0, 1.0)
     return imagenet_normalize(out) if normalize else out
 

@@ -118,7 +118,10 @@ def test_dict_inputs_and_outputs(bayes):
             self.b = nn.Conv2d(3, 4, 1)
 
         def forward(self, batch):
-            return {"sum": self.a(batch["rgb"]) + self.b(batch["depth"]), "rgb": self.a(batch["rgb"])}
+            return {
+                "sum": self.a(batch["rgb"]) + self.b(batch["depth"]),
+                "rgb": self.a(batch["rgb"]),
+            }
 
     model = M()
     batch = {"rgb": torch.randn(2, 3, 4, 4), "depth": torch.randn(2, 3, 4, 4)}
@@ -132,7 +135,9 @@ def test_dict_inputs_and_outputs(bayes):
     out = prepared(batch)
     assert (out["sum"] - ref["sum"]).abs().max() < 0.1
     # each tensor taken from the input dict got a quantize stub
-    assert {"getitem_quant", "getitem_1_quant", "getitem_2_quant"} <= {n for n, _ in prepared.named_children()}
+    assert {"getitem_quant", "getitem_1_quant", "getitem_2_quant"} <= {
+        n for n, _ in prepared.named_children()
+    }
 
 
 class Branchy(nn.Module):
@@ -193,7 +198,7 @@ def test_save_and_load_in_a_fresh_process(bayes, tmp_path):
     code = textwrap.dedent(
         f"""
         import torch
-        blob = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)
+        blob = torch.load({str(tmp_path / "m.pt")!r}, weights_only=False)
         with torch.no_grad():
             out = blob["model"](blob["x"])
         assert torch.equal(out["scores"], blob["expected"]["scores"])
@@ -203,6 +208,11 @@ def test_save_and_load_in_a_fresh_process(bayes, tmp_path):
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=str(__import__("pathlib").Path(__file__).parents[2]),
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"

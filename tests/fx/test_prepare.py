@@ -1,0 +1,167 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxq
+from fxq import qat
+from fxq.qconfig import default_calib_8bit_fake_quant_qconfig as calib_q8
+from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
+from tests.helpers import ResidualNet, SeedNet, calibrate, fake_quant_modules, sqnr
+
+
+def test_seed_example():
+    from fxq import prepare_qat_fx
+    from fxq.qconfig import default_qat_8bit_fake_quant_qconfig
+
+    fxq.set_march("bayes")
+    net = SeedNet()
+    net.qconfig = default_qat_8bit_fake_quant_qconfig
+    prepared = prepare_qat_fx(net)
+    assert type(prepared.quant) is qat.QuantStub
+    assert (
+        type(prepared.conv) is qat.Conv2d and prepared.conv.fused_description() == "Conv2d+bn+relu"
+    )
+    assert prepared.conv.qconfig_source == "attribute: <root>.qconfig"
+    out = prepared(torch.randn(2, 3, 8, 8))
+    assert out.shape == (2, 8, 8, 8) and (out >= 0).all()
+
+
+def test_prepare_never_modifies_its_input(bayes):
+    net = ResidualNet()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    structure = [type(m) for m in net.modules()]
+    prepared = fxq.prepare_qat_fx(net, {"": q8})
+    prepared(torch.randn(2, 3, 8, 8))
+    prepared.train()(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert [type(m) for m in net.modules()] == structure
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_exactly_one_fake_quant_per_quantized_value(bayes):
+    prepared = fxq.prepare_qat_fx(ResidualNet(), {"": q8})
+    activation_fqs = {
+        n for n in fake_quant_modules(prepared) if n.endswith("activation_post_process")
+    }
+    # input stub, stem, conv1, conv2(+add+relu), pool, fc; flatten and relu keep their input's grid
+    assert activation_fqs == {
+        "x_quant.activation_post_process",
+        "stem.activation_post_process",
+        "conv1.activation_post_process",
+        "conv2.activation_post_process",
+        "pool.activation_post_process",
+        "fc.activation_post_process",
+    }
+    # each QAT module links the fake quant of every tensor input
+    assert prepared.conv2.input_quants == (
+        prepared.conv1.activation_post_process,
+        prepared.stem.activation_post_process,
+    )
+    assert prepared.fc.input_quants == (prepared.pool.activation_post_process,)
+
+
+def test_inputs_are_quantized_automatically_without_stub(bayes):
+    prepared = fxq.prepare_qat_fx(ResidualNet(), {"": q8})
+    first = [n for n in prepared.graph.nodes if n.op == "call_module"][0]
+    assert first.target == "x_quant" and first.args[0].op == "placeholder"
+
+
+def test_quant_stub_scale_is_honoured(bayes):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant = fxq.QuantStub(scale=1 / 128)
+            self.conv = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            return self.conv(self.quant(x))
+
+    prepared = fxq.prepare_qat_fx(M(), {"": q8})
+    calibrate(prepared, [torch.randn(2, 3, 4, 4) * 100])
+    assert prepared.quant.activation_post_process.scale.item() == 1 / 128
+
+
+def test_module_called_twice_gets_an_observer_per_call(bayes):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+            self.act = nn.Sigmoid()
+
+        def forward(self, x):
+            return self.act(self.conv(x)) + self.act(self.conv(x * 10.0))
+
+    prepared = fxq.prepare_qat_fx(M(), {"": q8})
+    calibrate(prepared, [torch.randn(4, 3, 4, 4)])
+    convs = [prepared.conv, prepared.conv_call1]
+    assert convs[0].weight is convs[1].weight
+    small, large = (c.activation_post_process.scale.item() for c in convs)
+    assert large == pytest.approx(10 * small, rel=0.3)
+    acts = [m for m in prepared.modules() if isinstance(m, qat.LookupTableOp)]
+    assert len(acts) == 2 and acts[0].activation_post_process is not acts[1].activation_post_process
+
+
+def test_conv_bn_keeps_training_statistics_and_freezes(bayes):
+    prepared = fxq.prepare_qat_fx(ResidualNet(), {"": q8}).train()
+    bn = prepared.conv1.bn
+    x = torch.randn(8, 3, 8, 8) * 3 + 1
+    before = bn.running_mean.clone()
+    prepared(x)
+    assert not torch.equal(bn.running_mean, before)
+    fxq.qat.freeze_bn_stats(prepared)
+    frozen = bn.running_mean.clone()
+    prepared(x)
+    assert torch.equal(bn.running_mean, frozen)
+    prepared.apply(fxq.qat.update_bn_stats)
+    prepared(x)
+    assert not torch.equal(bn.running_mean, frozen)
+
+
+def test_calibration_mode_computes_the_float_model(bayes):
+    """No rounding in CALIBRATION: the folded conv+bn math equals the float model."""
+    net = ResidualNet()
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(4, 3, 8, 8)
+    prepared = fxq.prepare_qat_fx(net, {"": q8})
+    fxq.set_fake_quantize(prepared, "calibration")
+    assert torch.allclose(prepared.eval()(x), net.eval()(x), atol=1e-5)
+    # training mode: batch statistics, exactly like the float model in training mode
+    net_copy = copy.deepcopy(net).train()
+    assert torch.allclose(prepared.train()(x), net_copy(x), atol=1e-5)
+
+
+def test_calibrated_state_dict_starts_the_qat_run(bayes):
+    net = ResidualNet()
+    calib = fxq.prepare_qat_fx(net, {"": calib_q8})
+    calibrate(calib, [torch.randn(4, 3, 8, 8) for _ in range(3)])
+    trained = fxq.prepare_qat_fx(net, {"": q8})
+    missing = trained.load_state_dict(calib.state_dict())
+    assert missing.missing_keys == [] and missing.unexpected_keys == []
+    for name, fq in fake_quant_modules(calib).items():
+        assert torch.equal(fake_quant_modules(trained)[name].scale, fq.scale)
+    # the moving average continues from the calibrated range: one all-zero batch moves it by 1%
+    obs = trained.x_quant.activation_post_process.observer
+    lo, hi = obs.min_val.item(), obs.max_val.item()
+    fxq.set_fake_quantize(trained, "qat")
+    trained.eval()(torch.zeros(1, 3, 8, 8))
+    assert obs.min_val.item() == pytest.approx(0.99 * lo)
+    assert obs.max_val.item() == pytest.approx(0.99 * hi)
+
+
+def test_validation_tracks_the_float_model(bayes):
+    net = ResidualNet().eval()
+    data = [torch.randn(8, 3, 8, 8) for _ in range(4)]
+    prepared = calibrate(fxq.prepare_qat_fx(net, {"": calib_q8}), data)
+    fxq.set_fake_quantize(prepared, "validation")
+    x = torch.randn(8, 3, 8, 8)
+    with torch.no_grad():
+        assert sqnr(net(x), prepared(x)) > 25.0
+
+
+def test_nothing_to_quantize_is_an_error(bayes):
+    with pytest.raises(ValueError, match="nothing to quantize"):
+        fxq.prepare_qat_fx(ResidualNet())
