@@ -12,8 +12,9 @@ The pipeline::
 from fxq import qconfig
 from fxq.dtypes import QDType, qint8, qint16, qint32
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
-from fxq.fx import FxqTraceError, fuse_fx, fx_wrap, prepare_qat_fx, symbolic_trace
+from fxq.fx import FxqTraceError, convert_fx, fuse_fx, fx_wrap, prepare_qat_fx, symbolic_trace
 from fxq.march import March, get_march, get_march_spec, set_march
+from fxq.qtensor import QTensor
 from fxq.stubs import DeQuantStub, QuantStub
 
 __version__ = "0.1.0"
@@ -27,6 +28,8 @@ __all__ = [
     "symbolic_trace",
     "fuse_fx",
     "prepare_qat_fx",
+    "convert_fx",
+    "QTensor",
     "set_fake_quantize",
     "FakeQuantState",
     "FakeQuantize",

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from fxq.dtypes import qint32
@@ -103,6 +104,59 @@ class QATModule(nn.Module):
     def set_fake_quant_state(self, state: FakeQuantState | str) -> None:
         self.state = _as_state(state)
 
+    # -- VALIDATION: the integer computation itself ---------------------------------------
+    #: In VALIDATION state, compute with the integer twin (bit-exact with the
+    #: converted model). The debug tools switch it off to measure how far the
+    #: float fake-quant computation is from the integer one.
+    simulate_integer = True
+
+    def validating(self) -> bool:
+        return self.state is FakeQuantState.VALIDATION and self.simulate_integer
+
+    def _twin_key(self) -> tuple:
+        tensors = list(self.parameters()) + list(self.buffers())
+        tensors += [q.scale for q in self._input_quants if q is not None]
+        return tuple((id(t), t._version) for t in tensors)
+
+    def integer_twin(self) -> nn.Module:
+        """The fxq.quantized module this one converts to (cached while nothing changes)."""
+        from fxq.quantized.mapping import to_quantized
+
+        key = self._twin_key()
+        cached = self.__dict__.get("_twin")
+        if cached is None or cached[0] != key:
+            cached = (key, to_quantized(self).to(self._device()))
+            self.__dict__["_twin"] = cached
+        return cached[1]
+
+    def _device(self):
+        for t in self.buffers():
+            return t.device
+        return None
+
+    def validation_forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Run the integer twin on the (exactly recovered) integer inputs; return float."""
+        from fxq.qtensor import QTensor
+        from fxq.quantized.base import quantize_tensors
+
+        twin = self.integer_twin()
+        if not self.standalone:
+            quants = [q for q in self._input_quants if q is not None]
+            args, kwargs = quantize_tensors(
+                (args, kwargs),
+                [q.scale for q in quants],
+                [q.dtype for q in quants],
+                self.spec.rounding,
+            )
+        with torch.no_grad():
+            out = twin(*args, **kwargs)
+        return out.dequantize() if isinstance(out, QTensor) else out
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_twin", None)  # a cache: not saved, not copied
+        return state
+
     @property
     def output_dtype(self):
         return self.activation_post_process.dtype if self.has_output_quant else None
@@ -188,6 +242,8 @@ class FunctionalQAT(QATModule):
         return self.fn(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if self.validating():
+            return self.validation_forward(*args, **kwargs)
         if self.standalone:
             args = tuple(self.quantize_standalone_inputs(args))
         return self.quantize_output(self.float_forward(*args, **kwargs))

@@ -62,6 +62,8 @@ class BatchNorm(QATModule):
         return shape
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.validating():
+            return self.validation_forward(x)
         if self.standalone:
             (x,) = self.quantize_standalone_inputs([x])
         factor = self.factor()

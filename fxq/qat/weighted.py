@@ -146,6 +146,12 @@ class WeightedQAT(QATModule):
 
     # -- forward -------------------------------------------------------------------
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        if self.validating():
+            return (
+                self.validation_forward(x)
+                if residual is None
+                else self.validation_forward(x, residual)
+            )
         if self.standalone:
             inputs = [x] if residual is None else [x, residual]
             quantized = self.quantize_standalone_inputs(inputs)

@@ -18,6 +18,9 @@ Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -160,7 +163,9 @@ class MultiplierRangeError(ValueError):
     """A requantization factor cannot be represented by the march's multiplier."""
 
 
-def quantize_multiplier(real: Tensor, spec: MarchSpec) -> tuple[Tensor, Tensor]:
+def quantize_multiplier(
+    real: Tensor, spec: MarchSpec, left_shift: bool = False
+) -> tuple[Tensor, Tensor]:
     """Represent positive real factors as ``m * 2**-shift`` with integer ``m``.
 
     ``m`` is the largest-precision multiplier that fits ``spec.multiplier_bits``
@@ -172,6 +177,9 @@ def quantize_multiplier(real: Tensor, spec: MarchSpec) -> tuple[Tensor, Tensor]:
         real: float64 tensor of factors ``>= 0`` (computed on any device; the
             computation is exact float64 arithmetic, so it is device independent).
         spec: the march.
+        left_shift: allow negative shifts (a left shift, for factors above the
+            largest multiplier, such as a residual brought into the accumulator's
+            much finer scale).
 
     Returns:
         ``(m, shift)`` as int64 tensors shaped like ``real``.
@@ -184,6 +192,8 @@ def quantize_multiplier(real: Tensor, spec: MarchSpec) -> tuple[Tensor, Tensor]:
         raise MultiplierRangeError(f"requantization factors must be finite and >= 0, got {real}")
     bits = spec.multiplier_bits
     lo, hi = spec.shift_range
+    if left_shift:
+        lo = -31
     _, exp = torch.frexp(real)  # real = mant * 2**exp, mant in [0.5, 1)
     shift = (bits - 1) - exp.to(torch.int64)
     shift = shift.clamp(lo, hi)
@@ -221,3 +231,395 @@ def requantize(
             reshaped by the caller).
     """
     return shift_round(acc * multiplier, shift, rounding).clamp_(qmin, qmax)
+
+
+# =============================================================================
+# Exact accumulation with float kernels
+# =============================================================================
+#
+# Conv, linear and matmul accumulate integer products. Float kernels compute
+# them exactly when every partial sum is an integer below 2**24 (float32) or
+# 2**53 (float64): then every rounding step of the kernel is exact, whatever
+# the summation order. The bound on every partial sum is
+# max|input| * max_c sum_k |W[c, k]| (plus |bias| when the kernel adds it), so
+# it is proven per layer from the integer weights. When the bound is too large
+# the input is split into limbs, q = sum_i limb_i * 2**(i * width), and each
+# limb is accumulated separately; the limb results are combined in float64,
+# exact below 2**53. Limbs are at most 8 bits wide in float32 so that even
+# reduced-precision float modes (TF32, bf16 inputs) represent them exactly.
+
+_F32_EXACT = 1 << 24
+_F64_EXACT = 1 << 53
+_F32_SAFE_OPERAND = 256  # bf16 / TF32 represent every integer up to 256 exactly
+
+
+@dataclass(frozen=True)
+class AccumulationPlan:
+    """How an exact integer product-sum is computed with float kernels.
+
+    Attributes:
+        dtype: float32 or float64.
+        limbs: number of limbs the first operand is split into (1: no split).
+        width: bits per limb (unused when ``limbs == 1``).
+        bound: proven bound on every partial sum of one limb's accumulation.
+        bias_in_kernel: whether the bias can be added by the float kernel.
+    """
+
+    dtype: torch.dtype
+    limbs: int
+    width: int
+    bound: int
+    bias_in_kernel: bool
+
+    def describe(self) -> str:
+        kind = "float32" if self.dtype is torch.float32 else "float64"
+        split = "" if self.limbs == 1 else f", {self.limbs} limbs of {self.width} bits"
+        return f"{kind}{split} (partial sums <= {self.bound})"
+
+
+def _limb_magnitude(bits: int, limbs: int, width: int) -> int:
+    """Largest |limb| when a signed ``bits``-bit integer is split into ``limbs``."""
+    if limbs == 1:
+        return 1 << (bits - 1)
+    top_bits = bits - width * (limbs - 1)  # signed top limb
+    return max((1 << width) - 1, 1 << (top_bits - 1))
+
+
+def plan_accumulation(
+    input_bits: int, weight_abs_sum: int, bias_abs_max: int = 0, other_bits: int = 8
+) -> AccumulationPlan:
+    """Choose the cheapest exact way to accumulate a layer.
+
+    Args:
+        input_bits: bit width of the (signed) input, 8 or 16.
+        weight_abs_sum: ``max_c sum_k |W[c, k]|`` of the integer weights (or,
+            for a product of two activations, ``K * max|b|``).
+        bias_abs_max: ``max |bias|`` (added by the kernel when it stays exact).
+        other_bits: bit width of the second operand (weights: 8). Above 8 bits it
+            is not exact in reduced-precision float32 modes, so float64 is used.
+
+    Returns:
+        float32 without a split when it is exact, else float32 with the fewest
+        limbs up to four, else float64 with the fewest limbs.
+    """
+    for dtype, limit, max_limbs in (
+        (torch.float32, _F32_EXACT, 4),
+        (torch.float64, _F64_EXACT, input_bits),
+    ):
+        for limbs in range(1, max_limbs + 1):
+            width = -(-input_bits // limbs)
+            magnitude = _limb_magnitude(input_bits, limbs, width)
+            if dtype is torch.float32 and (magnitude > _F32_SAFE_OPERAND or other_bits > 8):
+                continue
+            bound = magnitude * weight_abs_sum
+            if bound < limit:
+                bias_ok = limbs == 1 and bound + bias_abs_max < limit
+                return AccumulationPlan(dtype, limbs, width, bound, bias_ok)
+    raise ValueError(
+        f"no exact accumulation plan for sum |W| = {weight_abs_sum}"
+    )  # pragma: no cover
+
+
+def split_limbs(q: Tensor, limbs: int, width: int) -> list[Tensor]:
+    """``q = sum_i limb_i * 2**(i*width)``: low limbs unsigned, the top limb signed."""
+    if limbs == 1:
+        return [q]
+    v = q.to(torch.int32)
+    mask = (1 << width) - 1
+    out = []
+    for i in range(limbs - 1):
+        out.append((v >> (i * width)) & mask)
+    out.append(v >> ((limbs - 1) * width))
+    return out
+
+
+def accumulate(
+    op: Callable[[Tensor, Tensor, Tensor | None], Tensor],
+    q: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    plan: AccumulationPlan,
+    channel_axis: int = 1,
+) -> Tensor:
+    """Exact ``op(q, weight) + bias`` for integer operands, as a float tensor of integers.
+
+    Args:
+        op: the float kernel, called as ``op(input, weight, bias)`` (e.g. a conv
+            with its hyperparameters bound).
+        q: integer input; weight: integer weight; bias: integer bias or None.
+        plan: from ``plan_accumulation``.
+        channel_axis: output axis the bias runs along.
+
+    Returns:
+        float32 (single float32 limb) or float64 tensor holding exact integers.
+    """
+    dt = plan.dtype
+    w = weight.to(dt)
+    if plan.limbs == 1:
+        if bias is not None and plan.bias_in_kernel:
+            return op(q.to(dt), w, bias.to(dt))
+        out = op(q.to(dt), w, None)
+        if bias is None:
+            return out
+        return out.to(torch.float64) + broadcast_scale(
+            bias.to(torch.float64), out.dim(), channel_axis
+        )
+    total = None
+    for i, limb in enumerate(split_limbs(q, plan.limbs, plan.width)):
+        part = op(limb.to(dt), w, None).to(torch.float64)
+        total = (
+            part * float(1 << (i * plan.width))
+            if total is None
+            else total.add_(part, alpha=float(1 << (i * plan.width)))
+        )
+    if bias is not None:
+        total = total + broadcast_scale(bias.to(torch.float64), total.dim(), channel_axis)
+    return total
+
+
+# =============================================================================
+# Requantization of exact float accumulators
+# =============================================================================
+
+
+def requantize_exact(
+    acc: Tensor,
+    multiplier: Tensor,
+    shift: Tensor,
+    dtype: QDType,
+    rounding: Rounding,
+    channel_axis: int | None = None,
+    lo: int | None = None,
+    hi: int | None = None,
+) -> Tensor:
+    """``clamp(shift_round(acc * m, shift), lo, hi)`` for an exact float accumulator.
+
+    ``acc`` holds integers with ``|acc * m| < 2**53`` (callers saturate the
+    accumulator to int32 first), so ``acc * m * 2**-shift`` is exact in float64
+    and rounding it equals the integer shift with rounding.
+
+    Args:
+        acc: float32 / float64 tensor of integers.
+        multiplier, shift: int64, one element or one per channel.
+        dtype: output dtype (gives the default saturation bounds).
+        channel_axis: axis of per-channel multipliers.
+        lo, hi: tighter output bounds (fused ReLU / ReLU6).
+
+    Returns:
+        an integer tensor of ``dtype.storage``.
+    """
+    r = torch.ldexp(multiplier.to(torch.float64), -shift.to(torch.float64))
+    r = broadcast_scale(r, acc.dim(), channel_axis)
+    v = round_float(acc.to(torch.float64) * r, rounding, inplace=True)
+    lo = dtype.qmin if lo is None else max(lo, dtype.qmin)
+    hi = dtype.qmax if hi is None else min(hi, dtype.qmax)
+    return v.clamp_(lo, hi).to(dtype.storage)
+
+
+def saturate_int32(acc: Tensor) -> Tensor:
+    """Clamp an exact accumulator to the int32 range (the accumulator saturates)."""
+    return acc.clamp(-(1 << 31), (1 << 31) - 1)
+
+
+def rescale_term(
+    q: Tensor,
+    multiplier: Tensor,
+    shift: Tensor,
+    rounding: Rounding,
+    channel_axis: int | None = None,
+) -> Tensor:
+    """``shift_round(q * m, shift)`` as an exact float64 tensor (``|q * m| < 2**53``)."""
+    r = torch.ldexp(multiplier.to(torch.float64), -shift.to(torch.float64))
+    r = broadcast_scale(r, q.dim(), channel_axis)
+    return round_float(q.to(torch.float64) * r, rounding, inplace=True)
+
+
+def scale_ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
+    """``numerator / denominator`` in float64 (the real factor a multiplier approximates)."""
+    return numerator.to(torch.float64) / denominator.to(torch.float64)
+
+
+# =============================================================================
+# Elementwise ops
+# =============================================================================
+
+
+def common_multipliers(ratios: list[Tensor], spec: MarchSpec) -> tuple[list[Tensor], Tensor]:
+    """Multipliers ``m_i`` sharing one shift ``n`` with ``m_i * 2**-n ~ ratios[i]``.
+
+    ``n`` is the shift that gives the largest ratio full multiplier precision;
+    the others are rounded at the same shift (so they are exact to within
+    ``2**-n``).
+    """
+    largest = torch.stack([r.to(torch.float64).abs().max() for r in ratios]).max()
+    _, n = quantize_multiplier(largest.reshape(1), spec)
+    ms = [
+        torch.floor(torch.ldexp(r.to(torch.float64), n.to(torch.float64)) + 0.5).to(torch.int64)
+        for r in ratios
+    ]
+    return ms, n
+
+
+def add_requant(
+    terms: list[tuple[Tensor, Tensor]],
+    constant: Tensor | None,
+    shift: Tensor,
+    dtype: QDType,
+    rounding: Rounding,
+) -> Tensor:
+    """``clamp(shift_round(sum_i q_i * m_i + c, n))`` with exact float64 arithmetic.
+
+    Args:
+        terms: ``(q_i, m_i)`` pairs (integer tensors, broadcastable; m_i int64 scalars).
+        constant: an int64 scalar added before the shift (a quantized scalar operand).
+        shift: the common shift ``n``.
+    """
+    total = None
+    for q, m in terms:
+        t = q.to(torch.float64) * float(m)
+        total = t if total is None else total + t
+    if constant is not None:
+        total = total + float(constant)
+    v = round_float(torch.ldexp(total, -shift.to(torch.float64)), rounding, inplace=True)
+    return v.clamp_(dtype.qmin, dtype.qmax).to(dtype.storage)
+
+
+# =============================================================================
+# Lookup tables
+# =============================================================================
+
+
+def lut_int8(
+    fn: Callable[[Tensor], Tensor],
+    in_scale: Tensor,
+    out_scale: Tensor,
+    out_dtype: QDType,
+    rounding: Rounding,
+) -> Tensor:
+    """The 256-entry table of ``fn`` for int8 inputs: ``T[q + 128]``.
+
+    ``T[q + 128] = clamp(round(fn(q * s_in) / s_out))`` with ``fn`` evaluated in float64.
+    """
+    q = torch.arange(-128, 128, dtype=torch.float64, device=in_scale.device)
+    y = fn(q * in_scale.to(torch.float64)) / out_scale.to(torch.float64)
+    return (
+        round_float(y, rounding, inplace=True)
+        .clamp_(out_dtype.qmin, out_dtype.qmax)
+        .to(out_dtype.storage)
+    )
+
+
+def apply_lut_int8(q: Tensor, table: Tensor) -> Tensor:
+    """Look up int8 values ``q`` in a 256-entry table."""
+    return table[(q.to(torch.int64) + 128)]
+
+
+@dataclass(frozen=True)
+class SegmentLUT:
+    """Segmented lookup table for int16 inputs.
+
+    Two tables of 65 knots each: a *dense* one with segments of ``2**dense_bits``
+    input steps centred on 0, covering ``[-32 * 2**dense_bits, 32 * 2**dense_bits)``,
+    and a *sparse* one with segments of ``2**10`` steps covering all of int16.
+    Between two knots the output is interpolated linearly in fixed point:
+    ``y = T[k] + shift_round((T[k+1] - T[k]) * r, bits)`` with ``r`` the offset
+    into the segment; then saturated to the output dtype.
+    """
+
+    dense: Tensor  # int64 knots, 65
+    sparse: Tensor  # int64 knots, 65
+    dense_bits: int
+    out_dtype: QDType
+
+    SPARSE_BITS = 10
+
+
+def _knots(
+    fn, in_scale: float, out_scale: float, start: int, step: int, rounding: Rounding
+) -> Tensor:
+    x = torch.arange(65, dtype=torch.float64) * step + start
+    y = fn(x * in_scale) / out_scale
+    return round_float(y, rounding, inplace=True).clamp_(-(1 << 40), 1 << 40).to(torch.int64)
+
+
+def build_segment_lut(
+    fn: Callable[[Tensor], Tensor],
+    in_scale: Tensor,
+    out_scale: Tensor,
+    out_dtype: QDType,
+    rounding: Rounding,
+) -> SegmentLUT:
+    """Build the int16 segmented table, choosing the dense segment width that
+    minimises the largest error over every int16 input (in output steps)."""
+    s_in, s_out = float(in_scale), float(out_scale)
+    sparse = _knots(fn, s_in, s_out, -32768, 1 << SegmentLUT.SPARSE_BITS, rounding)
+    q = torch.arange(-32768, 32768, dtype=torch.int64)
+    exact = fn(q.to(torch.float64) * s_in) / s_out
+    exact = exact.clamp(out_dtype.qmin, out_dtype.qmax)
+    best = None
+    for bits in range(0, SegmentLUT.SPARSE_BITS):
+        dense = _knots(fn, s_in, s_out, -32 << bits, 1 << bits, rounding)
+        lut = SegmentLUT(dense, sparse, bits, out_dtype)
+        err = (apply_segment_lut(q, lut, rounding).to(torch.float64) - exact).abs().max().item()
+        if best is None or err < best[0]:
+            best = (err, lut)
+    return best[1]
+
+
+def _interpolate_segment(
+    q: Tensor, knots: Tensor, start: int, bits: int, rounding: Rounding
+) -> Tensor:
+    offset = q - start
+    k = (offset >> bits).clamp(0, 63)
+    r = offset - (k << bits)
+    y0 = knots[k]
+    dy = knots[k + 1] - y0
+    return y0 + shift_round(dy * r, bits, rounding)
+
+
+def apply_segment_lut(q: Tensor, lut: SegmentLUT, rounding: Rounding) -> Tensor:
+    """Evaluate a segmented table on int16 inputs; returns ``lut.out_dtype`` storage."""
+    q = q.to(torch.int64)
+    knots_dense = lut.dense.to(q.device)
+    knots_sparse = lut.sparse.to(q.device)
+    half = 32 << lut.dense_bits
+    in_dense = (q >= -half) & (q < half)
+    dense = _interpolate_segment(
+        q.clamp(-half, half - 1), knots_dense, -half, lut.dense_bits, rounding
+    )
+    sparse = _interpolate_segment(q, knots_sparse, -32768, SegmentLUT.SPARSE_BITS, rounding)
+    y = torch.where(in_dense, dense, sparse)
+    return y.clamp_(lut.out_dtype.qmin, lut.out_dtype.qmax).to(lut.out_dtype.storage)
+
+
+# =============================================================================
+# Resampling
+# =============================================================================
+
+INTERP_FRACTION_BITS = 8  # bilinear weights are multiples of 2**-8
+
+
+def linear_weights(
+    in_size: int, out_size: int, scale: float | None, align_corners: bool, device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Source indices and fixed-point weights of 1-D linear resampling.
+
+    Coordinates follow ``torch.nn.functional.interpolate``; the weight of the
+    right neighbour is ``round(lambda * 2**8)``, the left one gets the rest.
+
+    Returns:
+        ``(i0, i1, w1)``: int64 index tensors and the int64 right weights.
+    """
+    dst = torch.arange(out_size, dtype=torch.float64, device=device)
+    if align_corners:
+        ratio = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+        src = dst * ratio
+    else:
+        ratio = (1.0 / scale) if scale is not None else in_size / out_size
+        src = ((dst + 0.5) * ratio - 0.5).clamp(min=0.0)
+    i0 = torch.floor(src).to(torch.int64).clamp(max=in_size - 1)
+    i1 = (i0 + 1).clamp(max=in_size - 1)
+    lam = src - i0.to(torch.float64)
+    one = 1 << INTERP_FRACTION_BITS
+    w1 = torch.floor(lam * one + 0.5).to(torch.int64).clamp(0, one)
+    return i0, i1, w1

@@ -1,0 +1,154 @@
+"""Debugging tools: where do two versions of a model part ways, and by how much.
+
+``compare_qat_quantized`` runs the QAT model and the converted integer model
+on the same inputs and reports, per layer, how many output elements agree
+exactly and the largest difference in units of the layer's output scale
+(LSB). In VALIDATION state the QAT model computes with the integer kernels,
+so every row reads 100%; ``float_fake_quant(qat_model)`` switches that off to
+measure how far the float fake-quant computation used in training is from
+the integer one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from tabulate import tabulate
+from torch import Tensor, nn
+
+from fxq.fake_quantize import FakeQuantState, set_fake_quantize
+from fxq.qat.base import QATModule
+from fxq.qtensor import QTensor
+from fxq.quantized.base import QuantizedModule
+
+__all__ = ["compare_qat_quantized", "float_fake_quant"]
+
+
+@contextlib.contextmanager
+def float_fake_quant(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, VALIDATION computes in float with fake quantization
+    (the training-time arithmetic) instead of with the integer kernels."""
+    modules = [m for m in model.modules() if isinstance(m, QATModule)]
+    for m in modules:
+        m.simulate_integer = False
+    try:
+        yield model
+    finally:
+        for m in modules:
+            m.__dict__.pop("simulate_integer", None)
+
+
+def _as_inputs(inputs: Any) -> tuple:
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def _copy(value: Any) -> Any:
+    """Snapshot an output (a later in-place op, e.g. ``SiLU(inplace=True)``, may overwrite it)."""
+    if isinstance(value, QTensor):
+        return value.clone()
+    if isinstance(value, Tensor):
+        return value.clone()
+    return value
+
+
+def _capture(model: nn.Module, kind: type, inputs: tuple) -> dict[str, list[Any]]:
+    outputs: dict[str, list[Any]] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if isinstance(module, kind):
+            hooks.append(
+                module.register_forward_hook(
+                    lambda m, i, o, name=name: outputs.setdefault(name, []).append(_copy(o))
+                )
+            )
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outputs
+
+
+def compare_qat_quantized(
+    qat_model: nn.Module,
+    quantized_model: nn.Module,
+    inputs: Any,
+    show: bool = True,
+) -> list[dict[str, Any]]:
+    """Compare a QAT model with its converted integer model, layer by layer.
+
+    Args:
+        qat_model: the model from ``prepare_qat_fx``; it is put in VALIDATION
+            state for the comparison (its state is restored after).
+        quantized_model: the model from ``convert_fx`` of it.
+        inputs: one input or a tuple of positional inputs.
+        show: print the table (tabulate).
+
+    Returns:
+        one dict per layer: ``layer``, ``type``, ``exact`` (fraction of output
+        elements that agree exactly), ``max_lsb`` (largest difference in
+        output steps; for float outputs, the largest absolute difference),
+        ``elements``.
+    """
+    inputs = _as_inputs(inputs)
+    states = {m: m.state for m in qat_model.modules() if hasattr(m, "state")}
+    training = qat_model.training
+    set_fake_quantize(qat_model, FakeQuantState.VALIDATION)
+    qat_model.eval()
+    try:
+        qat_out = _capture(qat_model, QATModule, inputs)
+    finally:
+        for m, s in states.items():
+            m.set_fake_quant_state(s)
+        qat_model.train(training)
+    int_out = _capture(quantized_model, QuantizedModule, inputs)
+    rows = []
+    for name, outs in int_out.items():
+        refs = qat_out.get(name)
+        if refs is None:
+            continue
+        exact = total = 0
+        worst = 0.0
+        for ref, out in zip(refs, outs):
+            e, n, w = _agreement(ref, out)
+            exact, total, worst = exact + e, total + n, max(worst, w)
+        module = dict(quantized_model.named_modules())[name]
+        rows.append(
+            {
+                "layer": name,
+                "type": type(module).__name__,
+                "exact": exact / total if total else 1.0,
+                "max_lsb": worst,
+                "elements": total,
+            }
+        )
+    if show:
+        print(
+            tabulate(
+                [
+                    [
+                        r["layer"],
+                        r["type"],
+                        f"{100 * r['exact']:.3f}%",
+                        f"{r['max_lsb']:g}",
+                        r["elements"],
+                    ]
+                    for r in rows
+                ],
+                headers=["layer", "type", "exact match", "max diff (LSB)", "elements"],
+            )
+        )
+    return rows
+
+
+def _agreement(ref: Tensor, out: Any) -> tuple[int, int, float]:
+    if isinstance(out, QTensor):
+        q_ref = torch.floor(ref.to(torch.float64) / out.scale.to(torch.float64) + 0.5)
+        diff = (q_ref - out.data.to(torch.float64)).abs()
+    else:
+        diff = (ref.to(torch.float64) - out.to(torch.float64)).abs()
+    return int((diff == 0).sum()), diff.numel(), float(diff.max()) if diff.numel() else 0.0

@@ -1,0 +1,162 @@
+"""``convert_fx``: QAT model -> integer model.
+
+Every fxq.qat module is replaced by its integer twin (``fxq.quantized``,
+table in ``fxq.quantized.mapping``), built from its current weights and
+scales; fake quants disappear into them. Values between quantized ops are
+``fxq.QTensor``s. Value-preserving ops (reshapes, ReLU, max pooling, ...)
+run on QTensors unchanged. Where a quantized value reaches float code (a
+float region, an ``@fx_wrap()`` function, a ``DeQuantStub``, the model's
+outputs) a ``DeQuantize`` is inserted.
+
+The QAT model in VALIDATION state runs the same integer twins, so both agree
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
+
+from fxq import stubs
+from fxq.fake_quantize import FakeQuantize
+from fxq.fx.graph_utils import set_submodule, unique_name
+from fxq.qat.base import QATModule
+from fxq.qat.mapping import Kind, rule_for
+from fxq.quantized.base import QuantizedModule
+from fxq.quantized.mapping import to_quantized
+from fxq.quantized.stubs import DeQuantize
+
+__all__ = ["convert_fx"]
+
+_DEQUANT_STUBS = (stubs.DeQuantStub,)
+
+
+def convert_fx(model: GraphModule, dequantize_outputs: bool = True) -> GraphModule:
+    """Lower a QAT model to the integer model.
+
+    Args:
+        model: a model returned by ``prepare_qat_fx``, calibrated or trained
+            (not modified).
+        dequantize_outputs: return float outputs (True) or the QTensors of
+            quantized outputs (False).
+
+    Returns:
+        a GraphModule in eval mode; an ordinary module that ``state_dict`` /
+        ``torch.save`` handle.
+
+    Raises:
+        TypeError: when ``model`` is not a prepared fxq model.
+        RuntimeError: when a fake quant never observed data (calibrate first).
+    """
+    if not isinstance(model, GraphModule) or not any(
+        isinstance(m, QATModule) for m in model.modules()
+    ):
+        raise TypeError("convert_fx expects the model returned by fxq.prepare_qat_fx")
+    _require_observed(model)
+    gm = copy.deepcopy(model)
+    gm.eval()
+    _Converter(gm, dequantize_outputs).run()
+    return gm
+
+
+def _require_observed(model: nn.Module) -> None:
+    missing = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, FakeQuantize)
+        and not m.is_high_precision
+        and not m.is_fixed_scale
+        and not bool(m.observed)
+    ]
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise RuntimeError(
+            f"convert_fx: {len(missing)} fake quant(s) never observed data, so they have no scale: "
+            f"{shown}. Calibrate (FakeQuantState.CALIBRATION) or train before converting"
+        )
+
+
+class _Converter:
+    def __init__(self, gm: GraphModule, dequantize_outputs: bool) -> None:
+        self.gm = gm
+        self.dequantize_outputs = dequantize_outputs
+        self.modules = dict(gm.named_modules())
+        self.quantized: dict[Node, bool] = {}
+        self.dequant_nodes: dict[Node, Node] = {}
+
+    def run(self) -> None:
+        graph = self.gm.graph
+        for node in list(graph.nodes):
+            self.quantized[node] = False
+            if node.op == "output":
+                if self.dequantize_outputs:
+                    self._dequantize_inputs(node)
+                continue
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            module = self.modules.get(node.target) if node.op == "call_module" else None
+            if isinstance(module, QATModule):
+                integer = to_quantized(module)
+                integer.name = node.target
+                set_submodule(self.gm, node.target, integer)
+                self.modules[node.target] = integer
+                self.quantized[node] = not getattr(integer, "high_precision", False)
+                continue
+            if isinstance(module, _DEQUANT_STUBS) or _is_ao_dequant_stub(module):
+                dq = DeQuantize()
+                set_submodule(self.gm, node.target, dq)
+                self.modules[node.target] = dq
+                continue
+            rule, _ = rule_for(node, self.modules)
+            first = next(iter(node.all_input_nodes), None)
+            if (
+                rule.kind is Kind.PASSTHROUGH
+                and first is not None
+                and self.quantized.get(first, False)
+            ):
+                self.quantized[node] = True  # runs on the QTensor unchanged
+            elif rule.kind is not Kind.NONTENSOR:
+                self._dequantize_inputs(node)
+        self._convert_standalone()
+        graph.lint()
+        self.gm.recompile()
+
+    def _dequantize_inputs(self, node: Node) -> None:
+        def swap(arg: Node) -> Node:
+            if not self.quantized.get(arg, False):
+                return arg
+            dq = self.dequant_nodes.get(arg)
+            if dq is None:
+                path = unique_name(self.gm, "", f"{arg.name}_dequant")
+                self.gm.add_module(path, DeQuantize())
+                with self.gm.graph.inserting_after(arg):
+                    dq = self.gm.graph.call_module(path, (arg,))
+                self.dequant_nodes[arg] = dq
+            return dq
+
+        node.args = map_arg(node.args, swap)
+        node.kwargs = map_arg(node.kwargs, swap)
+
+    def _convert_standalone(self) -> None:
+        for parent_name, parent in list(self.gm.named_modules()):
+            if isinstance(parent, QuantizedModule):
+                continue
+            for name, child in list(parent.named_children()):
+                if isinstance(child, QATModule) and child.standalone:
+                    path = f"{parent_name}.{name}" if parent_name else name
+                    integer = to_quantized(child)
+                    integer.name = path
+                    setattr(parent, name, integer)
+
+
+def _is_ao_dequant_stub(module: nn.Module | None) -> bool:
+    if module is None:
+        return False
+    from torch.ao.quantization import DeQuantStub
+
+    return isinstance(module, DeQuantStub)

@@ -1,0 +1,371 @@
+"""QTensor: integer data with a scale, as the converted model passes them around.
+
+A ``QTensor`` holds integer storage (int8 / int16 / int32 torch tensors, not
+torch's quantized dtypes), a float32 scale (per tensor, or per channel along
+``axis``) and its ``fxq`` dtype. Its value is ``data * scale``; the zero point
+is always 0.
+
+Operations that only move or select values (view, reshape, permute, flatten,
+transpose, slicing, chunk / split, max pooling, ReLU, nearest resampling,
+padding with zeros, dropout in eval mode, ...) return QTensors without
+rounding. Every other torch function raises a ``TypeError`` naming the op: a
+QTensor never dequantizes silently. Call ``dequantize()`` to leave the integer
+domain on purpose.
+
+>>> q = QTensor(torch.tensor([[-3, 4]], dtype=torch.int8), torch.tensor([0.5]), fxq.qint8)
+>>> q.dequantize()
+tensor([[-1.5000,  2.0000]])
+>>> q.flatten().int_repr()
+tensor([-3,  4], dtype=torch.int8)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fxq.dtypes import QDType, as_qdtype
+
+__all__ = ["QTensor", "implements"]
+
+_HANDLED: dict[Callable, Callable] = {}
+
+
+def implements(*funcs: Callable) -> Callable:
+    """Register the QTensor implementation of torch functions."""
+
+    def decorator(impl: Callable) -> Callable:
+        for f in funcs:
+            _HANDLED[f] = impl
+        return impl
+
+    return decorator
+
+
+class QTensor:
+    """Integer tensor + scale.
+
+    Args:
+        data: integer tensor (int8, int16 or int32 storage).
+        scale: float32 tensor, one element (per tensor) or one per channel.
+        dtype: the quantized dtype (``fxq.qint8`` ...); must match ``data``.
+        axis: channel axis of a per-channel scale.
+
+    Raises:
+        TypeError / ValueError: for mismatched storage, dtype or scale shape.
+    """
+
+    __slots__ = ("data", "scale", "qdtype", "axis")
+
+    def __init__(
+        self, data: Tensor, scale: Tensor, dtype: QDType | str, axis: int | None = None
+    ) -> None:
+        qdtype = as_qdtype(dtype)
+        if data.dtype is not qdtype.storage:
+            raise TypeError(
+                f"QTensor of {qdtype.name} needs {qdtype.storage} storage, got {data.dtype}"
+            )
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=data.device).reshape(-1)
+        if scale.numel() != 1:
+            if axis is None:
+                raise ValueError("a per-channel QTensor needs its channel axis")
+            if scale.numel() != data.shape[axis]:
+                raise ValueError(
+                    f"per-channel scale has {scale.numel()} entries for {data.shape[axis]} channels"
+                )
+        self.data = data
+        self.scale = scale
+        self.qdtype = qdtype
+        self.axis = axis if scale.numel() != 1 else None
+
+    # -- construction / leaving the integer domain --------------------------
+    @classmethod
+    def quantize(cls, x: Tensor, scale: Tensor, dtype: QDType | str, rounding) -> QTensor:
+        """Quantize a float tensor with fxq's one quantize formula."""
+        from fxq.quantized import functional as qf
+
+        dtype = as_qdtype(dtype)
+        return cls(qf.quantize(x, scale, dtype, rounding), scale, dtype)
+
+    def dequantize(self) -> Tensor:
+        """``data * scale`` as float32."""
+        from fxq.quantized.functional import dequantize
+
+        return dequantize(self.data, self.scale, self.axis)
+
+    def int_repr(self) -> Tensor:
+        return self.data
+
+    def q_scale(self) -> float:
+        if self.axis is not None:
+            raise ValueError("a per-channel QTensor has several scales; use q_per_channel_scales()")
+        return float(self.scale.item())
+
+    def q_per_channel_scales(self) -> Tensor:
+        return self.scale
+
+    def q_per_channel_axis(self) -> int | None:
+        return self.axis
+
+    # -- tensor-like metadata -----------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.data.dim()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def dtype(self) -> QDType:
+        return self.qdtype
+
+    @property
+    def is_quantized(self) -> bool:
+        return True
+
+    def size(self, dim: int | None = None):
+        return self.data.size() if dim is None else self.data.size(dim)
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    def numel(self) -> int:
+        return self.data.numel()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __repr__(self) -> str:
+        scale = (
+            f"scale={self.q_scale():.6g}"
+            if self.axis is None
+            else f"scales={self.scale.tolist()}, axis={self.axis}"
+        )
+        return f"QTensor({self.data!r}, {scale}, dtype={self.qdtype.name})"
+
+    # -- value-preserving operations -------------------------------------------
+    def _like(self, data: Tensor) -> QTensor:
+        return QTensor(data, self.scale, self.qdtype)
+
+    def _per_tensor(self, op: str) -> None:
+        if self.axis is not None:
+            raise TypeError(
+                f"{op} on a per-channel QTensor would lose track of its channel axis; dequantize() it first"
+            )
+
+    def _shape_op(name: str):  # noqa: N805 - builds methods
+        def method(self: QTensor, *args: Any, **kwargs: Any):
+            self._per_tensor(f"QTensor.{name}")
+            out = getattr(self.data, name)(*_unwrap(args), **kwargs)
+            return _wrap_like(self, out)
+
+        method.__name__ = name
+        method.__doc__ = f"``Tensor.{name}`` on the integer data; the scale is kept."
+        return method
+
+    view = _shape_op("view")
+    reshape = _shape_op("reshape")
+    flatten = _shape_op("flatten")
+    permute = _shape_op("permute")
+    transpose = _shape_op("transpose")
+    squeeze = _shape_op("squeeze")
+    unsqueeze = _shape_op("unsqueeze")
+    chunk = _shape_op("chunk")
+    split = _shape_op("split")
+    unbind = _shape_op("unbind")
+    expand = _shape_op("expand")
+    repeat = _shape_op("repeat")
+    t = _shape_op("t")
+    narrow = _shape_op("narrow")
+    flip = _shape_op("flip")
+    roll = _shape_op("roll")
+    __getitem__ = _shape_op("__getitem__")
+    del _shape_op
+
+    def contiguous(self, *args: Any, **kwargs: Any) -> QTensor:
+        return QTensor(self.data.contiguous(*args, **kwargs), self.scale, self.qdtype, self.axis)
+
+    def clone(self) -> QTensor:
+        return QTensor(self.data.clone(), self.scale.clone(), self.qdtype, self.axis)
+
+    def detach(self) -> QTensor:
+        return self
+
+    def view_as(self, other: Any) -> QTensor:
+        return self.view(other.shape)
+
+    def reshape_as(self, other: Any) -> QTensor:
+        return self.reshape(other.shape)
+
+    def expand_as(self, other: Any) -> QTensor:
+        return self.expand(other.shape)
+
+    def to(self, *args: Any, **kwargs: Any) -> QTensor:
+        """Move to a device (a dtype change is refused: it would leave the integer grid)."""
+        target = torch.empty(0).to(*args, **kwargs)
+        if target.dtype is not torch.float32 and target.dtype is not self.data.dtype:
+            raise TypeError(
+                f"QTensor.to({target.dtype}) would change the integer dtype; dequantize() first"
+            )
+        return QTensor(
+            self.data.to(target.device), self.scale.to(target.device), self.qdtype, self.axis
+        )
+
+    def cpu(self) -> QTensor:
+        return self.to("cpu")
+
+    def cuda(self, device: Any = None) -> QTensor:
+        return self.to(torch.device("cuda") if device is None else device)
+
+    def relu(self) -> QTensor:
+        return self._like(self.data.clamp(min=0))
+
+    relu_ = relu
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"QTensor has no integer version of .{name}(); this value is quantized. Call "
+            f".dequantize() to use float ops, or keep the region in float with a qconfig of None"
+        )
+
+    # -- torch functions ---------------------------------------------------
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        impl = _HANDLED.get(func)
+        if impl is None:
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            module = getattr(func, "__module__", None) or "torch"
+            raise TypeError(
+                f"{module}.{name} has no integer meaning for a QTensor; fxq does not dequantize "
+                "silently. Call .dequantize() explicitly, or give this op a qconfig of None so it "
+                "runs in float"
+            )
+        return impl(*args, **kwargs)
+
+
+def _unwrap(values: Any) -> Any:
+    if isinstance(values, QTensor):
+        return values.data
+    if isinstance(values, (list, tuple)):
+        return type(values)(_unwrap(v) for v in values)
+    return values
+
+
+def _wrap_like(ref: QTensor, out: Any) -> Any:
+    if isinstance(out, Tensor):
+        return QTensor(out, ref.scale, ref.qdtype)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap_like(ref, o) for o in out)
+    return out
+
+
+# -- torch functions that keep the integer grid --------------------------------------
+def _delegate(name: str) -> Callable:
+    def impl(input: QTensor, *args: Any, **kwargs: Any) -> Any:
+        return getattr(input, name)(*args, **kwargs)
+
+    return impl
+
+
+for _fn, _name in (
+    (torch.flatten, "flatten"),
+    (torch.reshape, "reshape"),
+    (torch.permute, "permute"),
+    (torch.transpose, "transpose"),
+    (torch.squeeze, "squeeze"),
+    (torch.unsqueeze, "unsqueeze"),
+    (torch.chunk, "chunk"),
+    (torch.split, "split"),
+    (torch.unbind, "unbind"),
+    (torch.narrow, "narrow"),
+    (torch.flip, "flip"),
+    (torch.roll, "roll"),
+    (torch.t, "t"),
+    (torch.clone, "clone"),
+    (torch.Tensor.view, "view"),
+    (torch.Tensor.reshape, "reshape"),
+    (torch.Tensor.contiguous, "contiguous"),
+    (torch.Tensor.size, "size"),
+    (torch.Tensor.dim, "dim"),
+    (torch.Tensor.numel, "numel"),
+):
+    implements(_fn)(_delegate(_name))
+
+
+def _float_roundtrip(op: Callable, input: QTensor, *args: Any, **kwargs: Any) -> QTensor:
+    """Run a value-selecting op on exact float copies of the integers (int16 fits float32)."""
+    input._per_tensor(getattr(op, "__name__", "op"))
+    out = op(input.data.to(torch.float32), *args, **kwargs)
+    if isinstance(out, tuple):  # return_indices=True
+        return (input._like(out[0].to(input.data.dtype)),) + tuple(out[1:])
+    return input._like(out.to(input.data.dtype))
+
+
+@implements(F.relu, torch.relu)
+def _relu(input: QTensor, inplace: bool = False) -> QTensor:
+    input._per_tensor("relu")
+    return input._like(input.data.clamp(min=0))
+
+
+for _pool in (
+    F.max_pool1d,
+    F.max_pool2d,
+    F.max_pool3d,
+    F.adaptive_max_pool1d,
+    F.adaptive_max_pool2d,
+    F.adaptive_max_pool3d,
+    F.max_pool1d_with_indices,
+    F.max_pool2d_with_indices,
+    F.max_pool3d_with_indices,
+    F.pixel_shuffle,
+    F.pixel_unshuffle,
+    torch.channel_shuffle,
+):
+    implements(_pool)(functools.partial(_float_roundtrip, _pool))
+
+
+@implements(F.interpolate)
+def _interpolate(
+    input: QTensor, size=None, scale_factor=None, mode: str = "nearest", *args: Any, **kwargs: Any
+):
+    if mode not in ("nearest", "nearest-exact"):
+        raise TypeError(
+            f"F.interpolate(mode={mode!r}) on a QTensor needs the integer interpolation module "
+            "(fxq.quantized.Interpolate); only nearest resampling keeps the integer grid"
+        )
+    return _float_roundtrip(F.interpolate, input, size, scale_factor, mode, *args, **kwargs)
+
+
+@implements(F.pad)
+def _pad(input: QTensor, pad, mode: str = "constant", value: float | None = None) -> QTensor:
+    if mode == "constant" and value not in (None, 0, 0.0):
+        raise TypeError(f"F.pad with value {value} is not on the integer grid of a QTensor")
+    if mode == "constant":
+        return input._like(F.pad(input.data, pad))
+    return _float_roundtrip(F.pad, input, pad, mode)
+
+
+@implements(
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout
+)
+def _dropout(
+    input: QTensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> QTensor:
+    if training and p > 0:
+        raise TypeError("dropout in training mode has no integer meaning; call model.eval()")
+    return input

@@ -1,0 +1,107 @@
+"""Integer clamps and lookup-table activations.
+
+Clamp (ReLU6 / Hardtanh / clamp): ``Y = clamp(shift_round(X * M, S), round(lo / s_y), round(hi / s_y))``
+with ``M 2**-S ~ s_x / s_y``.
+
+Lookup tables: int8 inputs index a 256-entry table
+``T[q] = clamp(round(f(q s_x) / s_y))``; int16 inputs use a segmented table
+(``fxq.quantized.functional.SegmentLUT``) with fixed-point linear interpolation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxq.qtensor import QTensor
+from fxq.quantized import functional as qf
+from fxq.quantized.ops_base import FunctionalQuantized
+
+__all__ = ["Clamp", "LookupTable"]
+
+
+def _clamp_bounds(op: Any, fn: Any, args: tuple, kwargs: dict) -> tuple[float | None, float | None]:
+    if op is not None:
+        if isinstance(op, nn.ReLU6):
+            return 0.0, 6.0
+        return float(op.min_val), float(op.max_val)  # Hardtanh
+    import torch.nn.functional as F
+
+    if fn is F.relu6:
+        return 0.0, 6.0
+    if fn is F.hardtanh:
+        lo = args[0] if args else kwargs.get("min_val", -1.0)
+        hi = args[1] if len(args) > 1 else kwargs.get("max_val", 1.0)
+        return float(lo), float(hi)
+    lo = args[0] if args else kwargs.get("min")
+    hi = args[1] if len(args) > 1 else kwargs.get("max")
+    return (None if lo is None else float(lo)), (None if hi is None else float(hi))
+
+
+class Clamp(FunctionalQuantized):
+    """Integer ReLU6 / Hardtanh / clamp with constant bounds."""
+
+    def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
+        kwargs.pop("inplace", None)
+        if args and isinstance(
+            args[-1], bool
+        ):  # F.relu6(x, inplace) / F.hardtanh(x, lo, hi, inplace)
+            args = args[:-1]
+        lo, hi = _clamp_bounds(self.op, self.fn, args, kwargs)
+        s_y = self.output_scale.to(torch.float64)
+        m, s = qf.quantize_multiplier(qf.scale_ratio(x.scale, s_y), self.spec)
+
+        def bound(v: float | None) -> int | None:
+            if v is None:
+                return None
+            return int(
+                qf.round_float(
+                    torch.tensor([v], dtype=torch.float64) / s_y.cpu(), self.rounding
+                ).item()
+            )
+
+        q = qf.requantize_exact(
+            x.data, m, s, self.out_dtype, self.rounding, None, bound(lo), bound(hi)
+        )
+        return self.wrap(q)
+
+
+class LookupTable(FunctionalQuantized):
+    """A pointwise non-linear function evaluated by table lookup.
+
+    Tables are built on first use for each set of constant arguments (e.g.
+    a leaky ReLU's slope) and cached.
+    """
+
+    def __init__(self, qat: nn.Module) -> None:
+        super().__init__(qat)
+        self._tables: dict[Any, Any] = {}
+
+    def _function(self, args: tuple, kwargs: dict):
+        op = self.float_op()
+        return lambda t: op(t, *args, **kwargs)
+
+    def table(self, x: QTensor, args: tuple = (), kwargs: dict | None = None):
+        """The table for inputs of ``x``'s scale and dtype (int8: 256 entries; int16: segmented)."""
+        kwargs = {k: v for k, v in (kwargs or {}).items() if k != "inplace"}
+        key = (x.qdtype.name, float(x.scale), args, tuple(sorted(kwargs.items())))
+        table = self._tables.get(key)
+        if table is None:
+            fn = self._function(args, kwargs)
+            scale = x.scale.detach().cpu()
+            out = self.output_scale.detach().cpu()
+            if x.qdtype.bits == 8:
+                table = qf.lut_int8(fn, scale, out, self.out_dtype, self.rounding)
+            else:
+                table = qf.build_segment_lut(fn, scale, out, self.out_dtype, self.rounding)
+            self._tables[key] = table
+        return table
+
+    def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
+        args = tuple(a for a in args if not isinstance(a, bool))  # inplace flags
+        table = self.table(x, args, kwargs)
+        if x.qdtype.bits == 8:
+            return self.wrap(qf.apply_lut_int8(x.data, table.to(x.device)))
+        return self.wrap(qf.apply_segment_lut(x.data, table, self.rounding))

@@ -1,0 +1,80 @@
+"""Integer (bi)linear resampling with fixed-point weights.
+
+Source coordinates follow ``F.interpolate``; each neighbour's weight is a
+multiple of ``2**-8`` (``linear_weights``). For 2-d:
+``acc = sum_{a,b} X[i_a, j_b] * wy_a * wx_b`` (units of ``2**-16``), then
+``Y = clamp(shift_round(acc * M, S))`` with ``M 2**-S ~ s_x / (2**16 s_y)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fxq.qtensor import QTensor
+from fxq.quantized import functional as qf
+from fxq.quantized.ops_base import FunctionalQuantized
+
+__all__ = ["Interpolate"]
+
+_PARAMS = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
+
+
+def _resample_axis(
+    x: Tensor, axis: int, out_size: int, scale: float | None, align_corners: bool
+) -> Tensor:
+    i0, i1, w1 = qf.linear_weights(x.shape[axis], out_size, scale, align_corners, x.device)
+    shape = [1] * x.dim()
+    shape[axis] = out_size
+    w1 = w1.to(torch.float64).reshape(shape)
+    w0 = float(1 << qf.INTERP_FRACTION_BITS) - w1
+    return x.index_select(axis, i0) * w0 + x.index_select(axis, i1) * w1
+
+
+class Interpolate(FunctionalQuantized):
+    """Integer ``F.interpolate`` / ``nn.Upsample`` in ``linear`` or ``bilinear`` mode."""
+
+    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if self.op is not None:
+            m = self.op
+            params = {k: getattr(m, k, None) for k in _PARAMS}
+        else:
+            params = dict.fromkeys(_PARAMS)
+            params["mode"] = "nearest"
+            params.update(zip(_PARAMS, args))
+            params.update(kwargs)
+        return params
+
+    def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
+        p = self._arguments(args, kwargs)
+        if p["mode"] not in ("linear", "bilinear") or p.get("antialias"):
+            raise ValueError(
+                f"integer interpolation supports linear / bilinear without antialias, got {p}"
+            )
+        dims = x.dim() - 2
+        in_sizes = list(x.shape[2:])
+        sf = p["scale_factor"]
+        sfs = (
+            [sf] * dims
+            if isinstance(sf, (int, float))
+            else (list(sf) if sf is not None else [None] * dims)
+        )
+        if p["size"] is not None:
+            size = p["size"]
+            out_sizes = [size] * dims if isinstance(size, int) else list(size)
+            scales = [None] * dims
+        else:
+            out_sizes = [int(math.floor(n * f)) for n, f in zip(in_sizes, sfs)]
+            scales = [None if p["recompute_scale_factor"] else float(f) for f in sfs]
+        align = bool(p["align_corners"])
+        acc = x.data.to(torch.float64)
+        for d in range(dims):
+            acc = _resample_axis(acc, 2 + d, out_sizes[d], scales[d], align)
+        real = x.scale.to(torch.float64) / (
+            float(1 << (qf.INTERP_FRACTION_BITS * dims)) * self.output_scale.to(torch.float64)
+        )
+        m, s = qf.quantize_multiplier(real, self.spec)
+        return self.wrap(qf.requantize_exact(acc, m, s, self.out_dtype, self.rounding))

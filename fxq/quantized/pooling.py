@@ -1,0 +1,164 @@
+"""Integer average pooling and mean / sum reductions.
+
+Window sums are exact; each output divides by its window's element count
+``d`` (as torch counts it, padding rules included) through the multiplier
+``M_d 2**-S_d ~ s_x / (d s_y)``: ``Y = clamp(shift_round(sum * M_d, S_d))``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fxq.qtensor import QTensor
+from fxq.quantized import functional as qf
+from fxq.quantized.ops_base import FunctionalQuantized
+
+__all__ = ["AvgPool", "AdaptiveAvgPool", "Mean", "Sum", "window_sums_adaptive"]
+
+_AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+
+def _requant_by_count(
+    module: FunctionalQuantized, sums: Tensor, counts: Tensor, x: QTensor
+) -> QTensor:
+    """``clamp(shift_round(sums * M_d, S_d))`` with one multiplier per distinct count ``d``."""
+    distinct, inverse = torch.unique(counts.to(torch.float64).cpu(), return_inverse=True)
+    real = x.scale.to(torch.float64).cpu() / (
+        distinct * module.output_scale.to(torch.float64).cpu()
+    )
+    m, s = qf.quantize_multiplier(real, module.spec)
+    m = m[inverse].to(sums.device)
+    s = s[inverse].to(sums.device)
+    r = torch.ldexp(m.to(torch.float64), -s.to(torch.float64))
+    v = qf.round_float(sums.to(torch.float64) * r, module.rounding, inplace=True)
+    dt = module.out_dtype
+    return module.wrap(v.clamp_(dt.qmin, dt.qmax).to(dt.storage))
+
+
+_AVG_PARAMS = (
+    "kernel_size",
+    "stride",
+    "padding",
+    "ceil_mode",
+    "count_include_pad",
+    "divisor_override",
+)
+_AVG_DEFAULTS = {
+    "stride": None,
+    "padding": 0,
+    "ceil_mode": False,
+    "count_include_pad": True,
+    "divisor_override": None,
+}
+
+
+def _as_2d(value: Any) -> Any:
+    """A 1-d pooling parameter as the matching 2-d one (height 1)."""
+    if value is None or isinstance(value, bool):
+        return value
+    v = value[0] if isinstance(value, (tuple, list)) else value
+    return (1, v)
+
+
+class AvgPool(FunctionalQuantized):
+    """Integer ``avg_pool1d/2d/3d`` with torch's padding and ``ceil_mode`` counting."""
+
+    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if self.op is not None:
+            m = self.op
+            params = {k: getattr(m, k, _AVG_DEFAULTS.get(k)) for k in _AVG_PARAMS}
+        else:
+            params = dict(_AVG_DEFAULTS)
+            params.update(zip(_AVG_PARAMS, args))
+            params.update(kwargs)
+        return params
+
+    def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
+        params = self._arguments(args, kwargs)
+        data = x.data
+        one_d = data.dim() == 3
+        if one_d:  # avg_pool1d has no divisor_override: pool a height-1 image instead
+            data = data.unsqueeze(2)
+            params = {
+                k: (_as_2d(v) if k in ("kernel_size", "stride", "padding") else v)
+                for k, v in params.items()
+            }
+            if params["padding"] is not None:
+                params["padding"] = (0, params["padding"][1])
+        fn = _AVG[data.dim() - 2]
+        summed = dict(params, divisor_override=1)
+        ones = torch.ones((1, 1, *data.shape[2:]), dtype=torch.float64, device=data.device)
+        counts = torch.round(fn(ones, **summed) / fn(ones, **params))  # torch's divisor per output
+        sums = fn(data.to(torch.float64), **summed)
+        if one_d:
+            sums, counts = sums.squeeze(2), counts.squeeze(2)
+        return _requant_by_count(self, sums, counts.expand_as(sums), x)
+
+
+def window_sums_adaptive(x: Tensor, output_size: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """Exact window sums and counts of adaptive average pooling (float64).
+
+    Window ``i`` of a dimension of size ``n`` pooled to ``o`` spans
+    ``[floor(i n / o), ceil((i + 1) n / o))``, as in torch.
+    """
+    sums = x.to(torch.float64)
+    counts = torch.ones((), dtype=torch.float64, device=x.device)
+    dims = len(output_size)
+    for d, o in enumerate(output_size):
+        axis = x.dim() - dims + d
+        n = sums.shape[axis]
+        o = n if o is None else o
+        starts = torch.tensor([(i * n) // o for i in range(o)], device=x.device)
+        ends = torch.tensor([-((-(i + 1) * n) // o) for i in range(o)], device=x.device)
+        c = torch.cumsum(sums, axis)
+        c = torch.cat([torch.zeros_like(c.narrow(axis, 0, 1)), c], axis)
+        sums = c.index_select(axis, ends) - c.index_select(axis, starts)
+        shape = [1] * x.dim()
+        shape[axis] = o
+        counts = counts * (ends - starts).to(torch.float64).reshape(shape)
+    return sums, counts.expand_as(sums)
+
+
+class AdaptiveAvgPool(FunctionalQuantized):
+    """Integer ``adaptive_avg_pool1d/2d/3d``."""
+
+    def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
+        if self.op is not None:
+            size = self.op.output_size
+        else:
+            size = args[0] if args else kwargs["output_size"]
+        dims = x.dim() - 2
+        size = (size,) * dims if isinstance(size, int) or size is None else tuple(size)
+        sums, counts = window_sums_adaptive(x.data, size)
+        return _requant_by_count(self, sums, counts, x)
+
+
+def _reduce_dims(x: QTensor, dim: Any) -> list[int]:
+    if dim is None:
+        return list(range(x.dim()))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return [d % x.dim() for d in dims]
+
+
+class Mean(FunctionalQuantized):
+    """Integer ``mean(dim, keepdim)``."""
+
+    def forward(self, x: QTensor, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> QTensor:
+        dims = _reduce_dims(x, kwargs.pop("axis", dim))
+        count = math.prod(x.shape[d] for d in dims)
+        sums = x.data.to(torch.float64).sum(dims, keepdim=keepdim)
+        return _requant_by_count(self, sums, torch.full_like(sums, float(count)), x)
+
+
+class Sum(FunctionalQuantized):
+    """Integer ``sum(dim, keepdim)``."""
+
+    def forward(self, x: QTensor, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> QTensor:
+        dims = _reduce_dims(x, kwargs.pop("axis", dim))
+        sums = x.data.to(torch.float64).sum(dims, keepdim=keepdim)
+        return _requant_by_count(self, sums, torch.ones_like(sums), x)

@@ -1,0 +1,70 @@
+"""Quantize, dequantize and requantize."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fxq.dtypes import QDType, as_qdtype
+from fxq.march import March
+from fxq.qtensor import QTensor
+from fxq.quantized import functional as qf
+from fxq.quantized.base import QuantizedModule
+
+__all__ = ["Quantize", "DeQuantize", "Requantize"]
+
+
+class Quantize(QuantizedModule):
+    """float -> QTensor with ``clamp(round(x / scale))``.
+
+    ``scale`` is a buffer: deployment code may change it (e.g. to 1.0 for
+    integer camera input followed by ``centered_yuv2rgb``).
+    """
+
+    def __init__(self, scale: Tensor, dtype: QDType, march: March) -> None:
+        super().__init__(march)
+        self.register_buffer("scale", scale.detach().clone().reshape(1).to(torch.float32))
+        self.dtype_name = as_qdtype(dtype).name
+
+    @property
+    def dtype(self) -> QDType:
+        return as_qdtype(self.dtype_name)
+
+    @classmethod
+    def from_qat(cls, qat: nn.Module) -> Quantize:
+        fq = qat.activation_post_process
+        return cls(fq.scale, fq.dtype, fq.march)
+
+    def forward(self, x: Tensor | QTensor) -> QTensor:
+        if isinstance(x, QTensor):
+            return Requantize(self.scale, self.dtype, self.march)(x)
+        return QTensor.quantize(x, self.scale, self.dtype, self.rounding)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale.item():.6g}, dtype={self.dtype_name}"
+
+
+class DeQuantize(nn.Module):
+    """QTensor -> float (floats pass through unchanged)."""
+
+    _fxq_leaf = True
+
+    def forward(self, x):
+        return x.dequantize() if isinstance(x, QTensor) else x
+
+
+class Requantize(QuantizedModule):
+    """QTensor -> QTensor at another scale and/or dtype: ``clamp(shift_round(q * m, n))``."""
+
+    def __init__(self, scale: Tensor, dtype: QDType, march: March) -> None:
+        super().__init__(march)
+        self.register_buffer("scale", scale.detach().clone().reshape(1).to(torch.float32))
+        self.dtype_name = as_qdtype(dtype).name
+
+    def forward(self, x: QTensor) -> QTensor:
+        dtype = as_qdtype(self.dtype_name)
+        if torch.equal(x.scale, self.scale) and x.qdtype is dtype:
+            return x
+        m, n = qf.quantize_multiplier(qf.scale_ratio(x.scale, self.scale), self.spec)
+        q = qf.requantize_exact(x.data, m, n, dtype, self.rounding)
+        return QTensor(q, self.scale, dtype)
