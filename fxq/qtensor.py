@@ -1,9 +1,15 @@
 """QTensor: integer data with a scale, as the converted model passes them around.
 
-A ``QTensor`` holds integer storage (int8 / int16 / int32 torch tensors, not
-torch's quantized dtypes), a float32 scale (per tensor, or per channel along
-``axis``) and its ``fxq`` dtype. Its value is ``data * scale``; the zero point
-is always 0.
+A ``QTensor`` holds integers (``data`` / ``int_repr()``: int8 / int16 / int32
+torch tensors, not torch's quantized dtypes), a float32 scale (per tensor, or
+per channel along ``axis``) and its ``fxq`` dtype. Its value is
+``data * scale``; the zero point is always 0.
+
+The integers may also be carried as exact float32 values (``values()``):
+integer kernels that run on float hardware paths (conv, linear) read and
+write that form directly instead of converting at every layer. Each form is
+made from the other on first use and cached; both always hold the same
+integers.
 
 Operations that only move or select values (view, reshape, permute, flatten,
 transpose, slicing, chunk / split, max pooling, ReLU, nearest resampling,
@@ -51,25 +57,33 @@ class QTensor:
     """Integer tensor + scale.
 
     Args:
-        data: integer tensor (int8, int16 or int32 storage).
+        data: the integers, either in their storage dtype (int8, int16, int32)
+            or as a float32 tensor of exact integers (kernel output).
         scale: float32 tensor, one element (per tensor) or one per channel.
-        dtype: the quantized dtype (``fxq.qint8`` ...); must match ``data``.
+        dtype: the quantized dtype (``fxq.qint8`` ...); integer ``data`` must
+            be in its storage dtype.
         axis: channel axis of a per-channel scale.
 
     Raises:
         TypeError / ValueError: for mismatched storage, dtype or scale shape.
     """
 
-    __slots__ = ("data", "scale", "qdtype", "axis")
+    __slots__ = ("_int", "_float", "scale", "qdtype", "axis")
 
     def __init__(
         self, data: Tensor, scale: Tensor, dtype: QDType | str, axis: int | None = None
     ) -> None:
         qdtype = as_qdtype(dtype)
-        if data.dtype is not qdtype.storage:
-            raise TypeError(
-                f"QTensor of {qdtype.name} needs {qdtype.storage} storage, got {data.dtype}"
-            )
+        if data.is_floating_point():
+            if data.dtype is not torch.float32:
+                raise TypeError(f"a QTensor carries exact integers in float32, got {data.dtype}")
+            self._float, self._int = data, None
+        else:
+            if data.dtype is not qdtype.storage:
+                raise TypeError(
+                    f"QTensor of {qdtype.name} needs {qdtype.storage} storage, got {data.dtype}"
+                )
+            self._int, self._float = data, None
         scale = torch.as_tensor(scale, dtype=torch.float32, device=data.device).reshape(-1)
         if scale.numel() != 1:
             if axis is None:
@@ -78,10 +92,27 @@ class QTensor:
                 raise ValueError(
                     f"per-channel scale has {scale.numel()} entries for {data.shape[axis]} channels"
                 )
-        self.data = data
         self.scale = scale
         self.qdtype = qdtype
         self.axis = axis if scale.numel() != 1 else None
+
+    @property
+    def data(self) -> Tensor:
+        """The integers in their storage dtype (int8 / int16 / int32)."""
+        if self._int is None:
+            self._int = self._float.to(self.qdtype.storage)
+        return self._int
+
+    def values(self) -> Tensor:
+        """The integers as exact float32 values (int32 data keeps its own dtype)."""
+        if self._float is None:
+            if self.qdtype.bits > 24:
+                return self._int
+            self._float = self._int.to(torch.float32)
+        return self._float
+
+    def _primary(self) -> Tensor:
+        return self._float if self._float is not None else self._int
 
     # -- construction / leaving the integer domain --------------------------
     @classmethod
@@ -90,13 +121,16 @@ class QTensor:
         from fxq.quantized import functional as qf
 
         dtype = as_qdtype(dtype)
-        return cls(qf.quantize(x, scale, dtype, rounding), scale, dtype)
+        return cls(
+            qf.quantize(x, scale, dtype, rounding, as_float=x.dtype is torch.float32), scale, dtype
+        )
 
     def dequantize(self) -> Tensor:
         """``data * scale`` as float32."""
-        from fxq.quantized.functional import dequantize
+        from fxq.quantized.functional import broadcast_scale
 
-        return dequantize(self.data, self.scale, self.axis)
+        v = self._primary()
+        return v.to(torch.float32) * broadcast_scale(self.scale, v.dim(), self.axis)
 
     def int_repr(self) -> Tensor:
         return self.data
@@ -115,15 +149,15 @@ class QTensor:
     # -- tensor-like metadata -----------------------------------------------
     @property
     def shape(self) -> torch.Size:
-        return self.data.shape
+        return self._primary().shape
 
     @property
     def ndim(self) -> int:
-        return self.data.dim()
+        return self._primary().dim()
 
     @property
     def device(self) -> torch.device:
-        return self.data.device
+        return self._primary().device
 
     @property
     def dtype(self) -> QDType:
@@ -134,16 +168,17 @@ class QTensor:
         return True
 
     def size(self, dim: int | None = None):
-        return self.data.size() if dim is None else self.data.size(dim)
+        v = self._primary()
+        return v.size() if dim is None else v.size(dim)
 
     def dim(self) -> int:
-        return self.data.dim()
+        return self._primary().dim()
 
     def numel(self) -> int:
-        return self.data.numel()
+        return self._primary().numel()
 
     def __len__(self) -> int:
-        return len(self.data)
+        return len(self._primary())
 
     def __repr__(self) -> str:
         scale = (
@@ -157,6 +192,10 @@ class QTensor:
     def _like(self, data: Tensor) -> QTensor:
         return QTensor(data, self.scale, self.qdtype)
 
+    def _map(self, fn: Callable[[Tensor], Any]) -> Any:
+        """Apply a value-preserving op to the integers (in whichever form is at hand)."""
+        return _wrap_like(self, fn(self._primary()))
+
     def _per_tensor(self, op: str) -> None:
         if self.axis is not None:
             raise TypeError(
@@ -166,8 +205,7 @@ class QTensor:
     def _shape_op(name: str):  # noqa: N805 - builds methods
         def method(self: QTensor, *args: Any, **kwargs: Any):
             self._per_tensor(f"QTensor.{name}")
-            out = getattr(self.data, name)(*_unwrap(args), **kwargs)
-            return _wrap_like(self, out)
+            return self._map(lambda v: getattr(v, name)(*_unwrap(args), **kwargs))
 
         method.__name__ = name
         method.__doc__ = f"``Tensor.{name}`` on the integer data; the scale is kept."
@@ -193,10 +231,12 @@ class QTensor:
     del _shape_op
 
     def contiguous(self, *args: Any, **kwargs: Any) -> QTensor:
-        return QTensor(self.data.contiguous(*args, **kwargs), self.scale, self.qdtype, self.axis)
+        return QTensor(
+            self._primary().contiguous(*args, **kwargs), self.scale, self.qdtype, self.axis
+        )
 
     def clone(self) -> QTensor:
-        return QTensor(self.data.clone(), self.scale.clone(), self.qdtype, self.axis)
+        return QTensor(self._primary().clone(), self.scale.clone(), self.qdtype, self.axis)
 
     def detach(self) -> QTensor:
         return self
@@ -213,12 +253,12 @@ class QTensor:
     def to(self, *args: Any, **kwargs: Any) -> QTensor:
         """Move to a device (a dtype change is refused: it would leave the integer grid)."""
         target = torch.empty(0).to(*args, **kwargs)
-        if target.dtype is not torch.float32 and target.dtype is not self.data.dtype:
+        if target.dtype is not torch.float32 and target.dtype is not self.qdtype.storage:
             raise TypeError(
                 f"QTensor.to({target.dtype}) would change the integer dtype; dequantize() first"
             )
         return QTensor(
-            self.data.to(target.device), self.scale.to(target.device), self.qdtype, self.axis
+            self._primary().to(target.device), self.scale.to(target.device), self.qdtype, self.axis
         )
 
     def cpu(self) -> QTensor:
@@ -228,7 +268,7 @@ class QTensor:
         return self.to(torch.device("cuda") if device is None else device)
 
     def relu(self) -> QTensor:
-        return self._like(self.data.clamp(min=0))
+        return self._like(self._primary().clamp(min=0))
 
     relu_ = relu
 
@@ -260,7 +300,7 @@ class QTensor:
 
 def _unwrap(values: Any) -> Any:
     if isinstance(values, QTensor):
-        return values.data
+        return values._primary()
     if isinstance(values, (list, tuple)):
         return type(values)(_unwrap(v) for v in values)
     return values
@@ -308,18 +348,18 @@ for _fn, _name in (
 
 
 def _float_roundtrip(op: Callable, input: QTensor, *args: Any, **kwargs: Any) -> QTensor:
-    """Run a value-selecting op on exact float copies of the integers (int16 fits float32)."""
+    """Run a value-selecting op on the exact float32 form of the integers (int16 fits)."""
     input._per_tensor(getattr(op, "__name__", "op"))
-    out = op(input.data.to(torch.float32), *args, **kwargs)
+    out = op(input.values(), *args, **kwargs)
     if isinstance(out, tuple):  # return_indices=True
-        return (input._like(out[0].to(input.data.dtype)),) + tuple(out[1:])
-    return input._like(out.to(input.data.dtype))
+        return (input._like(out[0]),) + tuple(out[1:])
+    return input._like(out)
 
 
 @implements(F.relu, torch.relu)
 def _relu(input: QTensor, inplace: bool = False) -> QTensor:
     input._per_tensor("relu")
-    return input._like(input.data.clamp(min=0))
+    return input._like(input._primary().clamp(min=0))
 
 
 for _pool in (
@@ -356,7 +396,7 @@ def _pad(input: QTensor, pad, mode: str = "constant", value: float | None = None
     if mode == "constant" and value not in (None, 0, 0.0):
         raise TypeError(f"F.pad with value {value} is not on the integer grid of a QTensor")
     if mode == "constant":
-        return input._like(F.pad(input.data, pad))
+        return input._like(F.pad(input._primary(), pad))
     return _float_roundtrip(F.pad, input, pad, mode)
 
 

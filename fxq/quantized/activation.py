@@ -63,7 +63,15 @@ class Clamp(FunctionalQuantized):
             )
 
         q = qf.requantize_exact(
-            x.data, m, s, self.out_dtype, self.rounding, None, bound(lo), bound(hi)
+            x.values(),
+            m,
+            s,
+            self.out_dtype,
+            self.rounding,
+            None,
+            bound(lo),
+            bound(hi),
+            as_float=True,
         )
         return self.wrap(q)
 
@@ -103,5 +111,5 @@ class LookupTable(FunctionalQuantized):
         args = tuple(a for a in args if not isinstance(a, bool))  # inplace flags
         table = self.table(x, args, kwargs)
         if x.qdtype.bits == 8:
-            return self.wrap(qf.apply_lut_int8(x.data, table.to(x.device)))
-        return self.wrap(qf.apply_segment_lut(x.data, table, self.rounding))
+            return self.wrap(qf.apply_lut_int8(x.values(), table.to(x.device)))
+        return self.wrap(qf.apply_segment_lut(x.values(), table, self.rounding))

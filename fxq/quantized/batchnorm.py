@@ -69,9 +69,17 @@ class BatchNorm(QuantizedModule):
         check_input(self, x, self.input_scale)
         shape = [1] * x.dim()
         shape[1] = -1
-        acc = x.data.to(torch.float64) * self.weight.to(torch.float64).reshape(shape)
+        acc = x.values().to(torch.float64) * self.weight.to(torch.float64).reshape(shape)
         acc = qf.saturate_int32(acc + self.bias.to(torch.float64).reshape(shape))
         q = qf.requantize_exact(
-            acc, self.multiplier, self.shift, self.out_dtype, self.rounding, 1, self.lo, self.hi
+            acc,
+            self.multiplier,
+            self.shift,
+            self.out_dtype,
+            self.rounding,
+            1,
+            self.lo,
+            self.hi,
+            as_float=True,
         )
         return QTensor(q, self.output_scale, self.out_dtype)

@@ -58,7 +58,7 @@ class Add(FunctionalQuantized):
                 )
                 + 0.5
             )
-        terms = [(t.data, int(m.reshape(-1)[0])) for (t, _), m in zip(tensors, ms)]
+        terms = [(t.values(), int(m.reshape(-1)[0])) for (t, _), m in zip(tensors, ms)]
         return self.wrap(qf.add_requant(terms, constant, n, self.out_dtype, self.rounding))
 
 
@@ -76,13 +76,15 @@ class Mul(FunctionalQuantized):
         s_y = self.output_scale.to(torch.float64)
         if isinstance(a, QTensor) and isinstance(b, QTensor):
             real = a.scale.to(torch.float64) * b.scale.to(torch.float64) / s_y
-            product = a.data.to(torch.float64) * b.data.to(torch.float64)
+            product = a.values().to(torch.float64) * b.values().to(torch.float64)
         else:
             q, c = (a, b) if isinstance(a, QTensor) else (b, a)
             real = q.scale.to(torch.float64) * abs(float(c)) / s_y
-            product = q.data.to(torch.float64) * (-1.0 if float(c) < 0 else 1.0)
+            product = q.values().to(torch.float64) * (-1.0 if float(c) < 0 else 1.0)
         m, s = qf.quantize_multiplier(real, self.spec)
-        return self.wrap(qf.requantize_exact(product, m, s, self.out_dtype, self.rounding))
+        return self.wrap(
+            qf.requantize_exact(product, m, s, self.out_dtype, self.rounding, as_float=True)
+        )
 
 
 class Cat(FunctionalQuantized):
@@ -93,8 +95,12 @@ class Cat(FunctionalQuantized):
         datas = []
         for t in tensors:
             if torch.equal(t.scale, s_y) and t.qdtype is self.out_dtype:
-                datas.append(t.data)
+                datas.append(t.values())
             else:
                 m, n = qf.quantize_multiplier(qf.scale_ratio(t.scale, s_y), self.spec)
-                datas.append(qf.requantize_exact(t.data, m, n, self.out_dtype, self.rounding))
+                datas.append(
+                    qf.requantize_exact(
+                        t.values(), m, n, self.out_dtype, self.rounding, as_float=True
+                    )
+                )
         return self.wrap(torch.cat(datas, dim))

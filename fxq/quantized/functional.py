@@ -79,6 +79,7 @@ def quantize(
     dtype: QDType,
     rounding: Rounding,
     ch_axis: int | None = None,
+    as_float: bool = False,
 ) -> Tensor:
     """Quantize a float tensor: ``clamp(round(x / scale), qmin, qmax)``.
 
@@ -87,11 +88,12 @@ def quantize(
     by the VALIDATION simulation and by the converted model's quantize stub.
 
     Returns:
-        an integer tensor of ``dtype.storage`` with ``x``'s shape.
+        an integer tensor of ``dtype.storage`` with ``x``'s shape (float32
+        holding the same integers when ``as_float``).
     """
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
-    v = round_float(x / s, rounding, inplace=True)
-    return v.clamp_(dtype.qmin, dtype.qmax).to(dtype.storage)
+    v = round_float(x / s, rounding, inplace=True).clamp_(dtype.qmin, dtype.qmax)
+    return v.to(torch.float32) if as_float else v.to(dtype.storage)
 
 
 def dequantize(q: Tensor, scale: Tensor, ch_axis: int | None = None) -> Tensor:
@@ -391,6 +393,8 @@ def requantize_exact(
     channel_axis: int | None = None,
     lo: int | None = None,
     hi: int | None = None,
+    use_native: bool = True,
+    as_float: bool = False,
 ) -> Tensor:
     """``clamp(shift_round(acc * m, shift), lo, hi)`` for an exact float accumulator.
 
@@ -404,16 +408,67 @@ def requantize_exact(
         dtype: output dtype (gives the default saturation bounds).
         channel_axis: axis of per-channel multipliers.
         lo, hi: tighter output bounds (fused ReLU / ReLU6).
+        use_native: use the one-pass C kernel on the CPU when it is available
+            (``fxq.quantized.native``; identical results).
+        as_float: return the integers as exact float32 values (the form the
+            next integer kernel reads) instead of in ``dtype.storage``.
 
     Returns:
         an integer tensor of ``dtype.storage``.
     """
     r = torch.ldexp(multiplier.to(torch.float64), -shift.to(torch.float64))
-    r = broadcast_scale(r, acc.dim(), channel_axis)
-    v = round_float(acc.to(torch.float64) * r, rounding, inplace=True)
     lo = dtype.qmin if lo is None else max(lo, dtype.qmin)
     hi = dtype.qmax if hi is None else min(hi, dtype.qmax)
-    return v.clamp_(lo, hi).to(dtype.storage)
+    if use_native and acc.is_floating_point():
+        from fxq.quantized import native
+
+        target = torch.float32 if as_float else dtype.storage
+        out = native.requantize(
+            acc, r, channel_axis, lo, hi, rounding is Rounding.HALF_EVEN, target
+        )
+        if out is not None:
+            return out
+    r = broadcast_scale(r, acc.dim(), channel_axis)
+    v = round_float(acc.to(torch.float64) * r, rounding, inplace=True)
+    return v.clamp_(lo, hi).to(torch.float32 if as_float else dtype.storage)
+
+
+def requantize_residual(
+    acc: Tensor,
+    residual: Tensor,
+    residual_multiplier: Tensor,
+    residual_shift: Tensor,
+    multiplier: Tensor,
+    shift: Tensor,
+    dtype: QDType,
+    rounding: Rounding,
+    channel_axis: int,
+    lo: int | None = None,
+    hi: int | None = None,
+    use_native: bool = True,
+) -> Tensor:
+    """Requantize ``sat32(acc + shift_round(residual * mr, kr))``; returns float32 integers.
+
+    The residual term is rounded into the accumulator's scale first, so the
+    sum is an exact integer (docs/arithmetic.md, fused add).
+    """
+    lo = dtype.qmin if lo is None else max(lo, dtype.qmin)
+    hi = dtype.qmax if hi is None else min(hi, dtype.qmax)
+    if use_native and acc.is_floating_point():
+        from fxq.quantized import native
+
+        r = torch.ldexp(multiplier.to(torch.float64), -shift.to(torch.float64))
+        rr = torch.ldexp(residual_multiplier.to(torch.float64), -residual_shift.to(torch.float64))
+        out = native.requantize_add(
+            acc, residual, rr, r, channel_axis, lo, hi, rounding is Rounding.HALF_EVEN
+        )
+        if out is not None:
+            return out
+    term = rescale_term(residual, residual_multiplier, residual_shift, rounding, channel_axis)
+    total = saturate_int32(acc.to(torch.float64) + term)
+    return requantize_exact(
+        total, multiplier, shift, dtype, rounding, channel_axis, lo, hi, use_native, True
+    )
 
 
 def saturate_int32(acc: Tensor) -> Tensor:

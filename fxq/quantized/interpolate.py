@@ -70,11 +70,13 @@ class Interpolate(FunctionalQuantized):
             out_sizes = [int(math.floor(n * f)) for n, f in zip(in_sizes, sfs)]
             scales = [None if p["recompute_scale_factor"] else float(f) for f in sfs]
         align = bool(p["align_corners"])
-        acc = x.data.to(torch.float64)
+        acc = x.values().to(torch.float64)
         for d in range(dims):
             acc = _resample_axis(acc, 2 + d, out_sizes[d], scales[d], align)
         real = x.scale.to(torch.float64) / (
             float(1 << (qf.INTERP_FRACTION_BITS * dims)) * self.output_scale.to(torch.float64)
         )
         m, s = qf.quantize_multiplier(real, self.spec)
-        return self.wrap(qf.requantize_exact(acc, m, s, self.out_dtype, self.rounding))
+        return self.wrap(
+            qf.requantize_exact(acc, m, s, self.out_dtype, self.rounding, as_float=True)
+        )

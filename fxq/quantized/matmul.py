@@ -27,11 +27,13 @@ class MatMul(FunctionalQuantized):
         plan = qf.plan_accumulation(
             a.qdtype.bits, k * (1 << (b.qdtype.bits - 1)), other_bits=b.qdtype.bits
         )
-        acc = qf.saturate_int32(qf.accumulate(_matmul, a.data, b.data, None, plan))
+        acc = qf.saturate_int32(qf.accumulate(_matmul, a.values(), b.values(), None, plan))
         real = (
             a.scale.to(torch.float64)
             * b.scale.to(torch.float64)
             / self.output_scale.to(torch.float64)
         )
         m, s = qf.quantize_multiplier(real, self.spec)
-        return self.wrap(qf.requantize_exact(acc, m, s, self.out_dtype, self.rounding))
+        return self.wrap(
+            qf.requantize_exact(acc, m, s, self.out_dtype, self.rounding, as_float=True)
+        )

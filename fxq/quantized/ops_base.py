@@ -52,4 +52,4 @@ class FunctionalQuantized(QuantizedModule):
 
 
 def as_float64(x: QTensor) -> Tensor:
-    return x.data.to(torch.float64)
+    return x.values().to(torch.float64)

@@ -80,7 +80,7 @@ class AvgPool(FunctionalQuantized):
 
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
         params = self._arguments(args, kwargs)
-        data = x.data
+        data = x.values()
         one_d = data.dim() == 3
         if one_d:  # avg_pool1d has no divisor_override: pool a height-1 image instead
             data = data.unsqueeze(2)
@@ -134,7 +134,7 @@ class AdaptiveAvgPool(FunctionalQuantized):
             size = args[0] if args else kwargs["output_size"]
         dims = x.dim() - 2
         size = (size,) * dims if isinstance(size, int) or size is None else tuple(size)
-        sums, counts = window_sums_adaptive(x.data, size)
+        sums, counts = window_sums_adaptive(x.values(), size)
         return _requant_by_count(self, sums, counts, x)
 
 
@@ -151,7 +151,7 @@ class Mean(FunctionalQuantized):
     def forward(self, x: QTensor, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> QTensor:
         dims = _reduce_dims(x, kwargs.pop("axis", dim))
         count = math.prod(x.shape[d] for d in dims)
-        sums = x.data.to(torch.float64).sum(dims, keepdim=keepdim)
+        sums = x.values().to(torch.float64).sum(dims, keepdim=keepdim)
         return _requant_by_count(self, sums, torch.full_like(sums, float(count)), x)
 
 
@@ -160,5 +160,5 @@ class Sum(FunctionalQuantized):
 
     def forward(self, x: QTensor, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> QTensor:
         dims = _reduce_dims(x, kwargs.pop("axis", dim))
-        sums = x.data.to(torch.float64).sum(dims, keepdim=keepdim)
+        sums = x.values().to(torch.float64).sum(dims, keepdim=keepdim)
         return _requant_by_count(self, sums, torch.ones_like(sums), x)

@@ -66,5 +66,5 @@ class Requantize(QuantizedModule):
         if torch.equal(x.scale, self.scale) and x.qdtype is dtype:
             return x
         m, n = qf.quantize_multiplier(qf.scale_ratio(x.scale, self.scale), self.spec)
-        q = qf.requantize_exact(x.data, m, n, dtype, self.rounding)
+        q = qf.requantize_exact(x.values(), m, n, dtype, self.rounding, as_float=True)
         return QTensor(q, self.scale, dtype)

@@ -154,12 +154,14 @@ class _Weighted(QuantizedModule):
 
     def accumulator(self, x: QTensor, residual: QTensor | None = None) -> Tensor:
         """The exact (saturated) int32 accumulator, as a float tensor of integers."""
-        acc = qf.accumulate(self._op, x.data, self.weight, self.bias, self.plan, self._channel_axis)
+        acc = qf.accumulate(
+            self._op, x.values(), self.weight, self.bias, self.plan, self._channel_axis
+        )
         if self.may_saturate:
             acc = qf.saturate_int32(acc)
         if self.add:
             term = qf.rescale_term(
-                residual.data,
+                residual.values(),
                 self.residual_multiplier,
                 self.residual_shift,
                 self.rounding,
@@ -172,8 +174,8 @@ class _Weighted(QuantizedModule):
         check_input(self, x, self.input_scale)
         if self.add:
             check_input(self, residual, self.residual_scale, 1)
-        acc = self.accumulator(x, residual)
         if self.high_precision:
+            acc = self.accumulator(x, residual)
             if self.lo is not None:
                 acc = acc.clamp(min=0)
             scale = qf.broadcast_scale(self.accumulator_scale, acc.dim(), self._channel_axis)
@@ -181,16 +183,24 @@ class _Weighted(QuantizedModule):
             if self.activation == "relu6":
                 y = y.clamp(max=6.0)
             return y.to(torch.float32)
-        q = qf.requantize_exact(
-            acc,
-            self.multiplier,
-            self.shift,
-            self.out_dtype,
-            self.rounding,
-            self._channel_axis,
-            self.lo,
-            self.hi,
+        acc = qf.accumulate(
+            self._op, x.values(), self.weight, self.bias, self.plan, self._channel_axis
         )
+        if self.may_saturate:
+            acc = qf.saturate_int32(acc)
+        args = (self.out_dtype, self.rounding, self._channel_axis, self.lo, self.hi)
+        if self.add:
+            q = qf.requantize_residual(
+                acc,
+                residual.values(),
+                self.residual_multiplier,
+                self.residual_shift,
+                self.multiplier,
+                self.shift,
+                *args,
+            )
+        else:
+            q = qf.requantize_exact(acc, self.multiplier, self.shift, *args, as_float=True)
         return QTensor(q, self.output_scale, self.out_dtype)
 
     @classmethod

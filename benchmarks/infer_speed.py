@@ -1,0 +1,116 @@
+"""Inference time of fxq's integer model, divided by the float model's, with
+torch.ao's int8 model beside it, measured in the same run on the same inputs.
+
+    python benchmarks/infer_speed.py                 # resnet18, mobilenet_v2; batch 8, 224x224
+    python benchmarks/infer_speed.py --models resnet18 --iters 20
+
+The fxq model is bit-exact with its QAT model; torch.ao uses the x86 default
+PTQ qconfig mapping (fbgemm / onednn kernels, rounding of its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+import torchvision
+from tabulate import tabulate
+
+import fxq
+from fxq.qconfig import default_calib_8bit_fake_quant_qconfig
+
+
+def fxq_integer(model: torch.nn.Module, calib: torch.Tensor) -> torch.nn.Module:
+    fxq.set_march("bayes")
+    qat = fxq.prepare_qat_fx(model, {"": default_calib_8bit_fake_quant_qconfig}).eval()
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    with torch.no_grad():
+        qat(calib)
+    return fxq.convert_fx(qat)
+
+
+def torch_ao_int8(model: torch.nn.Module, calib: torch.Tensor) -> torch.nn.Module:
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare_fx(
+            copy.deepcopy(model).eval(), get_default_qconfig_mapping("x86"), (calib[:1],)
+        )
+        with torch.no_grad():
+            prepared(calib)
+        return convert_fx(prepared)
+
+
+def measure(
+    models: dict[str, torch.nn.Module], x: torch.Tensor, iters: int, warmup: int
+) -> dict[str, float]:
+    with torch.no_grad():
+        for m in models.values():
+            for _ in range(warmup):
+                m(x)
+        times: dict[str, list[float]] = {k: [] for k in models}
+        for _ in range(iters):
+            for name, m in models.items():  # interleaved so that noise hits every model alike
+                t0 = time.perf_counter()
+                m(x)
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=224)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for name in args.models:
+        model = getattr(torchvision.models, name)().eval()
+        calib = torch.randn(8, 3, args.size, args.size)
+        x = torch.randn(args.batch, 3, args.size, args.size)
+        variants = {
+            "float": model,
+            "fxq": fxq_integer(model, calib),
+            "torch.ao": torch_ao_int8(model, calib),
+        }
+        t = measure(variants, x, args.iters, args.warmup)
+        rows.append(
+            [
+                name,
+                f"{t['float'] * 1e3:.1f}",
+                f"{t['fxq'] * 1e3:.1f}",
+                f"{t['fxq'] / t['float']:.2f}x",
+                f"{t['torch.ao'] * 1e3:.1f}",
+                f"{t['torch.ao'] / t['float']:.2f}x",
+            ]
+        )
+    print(
+        f"inference, batch {args.batch}, {args.size}x{args.size}, {torch.get_num_threads()} threads, "
+        f"median of {args.iters}"
+    )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "model",
+                "float ms",
+                "fxq int ms",
+                "fxq/float",
+                "torch.ao int8 ms",
+                "torch.ao/float",
+            ],
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
