@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from fxq.dtypes import QDType, as_qdtype
 from fxq.march import March, spec_for
 from fxq.qtensor import QTensor
 
-__all__ = ["QuantizedModule", "Standalone", "check_input", "quantize_tensors"]
+__all__ = ["QuantizedModule", "Standalone", "check_input", "quantize_tensors", "warn_if_saturated"]
 
 
 class QuantizedModule(nn.Module):
@@ -96,3 +97,26 @@ class Standalone(QuantizedModule):
         args, kwargs = quantize_tensors((args, kwargs), scales, dtypes, self.rounding)
         out = self.inner(*args, **kwargs)
         return out.dequantize() if isinstance(out, QTensor) else out
+
+
+_INT32_LIMIT = float((1 << 31) - 1)
+
+
+def warn_if_saturated(module: QuantizedModule, acc: Tensor) -> None:
+    """Warn (once per module) when an int32 accumulator actually saturated.
+
+    Only called where the worst case can exceed int32; the march's accumulator
+    saturates, so results stay defined, but the layer is far less accurate.
+    """
+    if module.__dict__.get("_warned_saturation"):
+        return
+    hits = int((acc.abs() >= _INT32_LIMIT).sum())
+    if hits:
+        module.__dict__["_warned_saturation"] = True
+        warnings.warn(
+            f"fxq: the int32 accumulator of {type(module).__name__} {module.name!r} saturated on {hits} "
+            f"of {acc.numel()} elements; products of two int16 values (or int16 inputs with large "
+            "weights) overflow 32 bits. Use int8 for one operand or scale the values down.",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
+from fxq.quantized.base import warn_if_saturated
 from fxq.quantized.ops_base import FunctionalQuantized
 
 __all__ = ["MatMul"]
@@ -27,7 +28,10 @@ class MatMul(FunctionalQuantized):
         plan = qf.plan_accumulation(
             a.qdtype.bits, k * (1 << (b.qdtype.bits - 1)), other_bits=b.qdtype.bits
         )
-        acc = qf.saturate_int32(qf.accumulate(_matmul, a.values(), b.values(), None, plan))
+        acc = qf.accumulate(_matmul, a.values(), b.values(), None, plan)
+        if plan.bound >= 1 << 31 or plan.limbs > 1:
+            warn_if_saturated(self, acc)
+        acc = qf.saturate_int32(acc)
         real = (
             a.scale.to(torch.float64)
             * b.scale.to(torch.float64)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from fxq.dtypes import QDType, as_qdtype, qint8, qint32
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
-from fxq.quantized.base import QuantizedModule, check_input
+from fxq.quantized.base import QuantizedModule, check_input, warn_if_saturated
 
 __all__ = [
     "Conv1d",
@@ -187,6 +187,7 @@ class _Weighted(QuantizedModule):
             self._op, x.values(), self.weight, self.bias, self.plan, self._channel_axis
         )
         if self.may_saturate:
+            warn_if_saturated(self, acc)
             acc = qf.saturate_int32(acc)
         args = (self.out_dtype, self.rounding, self._channel_axis, self.lo, self.hi)
         if self.add:
