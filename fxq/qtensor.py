@@ -288,14 +288,26 @@ class QTensor:
         kwargs = kwargs or {}
         impl = _HANDLED.get(func)
         if impl is None:
-            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-            module = getattr(func, "__module__", None) or "torch"
             raise TypeError(
-                f"{module}.{name} has no integer meaning for a QTensor; fxq does not dequantize "
+                f"{_op_name(func)} has no integer meaning for a QTensor; fxq does not dequantize "
                 "silently. Call .dequantize() explicitly, or give this op a qconfig of None so it "
                 "runs in float"
             )
         return impl(*args, **kwargs)
+
+
+def _op_name(func: Callable) -> str:
+    """A readable name for a torch function (``torch.exp``, ``torch.nn.functional.gelu``)."""
+    name = getattr(func, "__name__", None) or repr(func)
+    for prefix, namespace in (
+        ("torch", torch),
+        ("torch.nn.functional", F),
+        ("torch.Tensor", torch.Tensor),
+    ):
+        if getattr(namespace, name, None) is func:
+            return f"{prefix}.{name}"
+    module = getattr(func, "__module__", None)
+    return f"{module}.{name}" if module else name
 
 
 def _unwrap(values: Any) -> Any:

@@ -10,6 +10,8 @@ DOCS = sorted((Path(__file__).resolve().parents[1] / "docs").glob("*.md"))
 
 @pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
 def test_doc_examples(path):
-    result = doctest.testfile(str(path), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testfile(
+        str(path), module_relative=False, optionflags=doctest.NORMALIZE_WHITESPACE
+    )
     assert result.failed == 0
     assert path.name != "arithmetic.md" or result.attempted >= 30

@@ -73,12 +73,18 @@ def test_torchvision_model(bayes, name):
     # one QAT step: gradients reach every weight, BatchNorm statistics move
     fxq.set_fake_quantize(prepared, "qat")
     prepared.train()
-    bns = [m.bn for m in prepared.modules() if isinstance(m, QATModule) and getattr(m, "bn", None) is not None]
+    bns = [
+        m.bn
+        for m in prepared.modules()
+        if isinstance(m, QATModule) and getattr(m, "bn", None) is not None
+    ]
     before = [bn.running_mean.clone() for bn in bns]
     opt = torch.optim.SGD(prepared.parameters(), lr=0.01)
     loss = nn.functional.cross_entropy(_logits(prepared(x)), torch.randint(0, 10, (4,)))
     loss.backward()
-    weights = [m.weight for m in prepared.modules() if isinstance(m, QATModule) and hasattr(m, "weight")]
+    weights = [
+        m.weight for m in prepared.modules() if isinstance(m, QATModule) and hasattr(m, "weight")
+    ]
     assert weights and all(w.grad is not None and torch.isfinite(w.grad).all() for w in weights)
     opt.step()
     assert all(not torch.equal(bn.running_mean, b) for bn, b in zip(bns, before))

@@ -37,7 +37,9 @@ class Zoo(nn.Module):
         u = self.mpool(u)  # max pooling keeps the scale
         a = self.hsw(z) * self.sig(u)  # LUTs and a product
         a = a - 0.25 * z  # scalar mul, sub
-        a = torch.cat([a, F.interpolate(self.pool(z), size=z.shape[-2:], mode="nearest")], 1)  # avg pool, cat
+        a = torch.cat(
+            [a, F.interpolate(self.pool(z), size=z.shape[-2:], mode="nearest")], 1
+        )  # avg pool, cat
         a = a[:, ::2] + 1.0  # slicing, scalar add
         b = F.interpolate(self.gelu(a), scale_factor=0.5, mode="bilinear", align_corners=False)
         b = self.upsample(b)
@@ -48,5 +50,7 @@ class Zoo(nn.Module):
         m = torch.matmul(b.flatten(2), b.flatten(2).transpose(1, 2))  # matmul of activations
         f = torch.flatten(self.apool(b), 1)  # non-divisible adaptive pooling
         f = F.relu(self.fc_bn(self.fc(f)))  # linear+bn1d+relu
-        out = self.head(f) + torch.exp(-F.silu(t.squeeze(-1)))[:, :1] + v.mean((1, 2, 3)).unsqueeze(1)
+        out = (
+            self.head(f) + torch.exp(-F.silu(t.squeeze(-1)))[:, :1] + v.mean((1, 2, 3)).unsqueeze(1)
+        )
         return out, m.sum((1, 2))

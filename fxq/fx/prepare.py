@@ -248,6 +248,7 @@ class _Preparer:
                             and resolved.qat_class is not None
                         ):
                             qat = self._make_standalone(resolved, child, choice)
+                            _name_fake_quants(qat, path)
                             setattr(module, name, qat)
                             continue
                 if isinstance(child, Fused) or _is_torch_builtin(child):
@@ -289,6 +290,7 @@ def _clone_for_call_site(qat: QATModule) -> QATModule:
 
 
 def _name_fake_quants(qat: QATModule, path: str) -> None:
+    qat.name = path
     if qat.has_output_quant:
         qat.activation_post_process.set_name(f"the output of '{path}'")
     wfq = getattr(qat, "weight_fake_quant", None)

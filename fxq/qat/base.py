@@ -57,6 +57,7 @@ class QATModule(nn.Module):
         self.state = FakeQuantState.QAT
         self._input_quants: tuple[FakeQuantize | None, ...] = ()
         self.standalone = False
+        self.name = ""  # the module's path, set by prepare (for messages)
 
     # -- wiring ----------------------------------------------------------------
     @property
@@ -125,7 +126,9 @@ class QATModule(nn.Module):
         key = self._twin_key()
         cached = self.__dict__.get("_twin")
         if cached is None or cached[0] != key:
-            cached = (key, to_quantized(self).to(self._device()))
+            twin = to_quantized(self).to(self._device())
+            twin.name = self.name
+            cached = (key, twin)
             self.__dict__["_twin"] = cached
         return cached[1]
 
