@@ -9,13 +9,14 @@ The pipeline::
     fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)    # evaluate
 """
 
-from fxq import qconfig
+from fxq import deploy, functional, qconfig
 from fxq.dtypes import QDType, qint8, qint16, qint32
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
 from fxq.fx import FxqTraceError, convert_fx, fuse_fx, fx_wrap, prepare_qat_fx, symbolic_trace
 from fxq.march import March, get_march, get_march_spec, set_march
 from fxq.qtensor import QTensor
 from fxq.stubs import DeQuantStub, QuantStub
+from fxq.summary import summary
 
 __version__ = "0.1.0"
 
@@ -40,5 +41,8 @@ __all__ = [
     "qint16",
     "qint32",
     "qconfig",
+    "functional",
+    "deploy",
+    "summary",
     "FxqTraceError",
 ]

@@ -66,22 +66,30 @@ class _FakeQuantSTE(torch.autograd.Function):
     """Fake quantization with the clipped straight-through estimator."""
 
     @staticmethod
-    def forward(ctx, x, scale, qmin, qmax, rounding, ch_axis):  # type: ignore[override]
-        out, mask = qf.fake_quantize(x, scale, qmin, qmax, rounding, ch_axis)
+    def forward(ctx, x, scale, qmin, qmax, rounding, ch_axis, exact):  # type: ignore[override]
+        out, mask = qf.fake_quantize(x, scale, qmin, qmax, rounding, ch_axis, exact)
         ctx.save_for_backward(mask)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (mask,) = ctx.saved_tensors
-        return grad * mask, None, None, None, None, None
+        return grad * mask, None, None, None, None, None, None
 
 
 def fake_quantize_ste(
-    x: Tensor, scale: Tensor, dtype: QDType, rounding: Rounding, ch_axis: int | None = None
+    x: Tensor,
+    scale: Tensor,
+    dtype: QDType,
+    rounding: Rounding,
+    ch_axis: int | None = None,
+    exact: bool = True,
 ) -> Tensor:
-    """Differentiable fake quantization (gradient passes where not clipped)."""
-    return _FakeQuantSTE.apply(x, scale, dtype.qmin, dtype.qmax, rounding, ch_axis)
+    """Differentiable fake quantization (gradient passes where not clipped).
+
+    ``exact=False`` rounds with the faster ``floor(v + 0.5)`` (QAT training).
+    """
+    return _FakeQuantSTE.apply(x, scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact)
 
 
 class FakeQuantizeFactory:
@@ -257,7 +265,8 @@ class FakeQuantize(nn.Module):
         self.update_scale()
         if state is FakeQuantState.CALIBRATION:
             return x
-        return fake_quantize_ste(x, self.scale, self.dtype, self.rounding, self.ch_axis)
+        # training: the faster rounding formula (it differs only at the float just below 1/2)
+        return fake_quantize_ste(x, self.scale, self.dtype, self.rounding, self.ch_axis, exact=False)
 
     def _require_observed(self) -> None:
         if self._checked_observed:

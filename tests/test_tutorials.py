@@ -21,4 +21,14 @@ def test_quickstart(capsys):
     assert results["float"] > 95.0
     assert results["calibrated"] >= results["float"] - 1.5
     assert results["qat"] >= results["float"] - 1.0
+    assert results["integer"] == results["qat"]  # VALIDATION is the integer computation
     assert "accuracy on held-out digits" in capsys.readouterr().out
+
+
+def test_yuv_deployment(capsys):
+    results = _load("yuv_deployment").main(["--fast"])
+    assert results["float (RGB) accuracy"] > 70.0
+    assert results["integer (YUV) accuracy"] >= results["float (RGB) accuracy"] - 5.0
+    # the integer model on the camera's YUV predicts what the QAT model predicts on RGB
+    assert results["integer (YUV) = QAT (RGB)"] >= 95.0
+    assert "inserted centered_yuv2rgb(swing='full') after 'quant'" in capsys.readouterr().out

@@ -103,6 +103,7 @@ class _Converter:
             if isinstance(module, QATModule):
                 integer = to_quantized(module)
                 integer.name = node.target
+                integer.qconfig_source = module.qconfig_source
                 set_submodule(self.gm, node.target, integer)
                 self.modules[node.target] = integer
                 self.quantized[node] = not getattr(integer, "high_precision", False)

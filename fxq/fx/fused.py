@@ -64,3 +64,7 @@ class Fused(nn.Module):
 
     def extra_repr(self) -> str:
         return f"pattern={self.pattern}"
+
+    def fused_description(self) -> str:
+        """``Fused[conv_bn_relu]`` (a float module: the chain kept in float)."""
+        return f"Fused[{self.pattern}]"

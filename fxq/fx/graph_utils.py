@@ -22,7 +22,24 @@ __all__ = [
     "take_name",
 ]
 
-_TENSOR_ATTRS = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+# attributes of a tensor that are Python values; any other attribute of a tensor (or of
+# torch's named-tuple results, e.g. ``torch.sort(x).values``) is a tensor
+_METADATA_ATTRS = frozenset(
+    {
+        "shape",
+        "dtype",
+        "device",
+        "ndim",
+        "layout",
+        "is_cuda",
+        "is_sparse",
+        "is_quantized",
+        "requires_grad",
+        "names",
+        "grad_fn",
+        "is_leaf",
+    }
+)
 _NONTENSOR_METHODS = frozenset(
     {
         "size",
@@ -98,7 +115,7 @@ def infer_tensor_nodes(
             target = node.target
             if target is builtins.getattr:
                 is_tensor[node] = (
-                    len(node.args) > 1 and node.args[1] in _TENSOR_ATTRS and any_tensor_input
+                    len(node.args) > 1 and node.args[1] not in _METADATA_ATTRS and any_tensor_input
                 )
             elif target in (
                 builtins.len,

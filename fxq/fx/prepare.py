@@ -131,12 +131,18 @@ class _Preparer:
                 self._install_call_site(node)
                 continue
             rule, module = rule_for(node, self.modules)
-            if rule.kind in (Kind.NONTENSOR, Kind.FLOAT, Kind.DEQUANT_STUB):
+            if rule.kind in (Kind.NONTENSOR, Kind.DEQUANT_STUB):
                 continue
             choice = self.choice_for(node, module)
             qconfig = choice.qconfig
-            if qconfig is None:
+            node.meta["fxq_qconfig"] = f"{choice.source}: {choice.key}"
+            if rule.kind is Kind.FLOAT:
+                node.meta["fxq_status"] = "float fallback" if qconfig is not None else "float"
                 continue
+            if qconfig is None:
+                node.meta["fxq_status"] = "float"
+                continue
+            node.meta["fxq_status"] = rule.kind.value
             if rule.kind is Kind.PASSTHROUGH:
                 inputs = tensor_inputs(node, self.is_tensor)
                 self.fq_of[node] = self.fq_of.get(inputs[0]) if inputs else None

@@ -58,16 +58,24 @@ def broadcast_scale(scale: Tensor, ndim: int, ch_axis: int | None) -> Tensor:
     return scale.reshape(shape)
 
 
-def round_float(x: Tensor, rounding: Rounding, inplace: bool = False) -> Tensor:
+def round_float(x: Tensor, rounding: Rounding, inplace: bool = False, exact: bool = True) -> Tensor:
     """Round a float tensor to integral values with the march's rounding.
 
-    ``HALF_UP`` is ``floor(x + 0.5)``; ``HALF_EVEN`` is ``torch.round``.
-    The result keeps the float dtype.
+    ``HALF_UP`` is ``floor(x + 1/2)`` of the exact value of ``x``, computed as
+    ``floor(x) + (x - floor(x) >= 1/2)`` (exact: ``x - floor(x)`` is exact).
+    With ``exact=False`` it is ``floor(x + 0.5)`` in floating point: fewer
+    passes, and equal whenever ``x + 0.5`` is exact, as in requantization
+    where ``x`` has at most 47 significant bits in float64; it differs only
+    for the largest float below 1/2 (``0.5 - 2**-25`` in float32 rounds to 1).
+    ``HALF_EVEN`` is ``torch.round``, which is exact. The result keeps the
+    float dtype.
     """
     if rounding is Rounding.HALF_UP:
-        if inplace:
-            return x.add_(0.5).floor_()
-        return torch.floor(x + 0.5)
+        if not exact:
+            return x.add_(0.5).floor_() if inplace else torch.floor(x + 0.5)
+        low = torch.floor(x)
+        frac = x.sub_(low) if inplace else x - low
+        return low.add_(frac >= 0.5)
     if rounding is Rounding.HALF_EVEN:
         return x.round_() if inplace else torch.round(x)
     raise ValueError(f"unknown rounding {rounding!r}")
@@ -91,6 +99,9 @@ def quantize(
         an integer tensor of ``dtype.storage`` with ``x``'s shape (float32
         holding the same integers when ``as_float``).
     """
+    if dtype.bits > 24 and x.dtype is not torch.float64:
+        # int32 bounds are not float32 numbers (2**31 - 1 rounds to 2**31): clamp in float64
+        x = x.to(torch.float64)
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
     v = round_float(x / s, rounding, inplace=True).clamp_(dtype.qmin, dtype.qmax)
     return v.to(torch.float32) if as_float else v.to(dtype.storage)
@@ -110,8 +121,12 @@ def fake_quantize(
     qmax: int,
     rounding: Rounding,
     ch_axis: int | None = None,
+    exact: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Quantize and dequantize in float, without autograd.
+
+    ``exact=False`` uses the faster ``floor(v + 0.5)`` (see ``round_float``);
+    QAT training uses it, VALIDATION does not.
 
     Returns:
         ``(out, mask)``: ``out = clamp(round(x / s), qmin, qmax) * s`` and a bool
@@ -119,7 +134,7 @@ def fake_quantize(
         (the straight-through estimator passes gradients there).
     """
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
-    v = round_float(x / s, rounding, inplace=True)
+    v = round_float(x / s, rounding, inplace=True, exact=exact)
     clamped = v.clamp(qmin, qmax)
     mask = clamped == v
     return clamped.mul_(s), mask
@@ -310,6 +325,8 @@ def plan_accumulation(
     ):
         for limbs in range(1, max_limbs + 1):
             width = -(-input_bits // limbs)
+            if limbs > 1 and width * (limbs - 1) >= input_bits:
+                continue  # the top limb would be empty: the same split as fewer limbs
             magnitude = _limb_magnitude(input_bits, limbs, width)
             if dtype is torch.float32 and (magnitude > _F32_SAFE_OPERAND or other_bits > 8):
                 continue
@@ -429,7 +446,7 @@ def requantize_exact(
         if out is not None:
             return out
     r = broadcast_scale(r, acc.dim(), channel_axis)
-    v = round_float(acc.to(torch.float64) * r, rounding, inplace=True)
+    v = round_float(acc.to(torch.float64) * r, rounding, inplace=True, exact=False)
     return v.clamp_(lo, hi).to(torch.float32 if as_float else dtype.storage)
 
 
@@ -486,7 +503,7 @@ def rescale_term(
     """``shift_round(q * m, shift)`` as an exact float64 tensor (``|q * m| < 2**53``)."""
     r = torch.ldexp(multiplier.to(torch.float64), -shift.to(torch.float64))
     r = broadcast_scale(r, q.dim(), channel_axis)
-    return round_float(q.to(torch.float64) * r, rounding, inplace=True)
+    return round_float(q.to(torch.float64) * r, rounding, inplace=True, exact=False)
 
 
 def scale_ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -535,7 +552,7 @@ def add_requant(
         total = t if total is None else total + t
     if constant is not None:
         total = total + float(constant)
-    v = round_float(torch.ldexp(total, -shift.to(torch.float64)), rounding, inplace=True)
+    v = round_float(torch.ldexp(total, -shift.to(torch.float64)), rounding, inplace=True, exact=False)
     return v.clamp_(dtype.qmin, dtype.qmax).to(dtype.storage)
 
 

@@ -35,7 +35,7 @@ def _requant_by_count(
     m = m[inverse].to(sums.device)
     s = s[inverse].to(sums.device)
     r = torch.ldexp(m.to(torch.float64), -s.to(torch.float64))
-    v = qf.round_float(sums.to(torch.float64) * r, module.rounding, inplace=True)
+    v = qf.round_float(sums.to(torch.float64) * r, module.rounding, inplace=True, exact=False)
     dt = module.out_dtype
     return module.wrap(v.clamp_(dt.qmin, dt.qmax).to(dt.storage))
 

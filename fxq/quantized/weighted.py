@@ -208,6 +208,14 @@ class _Weighted(QuantizedModule):
     def from_qat(cls, qat: nn.Module) -> _Weighted:
         return cls(qat)
 
+    def fused_description(self) -> str:
+        """``Conv2d``, ``Conv2d+add+relu``, ... (BatchNorm is folded into the weights)."""
+        return "+".join(
+            [type(self).__name__]
+            + (["add"] if self.add else [])
+            + ([self.activation] if self.activation else [])
+        )
+
     def extra_repr(self) -> str:
         fused = [n for n, on in (("add", self.add), (self.activation, bool(self.activation))) if on]
         out = (

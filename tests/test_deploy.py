@@ -1,0 +1,139 @@
+"""Graph surgery for deployment: the seed workflow verbatim, and the helpers."""
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+import fxq
+from fxq.deploy import insert_after, yuv_input
+from fxq.functional import centered_yuv2rgb, rgb2centered_yuv
+from fxq.qtensor import QTensor
+from tests.helpers import calibrate
+
+
+def test_seed_workflow_verbatim():
+    # ---- the seed snippet, with fxq names ---------------------------------------------------
+    import torch
+    from torch import nn
+
+    from fxq import DeQuantStub, March, QuantStub, convert_fx, prepare_qat_fx, set_march
+    from fxq.functional import centered_yuv2rgb
+    from fxq.qconfig import default_qat_8bit_fake_quant_qconfig
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant = QuantStub()
+            self.conv = nn.Conv2d(3, 3, 3)
+            self.bn = nn.BatchNorm2d(3)
+            self.relu = nn.ReLU()
+            self.dequant = DeQuantStub()
+
+        def forward(self, x):
+            x = self.quant(x)
+            x = self.conv(x)
+            x = self.bn(x)
+            x = self.relu(x)
+            x = self.dequant(x)
+            return x
+
+    data = torch.rand(1, 3, 28, 28)
+    net = Net()
+    set_march(March.BAYES)
+    net.qconfig = default_qat_8bit_fake_quant_qconfig
+    qat_net = prepare_qat_fx(net)
+    qat_net(data)
+    quantized_net = convert_fx(qat_net)
+    traced = quantized_net
+
+    print("Before centered_yuv2rgb")
+    traced.graph.print_tabular()
+
+    patterns = ["quant"]
+    for n in traced.graph.nodes:
+        if any(n.target == pattern for pattern in patterns):
+            with traced.graph.inserting_after(n):
+                new_node = traced.graph.call_function(centered_yuv2rgb, (n,), {"swing": "full"})
+                n.replace_all_uses_with(new_node)
+                new_node.args = (n,)
+
+    traced.quant.scale.fill_(1.0)
+    traced.recompile()
+    print("\nAfter centered_yuv2rgb")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        traced.graph.print_tabular()
+    # ---- end of the seed snippet ---------------------------------------------------------------
+    table = out.getvalue()
+    rows = [line.split() for line in table.splitlines()[2:] if line.strip()]
+    assert [r[1] for r in rows] == ["x", "quant", "centered_yuv2rgb", "conv", "dequant", "output"]
+    assert "<function centered_yuv2rgb" in table
+    assert traced.quant.scale.item() == 1.0
+
+
+class _YuvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.quant = fxq.QuantStub(scale=1 / 128)  # inputs normalised as (rgb - 128) / 128
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.dequant = fxq.DeQuantStub()
+
+    def forward(self, x):
+        return self.dequant(torch.relu(self.conv(self.quant(x))))
+
+
+def _converted_yuv_net():
+    fxq.set_march("bayes")
+    net = _YuvNet()
+    qat = calibrate(
+        fxq.prepare_qat_fx(net, {"": fxq.qconfig.default_calib_8bit_fake_quant_qconfig}),
+        [(torch.rand(4, 3, 8, 8) * 255 - 128) / 128],
+    )
+    return net, qat, fxq.convert_fx(qat)
+
+
+def test_insert_after_matches_the_manual_recipe():
+    _, _, converted = _converted_yuv_net()
+    manual = _converted_yuv_net()[2]
+    new = insert_after(converted, "quant", centered_yuv2rgb, swing="full")
+    assert new.target is centered_yuv2rgb and new.args[0].name == "quant"
+    assert [u.name for u in new.users] == ["conv"]
+    for n in manual.graph.nodes:
+        if n.target == "quant":
+            with manual.graph.inserting_after(n):
+                m = manual.graph.call_function(centered_yuv2rgb, (n,), {"swing": "full"})
+            n.replace_all_uses_with(m)
+            m.args = (n,)
+    manual.recompile()
+    assert converted.code == manual.code
+
+
+def test_insert_after_a_missing_node_says_which_exist():
+    _, _, converted = _converted_yuv_net()
+    with pytest.raises(
+        KeyError,
+        match=r"^no node named 'qaunt' in the graph; did you mean 'quant', 'dequant'\? Nodes: x, quant, conv",
+    ):
+        insert_after(converted, "qaunt", centered_yuv2rgb)
+    with pytest.raises(TypeError, match="not the quantize stub of a converted model"):
+        yuv_input(converted, "conv")
+
+
+def test_yuv_input_gives_the_predictions_of_rgb_input():
+    _, qat, converted = _converted_yuv_net()
+    rgb = torch.randint(0, 256, (4, 3, 8, 8)).float()
+    fxq.set_fake_quantize(qat, "validation")
+    with torch.no_grad():
+        from_rgb = qat((rgb - 128) / 128)
+        node = yuv_input(converted, "quant", swing="full")
+        yuv = rgb2centered_yuv(rgb, "full")
+        from_yuv = converted(yuv)
+    assert node.kwargs["q_scale"] == pytest.approx(1 / 128) and converted.quant.scale.item() == 1.0
+    # YUV rounding in the camera costs a little; the outputs stay close
+    assert (from_rgb - from_yuv).abs().max() < 0.05 * from_rgb.abs().max()
+    inner = []
+    converted.conv.register_forward_pre_hook(lambda m, i: inner.append(i[0]))
+    converted(yuv)
+    assert isinstance(inner[0], QTensor) and inner[0].q_scale() == pytest.approx(1 / 128)
