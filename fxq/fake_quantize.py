@@ -127,6 +127,10 @@ def _short(v: Any) -> str:
     return repr(v)
 
 
+def _finalize_before_saving(module: FakeQuantize, prefix: str, keep_vars: bool) -> None:
+    module.finalize()  # a state_dict holds the scale the statistics give
+
+
 class FakeQuantize(nn.Module):
     """Observe, then round onto the symmetric integer grid of ``dtype``.
 
@@ -183,6 +187,9 @@ class FakeQuantize(nn.Module):
         self.activation_post_process = observer(
             ch_axis=ch_axis, num_channels=num_channels, **observer_kwargs
         )
+        self.activation_post_process.qmax = self.dtype.qmax
+        self._stale = False  # a deferred observer has statistics the scale does not reflect yet
+        self.register_state_dict_pre_hook(_finalize_before_saving)
         n = num_channels if (ch_axis is not None and num_channels) else 1
         self.register_buffer("scale", torch.ones(n))
         self.register_buffer("observed", torch.zeros((), dtype=torch.bool))
@@ -222,8 +229,15 @@ class FakeQuantize(nn.Module):
         self.activation_post_process.name = name
 
     def set_fake_quant_state(self, state: FakeQuantState | str) -> None:
+        self.finalize()
         self.state = _as_state(state)
         self._checked_observed = False
+
+    def finalize(self) -> None:
+        """Compute the scale from statistics gathered by a deferred observer (if any are pending)."""
+        if self._stale:
+            self._stale = False
+            self.update_scale()
 
     # -- scale -------------------------------------------------------------
     def calculate_scale(self) -> Tensor:
@@ -231,7 +245,7 @@ class FakeQuantize(nn.Module):
         obs = self.activation_post_process
         if isinstance(obs, FixedScaleObserver):
             return obs.fixed_scale.expand(self.scale.shape).clone()
-        scale = (obs.amax() / self.dtype.qmax).clamp(min=_EPS)
+        scale = (obs.amax().to(self.scale.device) / self.dtype.qmax).clamp(min=_EPS)
         return qf.constrain_scale(scale, self.spec.scale_constraint)
 
     @torch.no_grad()
@@ -262,11 +276,17 @@ class FakeQuantize(nn.Module):
             self._require_observed()
             return fake_quantize_ste(x, self.scale, self.dtype, self.rounding, self.ch_axis)
         self.activation_post_process(x)
+        if state is FakeQuantState.CALIBRATION and self.activation_post_process.deferred:
+            self._stale = True  # the search runs once, when calibration ends
+            self.observed.fill_(True)
+            return x
         self.update_scale()
         if state is FakeQuantState.CALIBRATION:
             return x
         # training: the faster rounding formula (it differs only at the float just below 1/2)
-        return fake_quantize_ste(x, self.scale, self.dtype, self.rounding, self.ch_axis, exact=False)
+        return fake_quantize_ste(
+            x, self.scale, self.dtype, self.rounding, self.ch_axis, exact=False
+        )
 
     def _require_observed(self) -> None:
         if self._checked_observed:

@@ -26,6 +26,7 @@ __all__ = [
     "FixedScaleObserver",
     "OBSERVERS",
     "get_observer_class",
+    "observer_registry",
 ]
 
 
@@ -42,9 +43,14 @@ class ObserverBase(nn.Module):
             error messages.
     """
 
+    #: computing ``amax`` is expensive (a search): FakeQuantize computes the
+    #: scale once when calibration ends instead of after every batch
+    deferred = False
+
     def __init__(self, ch_axis: int | None = None, num_channels: int | None = None) -> None:
         super().__init__()
         self.ch_axis = ch_axis
+        self.qmax = 127  # the largest quantized value; FakeQuantize sets it from its dtype
         shape = (num_channels,) if (ch_axis is not None and num_channels) else (1,)
         if ch_axis is not None and not num_channels:
             shape = (0,)
@@ -216,16 +222,33 @@ OBSERVERS: dict[str, tuple[type[ObserverBase], type[ObserverBase]]] = {
 }
 
 
+def observer_registry() -> dict[str, tuple[type[ObserverBase] | None, type[ObserverBase] | None]]:
+    """Every observer by name: the ones here and the calibration observers
+    (percentile, mse, kl, mix) of ``fxq.calibration.observers``."""
+    from fxq.calibration.observers import CALIBRATION_OBSERVERS
+
+    return {**OBSERVERS, **CALIBRATION_OBSERVERS}
+
+
 def get_observer_class(name: str, per_channel: bool) -> type[ObserverBase]:
-    """Look up an observer class by name.
+    """Look up an observer class by name (per channel: the weight version).
 
     Raises:
-        ValueError: for an unknown name, listing the known ones.
+        ValueError: for an unknown name, or a name without the requested
+            version, listing the known ones.
     """
+    registry = observer_registry()
     try:
-        pair = OBSERVERS[name]
+        pair = registry[name]
     except KeyError:
         raise ValueError(
-            f"unknown observer {name!r}; known observers: {', '.join(sorted(OBSERVERS))}"
+            f"unknown observer {name!r}; known observers: {', '.join(sorted(registry))}"
         ) from None
-    return pair[1] if per_channel else pair[0]
+    cls = pair[1] if per_channel else pair[0]
+    if cls is None:
+        usable = sorted(k for k, v in registry.items() if v[1 if per_channel else 0] is not None)
+        kind = "weights (per channel)" if per_channel else "activations (per tensor)"
+        raise ValueError(
+            f"observer {name!r} has no version for {kind}; use one of: {', '.join(usable)}"
+        )
+    return cls

@@ -56,7 +56,9 @@ class PhotoNet(nn.Module):
 
 def photo_dataset(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """RGB crops in 0..255 and the index of the photo each comes from."""
-    return photo_crops(n, size=32, seed=seed, normalize=False, min_scale=0.1) * 255.0, torch.arange(n) % len(PHOTOS)
+    return photo_crops(n, size=32, seed=seed, normalize=False, min_scale=0.1) * 255.0, torch.arange(
+        n
+    ) % len(PHOTOS)
 
 
 def normalize(rgb255: torch.Tensor) -> torch.Tensor:
@@ -69,7 +71,9 @@ def camera_round_trip(rgb255: torch.Tensor) -> torch.Tensor:
     return centered_yuv2rgb(yuv, SWING, mean=128.0, std=1.0, q_scale=1.0) + 128.0
 
 
-def train(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, epochs: int, lr: float) -> None:
+def train(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, epochs: int, lr: float
+) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     for epoch in range(epochs):
         model.train()
@@ -120,7 +124,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     # 3. camera input: centered YUV into the integer model
     stub_scale = integer.quant.scale.item()
     fxq.deploy.yuv_input(integer, "quant", swing=SWING, mean=MEAN, std=STD)
-    print(f"inserted centered_yuv2rgb(swing={SWING!r}) after 'quant', q_scale={stub_scale:.6g}; quant.scale is now 1.0")
+    print(
+        f"inserted centered_yuv2rgb(swing={SWING!r}) after 'quant', q_scale={stub_scale:.6g}; quant.scale is now 1.0"
+    )
     if not args.fast:
         integer.graph.print_tabular()
 

@@ -15,6 +15,7 @@ bit for bit.
 from __future__ import annotations
 
 import copy
+import warnings
 
 from torch import nn
 from torch.fx import GraphModule, Node
@@ -62,14 +63,23 @@ def convert_fx(model: GraphModule, dequantize_outputs: bool = True) -> GraphModu
     return gm
 
 
+def _never_observed(fq: FakeQuantize) -> bool:
+    return not fq.is_high_precision and not fq.is_fixed_scale and not bool(fq.observed)
+
+
 def _require_observed(model: nn.Module) -> None:
+    # a standalone module that never ran (opaque code skipped it, or nothing calls it) stays
+    # float in the converted model (see _convert_standalone); every other scale must exist
+    skipped: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, FakeQuantize):
+            m.finalize()
+        if isinstance(m, QATModule) and m.standalone:
+            skipped.update(id(fq) for fq in m.modules() if isinstance(fq, FakeQuantize))
     missing = [
         name
         for name, m in model.named_modules()
-        if isinstance(m, FakeQuantize)
-        and not m.is_high_precision
-        and not m.is_fixed_scale
-        and not bool(m.observed)
+        if isinstance(m, FakeQuantize) and id(m) not in skipped and _never_observed(m)
     ]
     if missing:
         shown = ", ".join(missing[:5]) + (
@@ -150,6 +160,18 @@ class _Converter:
             for name, child in list(parent.named_children()):
                 if isinstance(child, QATModule) and child.standalone:
                     path = f"{parent_name}.{name}" if parent_name else name
+                    if any(
+                        _never_observed(fq)
+                        for fq in child.modules()
+                        if isinstance(fq, FakeQuantize)
+                    ):
+                        warnings.warn(
+                            f"fxq.convert_fx: {path!r} ({type(child).__name__}) is reached only from "
+                            "opaque code and never ran during calibration; it stays float",
+                            stacklevel=3,
+                        )
+                        setattr(parent, name, child.to_float())
+                        continue
                     integer = to_quantized(child)
                     integer.name = path
                     setattr(parent, name, integer)

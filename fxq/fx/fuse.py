@@ -224,7 +224,7 @@ def fuse_graph_module(gm: GraphModule, spec: MarchSpec) -> list[tuple[str, str]]
                 break
 
     fused: list[tuple[str, str]] = []
-    absorbed_bn: set[str] = set()
+    absorbed: set[str] = set()  # BatchNorm and activation modules that now live in a Fused
     replaced: dict[Node, Node] = {}  # last node of an applied chain -> its fused node
     for target, ms in matches.items():
         sites = call_sites[target]
@@ -259,13 +259,15 @@ def fuse_graph_module(gm: GraphModule, spec: MarchSpec) -> list[tuple[str, str]]
             for n in reversed(m.nodes):
                 gm.graph.erase_node(n)
             take_name(new, anchor_name)
-        if first.bn is not None:
-            absorbed_bn.add(first.bn.target)
+        for m in ms:
+            absorbed.update(n.target for n in m.nodes[1:] if n.op == "call_module")
         fused.append((target, first.pattern.name))
 
+    # modules a fusion absorbed are gone from the graph: remove them from the hierarchy too,
+    # unless another node still calls them (a shared nn.ReLU used elsewhere)
     still_used = {n.target for n in gm.graph.nodes if n.op == "call_module"}
-    for bn_target in absorbed_bn - still_used:
-        _del_module(gm, bn_target)
+    for absorbed_target in absorbed - still_used:
+        _del_module(gm, absorbed_target)
     gm.graph.lint()
     gm.recompile()
     return fused

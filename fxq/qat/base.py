@@ -239,6 +239,12 @@ class FunctionalQAT(QATModule):
         self.fn = fn
         self.op = module
 
+    def to_float(self) -> nn.Module:
+        """The float module this QAT module replaced (module-form ops only)."""
+        if self.op is None:
+            raise TypeError(f"{type(self).__name__} replaced a function, not a module")
+        return self.op
+
     def float_forward(self, *args: Any, **kwargs: Any) -> Tensor:
         if self.op is not None:
             return self.op(*args, **kwargs)

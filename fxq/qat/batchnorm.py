@@ -48,6 +48,12 @@ class BatchNorm(QATModule):
     def out_channels(self) -> int:
         return self.bn.num_features
 
+    def to_float(self) -> nn.Module:
+        """The float BatchNorm (with its fused activation)."""
+        if self.activation is None:
+            return self.bn
+        return Fused(self.bn, activation=self.activation, pattern=f"bn_{self.activation}")
+
     def factor(self) -> Tensor:
         std = torch.sqrt(self.bn.running_var + self.bn.eps)
         return self.bn.weight / std if self.bn.weight is not None else 1.0 / std

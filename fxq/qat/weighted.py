@@ -82,6 +82,24 @@ class WeightedQAT(QATModule):
             )
         return cls(module, qconfig)
 
+    def to_float(self) -> nn.Module:
+        """The float module this QAT module replaced (sharing its parameters)."""
+        op = self._float_op()
+        if self.bn is None and self.activation is None and not self.add:
+            return op
+        pattern = "_".join(
+            [self._PATTERN_ANCHOR]
+            + (["bn"] if self.bn is not None else [])
+            + (["add"] if self.add else [])
+            + ([self.activation] if self.activation else [])
+        )
+        return Fused(op, bn=self.bn, activation=self.activation, add=self.add, pattern=pattern)
+
+    _PATTERN_ANCHOR = "conv"
+
+    def _float_op(self) -> nn.Module:  # pragma: no cover
+        raise NotImplementedError
+
     # -- subclass hooks ------------------------------------------------------------
     def _copy_hyperparameters(self, float_op: nn.Module) -> None:  # pragma: no cover
         raise NotImplementedError
@@ -228,6 +246,31 @@ class _ConvBase(WeightedQAT):
     def in_channels(self) -> int:
         return self.in_channels_
 
+    def _float_op(self) -> nn.Module:
+        cls = self._FLOAT[0]
+        kwargs = dict(
+            stride=self.stride,
+            padding=self.padding,
+            dilation=self.dilation,
+            groups=self.groups,
+            bias=self.bias is not None,
+        )
+        if self._TRANSPOSED:
+            kwargs["output_padding"] = self.output_padding
+        else:
+            kwargs["padding_mode"] = self.padding_mode
+        op = cls(
+            self.in_channels_,
+            self.out_channels_,
+            self.kernel_size,
+            device=self.weight.device,
+            **kwargs,
+        )
+        op.weight = self.weight
+        if self.bias is not None:
+            op.bias = self.bias
+        return op
+
     def _hyper_repr(self) -> str:
         return (
             f"{self.in_channels_}, {self.out_channels_}, kernel_size={self.kernel_size}, "
@@ -250,6 +293,7 @@ class _Conv(_ConvBase):
 
 class _ConvTranspose(_ConvBase):
     _TRANSPOSED = True
+    _PATTERN_ANCHOR = "convtranspose"
 
     def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         fn = _CONVT_FN[self._DIM]
@@ -335,6 +379,20 @@ class Linear(WeightedQAT):
     @property
     def out_channels(self) -> int:
         return self.out_features
+
+    _PATTERN_ANCHOR = "linear"
+
+    def _float_op(self) -> nn.Module:
+        op = nn.Linear(
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=self.weight.device,
+        )
+        op.weight = self.weight
+        if self.bias is not None:
+            op.bias = self.bias
+        return op
 
     def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return F.linear(x, weight, bias)

@@ -99,11 +99,13 @@ def quantize(
         an integer tensor of ``dtype.storage`` with ``x``'s shape (float32
         holding the same integers when ``as_float``).
     """
-    if dtype.bits > 24 and x.dtype is not torch.float64:
-        # int32 bounds are not float32 numbers (2**31 - 1 rounds to 2**31): clamp in float64
-        x = x.to(torch.float64)
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
-    v = round_float(x / s, rounding, inplace=True).clamp_(dtype.qmin, dtype.qmax)
+    v = x / s
+    if dtype.bits > 24 and v.dtype is not torch.float64:
+        # int32 bounds are not float32 numbers (2**31 - 1 rounds to 2**31): round and clamp the
+        # quotient in float64 (the division itself stays in x's dtype)
+        v = v.to(torch.float64)
+    v = round_float(v, rounding, inplace=True).clamp_(dtype.qmin, dtype.qmax)
     return v.to(torch.float32) if as_float else v.to(dtype.storage)
 
 
@@ -552,7 +554,9 @@ def add_requant(
         total = t if total is None else total + t
     if constant is not None:
         total = total + float(constant)
-    v = round_float(torch.ldexp(total, -shift.to(torch.float64)), rounding, inplace=True, exact=False)
+    v = round_float(
+        torch.ldexp(total, -shift.to(torch.float64)), rounding, inplace=True, exact=False
+    )
     return v.clamp_(dtype.qmin, dtype.qmax).to(dtype.storage)
 
 

@@ -1,0 +1,371 @@
+"""Calibration observers: percentile, mse, kl and mix on a histogram; mse for weights.
+
+Activation observers keep a histogram of ``|x|`` (symmetric quantization only
+needs magnitudes) with a fixed number of bins over ``[0, range)``. When a
+batch exceeds the range, the range doubles as often as needed and groups of
+adjacent bins merge exactly, so memory stays fixed however long calibration
+runs. int16 tensors get 16x more bins.
+
+From the histogram, every observer picks a clipping magnitude ``c`` (the
+scale is ``c / qmax``):
+
+* ``percentile``: the given percentile of ``|x|``;
+* ``mse``: the ``c`` minimising the expected squared quantization error, with
+  values in each bin taken as uniform: clipped values cost ``(x - c)**2``,
+  values inside cost the exact mean of the rounding error over the bin;
+* ``kl``: TensorRT-style entropy calibration: the ``c`` minimising the KL
+  divergence between the clipped histogram and its quantized version
+  (``qmax + 1`` levels);
+* ``mix``: per tensor, the best of min/max, three percentiles, kl and mse by
+  the same expected squared error (so never worse than any of them by it).
+
+The search runs once when calibration ends (``FakeQuantize.finalize``), not
+after every batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fxq.observer import ObserverBase
+
+__all__ = [
+    "HistogramObserver",
+    "PercentileObserver",
+    "MSEObserver",
+    "KLObserver",
+    "MixObserver",
+    "PerChannelMSEObserver",
+    "expected_quantization_error",
+    "CALIBRATION_OBSERVERS",
+]
+
+
+def _sawtooth_integral(x: Tensor, step: Tensor) -> Tensor:
+    """``integral_0^x (t - step * round(t / step))**2 dt`` (round half up), elementwise."""
+    u = x / step + 0.5
+    k = torch.floor(u)
+    f = u - k
+    return step**3 * (k / 12.0 + (f - 0.5) ** 3 / 3.0 + 1.0 / 24.0)
+
+
+def expected_quantization_error(hist: Tensor, upper: float, clips: Tensor, qmax: int) -> Tensor:
+    """Expected total squared error of quantizing the histogram's values with each clip.
+
+    Args:
+        hist: counts of ``|x|`` in equal bins over ``[0, upper)``.
+        clips: candidate clipping magnitudes ``c`` (the grid step is ``c / qmax``).
+
+    Returns:
+        one error per candidate.
+    """
+    hist = hist.to(torch.float64)
+    bins = hist.numel()
+    width = upper / bins
+    lo = torch.arange(bins, dtype=torch.float64, device=hist.device) * width
+    hi = lo + width
+    c = clips.to(torch.float64).reshape(-1, 1)
+    step = c / qmax
+    # inside the range: the mean rounding error over the part of the bin below c
+    top = torch.minimum(hi, c)
+    inside = (
+        _sawtooth_integral(top, step) - _sawtooth_integral(torch.minimum(lo, c), step)
+    ) / width
+    # beyond c: values clamp to c; mean of (x - c)**2 over the part of the bin above c
+    bottom = torch.maximum(lo, c)
+    beyond = ((hi - c).clamp(min=0) ** 3 - (bottom - c) ** 3) / (3.0 * width)
+    return ((inside + beyond) * hist).sum(1)
+
+
+class HistogramObserver(ObserverBase):
+    """Base: a histogram of ``|x|`` with exact merging on range growth.
+
+    Args:
+        bins: number of bins (default 2048, or 32768 for int16 tensors: chosen
+            on first use from ``qmax``).
+    """
+
+    deferred = True
+
+    def __init__(
+        self, bins: int | None = None, ch_axis: int | None = None, num_channels: int | None = None
+    ) -> None:
+        if ch_axis is not None:
+            raise ValueError(
+                f"{type(self).__name__} observes whole tensors (per-tensor activations)"
+            )
+        super().__init__(None, None)
+        self.bins = bins
+        self.register_buffer("histogram", torch.zeros(0, dtype=torch.float64), persistent=False)
+        self.register_buffer("upper", torch.zeros((), dtype=torch.float64), persistent=False)
+        # exact zeros (ReLU outputs): quantized exactly by any clip, so KL leaves them out
+        self.register_buffer("zeros", torch.zeros((), dtype=torch.float64), persistent=False)
+
+    def _num_bins(self) -> int:
+        if self.bins is not None:
+            return self.bins
+        return 2048 if self.qmax <= 127 else 32768
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.detach()
+        if x.numel() == 0:
+            return x
+        mn, mx = torch.aminmax(x)
+        mn, mx = mn.reshape(1).float(), mx.reshape(1).float()
+        self._check_finite(mn, mx)
+        torch.minimum(self.min_val, mn, out=self.min_val)
+        torch.maximum(self.max_val, mx, out=self.max_val)
+        amax = float(torch.maximum(-mn, mx))
+        if amax == 0.0:
+            if self.histogram.numel() == 0:
+                self.histogram = torch.zeros(self._num_bins(), dtype=torch.float64, device=x.device)
+            self.histogram[0] += x.numel()
+            self.zeros += x.numel()
+            return x
+        if self.histogram.numel() == 0 or float(self.upper) == 0.0:
+            bins = self._num_bins()
+            old = self.histogram.sum() if self.histogram.numel() else 0.0
+            self.histogram = torch.zeros(bins, dtype=torch.float64, device=x.device)
+            self.histogram[0] = old
+            self.upper = torch.tensor(amax, dtype=torch.float64, device=x.device)
+        elif amax > float(self.upper):
+            self._grow(amax)
+        counts = torch.histc(x.abs().float(), self.histogram.numel(), 0.0, float(self.upper))
+        self.histogram += counts.to(torch.float64)
+        self.zeros += (x == 0).sum()
+        return x
+
+    def _grow(self, amax: float) -> None:
+        bins = self.histogram.numel()
+        factor = 1
+        while float(self.upper) * factor < amax:
+            factor *= 2
+        if factor >= bins:
+            merged = torch.zeros_like(self.histogram)
+            merged[0] = self.histogram.sum()
+        else:
+            merged = torch.zeros_like(self.histogram)
+            merged[: bins // factor] = self.histogram.reshape(bins // factor, factor).sum(1)
+        self.histogram = merged
+        self.upper = self.upper * factor
+
+    def has_statistics(self) -> bool:
+        return self.histogram.numel() > 0 and float(self.histogram.sum()) > 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.histogram = torch.zeros(0, dtype=torch.float64, device=self.histogram.device)
+        self.upper.zero_()
+        self.zeros.zero_()
+
+    # -- clips ---------------------------------------------------------------------------
+    def _observed_max(self) -> float:
+        return float(torch.maximum(-self.min_val, self.max_val).clamp(min=0))
+
+    def percentile_clip(self, percentile: float) -> float:
+        """The ``percentile`` of ``|x|`` (linear within a bin)."""
+        hist = self.histogram
+        total = float(hist.sum())
+        if total == 0:
+            return self._observed_max()
+        cdf = torch.cumsum(hist, 0)
+        target = total * percentile / 100.0
+        i = int(
+            torch.searchsorted(
+                cdf, torch.tensor([target], dtype=cdf.dtype, device=cdf.device)
+            ).item()
+        )
+        i = min(i, hist.numel() - 1)
+        width = float(self.upper) / hist.numel()
+        before = float(cdf[i - 1]) if i > 0 else 0.0
+        inside = float(hist[i])
+        frac = (target - before) / inside if inside > 0 else 1.0
+        return min((i + frac) * width, self._observed_max())
+
+    def candidate_clips(self, count: int = 1024) -> Tensor:
+        """Clips to search: up to ``count`` bin edges from 1/64 of the range to the max."""
+        top = self._observed_max()
+        bins = self.histogram.numel()
+        width = float(self.upper) / bins
+        edges = torch.arange(max(bins // 64, 1), bins + 1, dtype=torch.float64) * width
+        if edges.numel() > count:
+            edges = edges[torch.linspace(0, edges.numel() - 1, count).round().long()]
+        edges = edges[edges < top]
+        return torch.cat([edges, torch.tensor([top], dtype=torch.float64)])
+
+    def errors(self, clips: Tensor) -> Tensor:
+        return expected_quantization_error(
+            self.histogram.cpu(), float(self.upper), clips, self.qmax
+        )
+
+    def mse_clip(self) -> float:
+        clips = self.candidate_clips()
+        return float(clips[int(torch.argmin(self.errors(clips)))])
+
+    def kl_clip(self) -> float:
+        """TensorRT's entropy calibration on the ``|x|`` histogram.
+
+        For each candidate threshold bin ``i``: ``P`` is the histogram up to
+        ``i`` with the outliers added to its last bin; ``Q`` merges the same
+        ``i`` bins (without the outliers) into ``qmax + 1`` levels and spreads
+        each level's count back over its non-empty bins. The threshold with
+        the smallest ``KL(P || Q)`` wins. Exact zeros are left out: they are
+        quantized exactly by any threshold, and a ReLU's spike of zeros would
+        otherwise drag the threshold far too low.
+        """
+        hist = self.histogram.cpu().clone()
+        hist[0] = (hist[0] - self.zeros.cpu()).clamp(min=0)
+        bins = hist.numel()
+        levels = self.qmax + 1
+        if bins < 2 * levels:  # too few bins to compare distributions: fall back to mse
+            return self.mse_clip()
+        width = float(self.upper) / bins
+        suffix = torch.flip(
+            torch.cumsum(torch.flip(hist, [0]), 0), [0]
+        )  # counts at or above each bin
+        best, best_i = None, bins
+        stride = max((bins - levels) // 512, 1)
+        for i in range(levels, bins + 1, stride):
+            p = hist[:i].clone()
+            if i < bins:
+                p[-1] += suffix[i]
+            level = torch.div(torch.arange(i) * levels, i, rounding_mode="floor")  # bin -> level
+            nonzero = (hist[:i] > 0).to(torch.float64)
+            mass = torch.zeros(levels, dtype=torch.float64).scatter_add_(0, level, hist[:i])
+            count = torch.zeros(levels, dtype=torch.float64).scatter_add_(0, level, nonzero)
+            q = nonzero * (mass / count.clamp(min=1))[level]
+            pn = p / p.sum()
+            qn = q / q.sum().clamp(min=1e-30)
+            mask = pn > 0
+            kl = float((pn[mask] * torch.log(pn[mask] / qn[mask].clamp(min=1e-12))).sum())
+            if best is None or kl < best:
+                best, best_i = kl, i
+        return min(best_i * width, self._observed_max())
+
+    def clip(self) -> float:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def amax(self) -> Tensor:
+        if not self.has_statistics():
+            return torch.maximum(-self.min_val, self.max_val).clamp(min=0)
+        return torch.tensor([self.clip()], dtype=torch.float32, device=self.min_val.device)
+
+
+class PercentileObserver(HistogramObserver):
+    """Clip at a percentile of ``|x|`` (default 99.99)."""
+
+    def __init__(
+        self, percentile: float = 99.99, bins: int | None = None, ch_axis=None, num_channels=None
+    ) -> None:
+        super().__init__(bins, ch_axis, num_channels)
+        if not 0.0 < percentile <= 100.0:
+            raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+        self.percentile = percentile
+
+    def clip(self) -> float:
+        return self.percentile_clip(self.percentile)
+
+
+class MSEObserver(HistogramObserver):
+    """Clip where the expected squared quantization error is smallest."""
+
+    def clip(self) -> float:
+        return self.mse_clip()
+
+
+class KLObserver(HistogramObserver):
+    """Clip where the KL divergence between the clipped and quantized histograms is smallest."""
+
+    def clip(self) -> float:
+        return self.kl_clip()
+
+
+class MixObserver(HistogramObserver):
+    """Per tensor, the best of several methods by the expected squared error.
+
+    Candidates: min/max, percentiles 99.9 / 99.99 / 99.999, kl and mse.
+    ``chosen`` records which one won (for reports).
+    """
+
+    CANDIDATES = (
+        "min_max",
+        "percentile_99.9",
+        "percentile_99.99",
+        "percentile_99.999",
+        "kl",
+        "mse",
+    )
+
+    def __init__(self, bins: int | None = None, ch_axis=None, num_channels=None) -> None:
+        super().__init__(bins, ch_axis, num_channels)
+        self.chosen = ""
+
+    def candidates(self) -> dict[str, float]:
+        return {
+            "min_max": self._observed_max(),
+            "percentile_99.9": self.percentile_clip(99.9),
+            "percentile_99.99": self.percentile_clip(99.99),
+            "percentile_99.999": self.percentile_clip(99.999),
+            "kl": self.kl_clip(),
+            "mse": self.mse_clip(),
+        }
+
+    def clip(self) -> float:
+        options = self.candidates()
+        errors = self.errors(torch.tensor(list(options.values()), dtype=torch.float64))
+        best = int(torch.argmin(errors))
+        self.chosen = list(options)[best]
+        return list(options.values())[best]
+
+
+class PerChannelMSEObserver(ObserverBase):
+    """Weights: per output channel, the clip with the smallest squared rounding error.
+
+    Searches ``c = amax * k / 100`` for ``k = 50..100`` on the actual weights
+    (exact, no histogram), once per set of weights.
+    """
+
+    deferred = True
+
+    def __init__(self, ch_axis: int = 0, num_channels: int | None = None, steps: int = 51) -> None:
+        super().__init__(ch_axis, num_channels)
+        self.steps = steps
+        self.register_buffer("best_amax", torch.zeros(0), persistent=False)
+        self._latest: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        mn, mx = self._batch_minmax(x)
+        self._check_finite(mn, mx)
+        self._resize_to(mn)
+        self.min_val.copy_(mn)
+        self.max_val.copy_(mx)
+        self._latest = x.detach()
+        return x
+
+    def amax(self) -> Tensor:
+        amax = torch.maximum(-self.min_val, self.max_val).clamp(min=0)
+        if self._latest is None:
+            return amax
+        w = (
+            self._latest.transpose(0, self.ch_axis % self._latest.dim())
+            .reshape(amax.numel(), -1)
+            .to(torch.float64)
+        )
+        fractions = torch.linspace(0.5, 1.0, self.steps, dtype=torch.float64, device=w.device)
+        clips = amax.to(torch.float64).reshape(-1, 1) * fractions  # [C, steps]
+        step = (clips / self.qmax).clamp(min=1e-30).unsqueeze(-1)  # [C, steps, 1]
+        q = torch.floor(w.unsqueeze(1) / step + 0.5).clamp(-self.qmax - 1, self.qmax) * step
+        errors = ((q - w.unsqueeze(1)) ** 2).sum(-1)  # [C, steps]
+        best = clips.gather(1, errors.argmin(1, keepdim=True)).squeeze(1)
+        self._latest = None
+        return best.to(torch.float32)
+
+
+# name: (per-tensor class, per-channel class); merged into fxq.observer's registry
+CALIBRATION_OBSERVERS = {
+    "percentile": (PercentileObserver, None),
+    "mse": (MSEObserver, PerChannelMSEObserver),
+    "kl": (KLObserver, None),
+    "mix": (MixObserver, None),
+}

@@ -1,0 +1,152 @@
+"""Running calibration data through a model: batches of any shape, progress, limits."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+
+__all__ = ["calibrate", "batch_arguments", "progress", "run_batches"]
+
+
+def _positional_count(model: nn.Module) -> int | None:
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    count = 0
+    for p in params:
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return None
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            count += 1
+    return count
+
+
+def batch_arguments(
+    model: nn.Module, batch: Any, input_fn: Callable[[Any], Any] | None = None
+) -> tuple[tuple, dict]:
+    """How to call ``model`` on one batch.
+
+    * ``input_fn(batch)`` decides when given (it returns the positional
+      arguments, or a dict of keyword arguments);
+    * a tensor is the one argument;
+    * a tuple / list is the positional arguments, cut to the number ``forward``
+      takes, so ``(images, labels)`` from a DataLoader calls ``model(images)``;
+    * a dict whose keys are all ``forward`` parameters is keyword arguments;
+      any other dict is passed as the one argument.
+    """
+    if input_fn is not None:
+        batch = input_fn(batch)
+        if isinstance(batch, Mapping):
+            return (), dict(batch)
+        return (tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)), {}
+    if isinstance(batch, (tuple, list)):
+        count = _positional_count(model)
+        return tuple(batch[:count] if count is not None else batch), {}
+    if isinstance(batch, Mapping):
+        try:
+            names = set(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            names = set()
+        if batch and set(batch) <= names:
+            return (), dict(batch)
+    return (batch,), {}
+
+
+def progress(
+    items: Iterable[Any], total: int | None, label: str, enabled: bool | None = None
+) -> Iterator[Any]:
+    """Yield ``items``, drawing a one-line progress bar on stderr when it is a terminal."""
+    show = sys.stderr.isatty() if enabled is None else enabled
+    start = time.perf_counter()
+    done = 0
+    for item in items:
+        yield item
+        done += 1
+        if show:
+            elapsed = time.perf_counter() - start
+            if total:
+                filled = int(30 * done / total)
+                bar = "#" * filled + "." * (30 - filled)
+                sys.stderr.write(f"\r{label} [{bar}] {done}/{total} {elapsed:.1f}s")
+            else:
+                sys.stderr.write(f"\r{label} {done} batches {elapsed:.1f}s")
+            sys.stderr.flush()
+    if show and done:
+        sys.stderr.write("\n")
+
+
+def run_batches(
+    model: nn.Module,
+    data: Iterable[Any],
+    num_batches: int | None = None,
+    input_fn: Callable[[Any], Any] | None = None,
+    label: str = "running",
+    show_progress: bool | None = None,
+) -> list[Any]:
+    """Run ``model`` on up to ``num_batches`` batches without gradients; return the outputs."""
+    total = num_batches
+    if total is None:
+        try:
+            total = len(data)  # type: ignore[arg-type]
+        except TypeError:
+            total = None
+    outputs = []
+
+    def limited() -> Iterator[Any]:
+        for i, batch in enumerate(data):
+            if num_batches is not None and i >= num_batches:
+                return
+            yield batch
+
+    with torch.no_grad():
+        for batch in progress(limited(), total, label, show_progress):
+            args, kwargs = batch_arguments(model, batch, input_fn)
+            outputs.append(model(*args, **kwargs))
+    return outputs
+
+
+def calibrate(
+    model: nn.Module,
+    data: Iterable[Any],
+    num_batches: int | None = None,
+    input_fn: Callable[[Any], Any] | None = None,
+    show_progress: bool | None = None,
+) -> nn.Module:
+    """Calibrate a prepared model: observers see ``data``, nothing is rounded.
+
+    Puts the model in eval mode and CALIBRATION state, runs the batches
+    without gradients, and computes every scale (searching observers such as
+    ``mse`` or ``kl`` search once, at the end).
+
+    Args:
+        model: the model from ``prepare_qat_fx``.
+        data: an iterable of batches (tensors, tuples such as ``(images,
+            labels)``, or dicts; see ``batch_arguments``).
+        num_batches: stop after this many batches.
+        input_fn: maps a batch to the model's arguments.
+        show_progress: draw a progress bar (default: when stderr is a terminal).
+
+    Returns:
+        ``model``, calibrated (still in CALIBRATION state).
+
+    Raises:
+        ValueError: when no batch was run.
+    """
+    set_fake_quantize(model, FakeQuantState.CALIBRATION)
+    model.eval()
+    outputs = run_batches(model, data, num_batches, input_fn, "calibrating", show_progress)
+    if not outputs:
+        raise ValueError("calibrate: the data yielded no batch")
+    for m in model.modules():
+        if isinstance(m, FakeQuantize):
+            m.finalize()
+    return model
