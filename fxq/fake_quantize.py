@@ -18,9 +18,10 @@ converted model quantizes.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ __all__ = [
     "FakeQuantizeFactory",
     "set_fake_quantize",
     "fake_quantize_ste",
+    "bypass",
 ]
 
 _EPS = float(torch.finfo(torch.float32).eps)
@@ -268,8 +270,11 @@ class FakeQuantize(nn.Module):
         )
 
     # -- forward -----------------------------------------------------------
+    #: set by ``bypass``: neither observe nor round (the float model)
+    bypassed = False
+
     def forward(self, x: Tensor) -> Tensor:
-        if self.is_high_precision:
+        if self.is_high_precision or self.bypassed:
             return x
         state = self.state
         if state is FakeQuantState.VALIDATION:
@@ -340,3 +345,26 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
             "fxq.prepare_qat_fx"
         )
     return model
+
+
+@contextlib.contextmanager
+def bypass(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block the model computes in float: fake quants neither observe
+    nor round, and QAT modules use their float path (statistics are untouched)."""
+    from fxq.qat.base import QATModule
+
+    fqs = [m for m in model.modules() if isinstance(m, FakeQuantize)]
+    qats = [(m, m.state) for m in model.modules() if isinstance(m, QATModule)]
+    for m in fqs:
+        m.bypassed = True
+    for m, _ in qats:
+        m.simulate_integer = False
+        m.state = FakeQuantState.CALIBRATION  # no bias rounding either
+    try:
+        yield model
+    finally:
+        for m in fqs:
+            m.__dict__.pop("bypassed", None)
+        for m, state in qats:
+            m.__dict__.pop("simulate_integer", None)
+            m.state = state

@@ -141,9 +141,8 @@ def flatten_levels(cls: list[torch.Tensor], box: list[torch.Tensor], num_classes
         n, _, h, w = t.shape
         return t.reshape(n, -1, c, h, w).permute(0, 3, 4, 1, 2).reshape(n, -1, c)
 
-    return torch.cat([flat(c, num_classes) for c in cls], 1), torch.cat(
-        [flat(b, 4) for b in box], 1
-    )
+    logits = torch.cat([flat(c, num_classes) for c in cls], 1)
+    return logits, torch.cat([flat(b, 4) for b in box], 1)
 
 
 class TinyRetinaNet(nn.Module):

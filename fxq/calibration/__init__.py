@@ -10,6 +10,8 @@
   and bias correction.
 """
 
+from fxq.calibration.auto import auto_calibrate
+from fxq.calibration.reconstruction import weight_reconstruction
 from fxq.calibration.runner import batch_arguments, calibrate
 
-__all__ = ["calibrate", "batch_arguments"]
+__all__ = ["calibrate", "auto_calibrate", "weight_reconstruction", "batch_arguments"]

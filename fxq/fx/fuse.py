@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from fxq.fx.fused import Fused
+from fxq.fused import Fused
 from fxq.fx.graph_utils import take_name
 from fxq.fx.tracer import symbolic_trace
 from fxq.march import MarchSpec, get_march_spec
@@ -283,7 +283,7 @@ def fuse_fx(model: nn.Module) -> GraphModule:
         model: a float ``nn.Module`` or ``GraphModule``.
 
     Returns:
-        a GraphModule whose fused chains are ``fxq.fx.fused.Fused`` modules
+        a GraphModule whose fused chains are ``fxq.fused.Fused`` modules
         at the anchor op's path; it computes what ``model`` computes.
 
     Raises:

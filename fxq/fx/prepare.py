@@ -31,8 +31,8 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from fxq.fused import Fused
 from fxq.fx.fuse import fuse_graph_module
-from fxq.fx.fused import Fused
 from fxq.fx.graph_utils import (
     call_sites,
     infer_tensor_nodes,

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from fxq.fake_quantize import FakeQuantState
-from fxq.fx.fused import ACTIVATIONS, Fused
+from fxq.fused import ACTIVATIONS, Fused
 from fxq.qat.base import QATModule, quantize_bias
 from fxq.qconfig import QConfig
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.fx import Node
 
 from fxq import stubs
-from fxq.fx.fused import Fused
+from fxq.fused import Fused
 from fxq.qat import activation, batchnorm, elementwise, interpolate, matmul, pooling, weighted
 from fxq.qat.stubs import QuantStub
 

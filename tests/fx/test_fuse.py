@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxq
+from fxq.fused import Fused
 from fxq.fx.fuse import PATTERNS
-from fxq.fx.fused import Fused
 
 
 def _bn(cls, n):

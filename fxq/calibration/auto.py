@@ -1,0 +1,201 @@
+"""``auto_calibrate``: per layer, the observer that minimises the final output's error.
+
+Every observer gives each activation a clipping range from the same
+statistics, but the range that minimises a tensor's own quantization error
+is not always the one that serves the model's output best. ``auto_calibrate``
+
+1. collects one histogram per activation fake quant (one calibration pass);
+2. derives each observer's candidate scale from it;
+3. starts every fake quant at the ``mse`` candidate and then, in the order the
+   model runs them, tries each candidate and keeps the one with the smallest
+   mean squared error of the model's outputs against the float model, on a few
+   evaluation batches (the training-time float fake-quant arithmetic is used
+   for speed; the integer model is what it approximates closely).
+
+The model keeps its observers (so QAT can follow); only the scales change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from tabulate import tabulate
+from torch import Tensor, nn
+
+from fxq.calibration.observers import HistogramObserver
+from fxq.calibration.runner import batch_arguments, progress, run_batches
+from fxq.debug import float_fake_quant
+from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
+from fxq.quantized import functional as qf
+
+__all__ = ["auto_calibrate", "AUTO_CANDIDATES"]
+
+AUTO_CANDIDATES = ("min_max", "percentile", "mse", "kl")
+
+
+class _Collector(HistogramObserver):
+    """Histogram statistics from which every candidate clip is derived."""
+
+    def clips(self, names: Sequence[str]) -> dict[str, float]:
+        table = {
+            "min_max": self._observed_max,
+            "percentile": lambda: self.percentile_clip(99.99),
+            "mse": self.mse_clip,
+            "kl": self.kl_clip,
+        }
+        unknown = [n for n in names if n not in table]
+        if unknown:
+            raise ValueError(
+                f"auto_calibrate: unknown candidates {unknown}; choose from {', '.join(table)}"
+            )
+        return {n: table[n]() for n in names}
+
+    def clip(self) -> float:
+        return self.mse_clip()
+
+
+def _flatten_outputs(out: Any) -> Tensor:
+    if isinstance(out, Tensor):
+        return out.reshape(-1).to(torch.float64)
+    if isinstance(out, dict):
+        return torch.cat([_flatten_outputs(v) for v in out.values()]) if out else torch.zeros(0)
+    if isinstance(out, (list, tuple)):
+        parts = [_flatten_outputs(v) for v in out if isinstance(v, (Tensor, dict, list, tuple))]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+    return torch.zeros(0, dtype=torch.float64)
+
+
+def _activation_quants(model: nn.Module, batch: Any, input_fn) -> list[tuple[str, FakeQuantize]]:
+    """Activation fake quants in the order the model runs them."""
+    weights = {
+        id(m.weight_fake_quant)
+        for m in model.modules()
+        if isinstance(getattr(m, "weight_fake_quant", None), FakeQuantize)
+    }
+    names = {id(m): n for n, m in model.named_modules()}
+    order: list[FakeQuantize] = []
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda mod, inp: order.append(mod) if mod not in order else None
+        )
+        for m in model.modules()
+        if isinstance(m, FakeQuantize)
+        and id(m) not in weights
+        and not m.is_high_precision
+        and not m.is_fixed_scale
+    ]
+    try:
+        with torch.no_grad(), bypass(model):
+            args, kwargs = batch_arguments(model, batch, input_fn)
+            model(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [(names[id(m)], m) for m in order]
+
+
+def auto_calibrate(
+    model: nn.Module,
+    data: Iterable[Any],
+    candidates: Sequence[str] = AUTO_CANDIDATES,
+    num_batches: int | None = None,
+    eval_batches: int = 2,
+    input_fn: Callable[[Any], Any] | None = None,
+    show_progress: bool | None = None,
+    show: bool = True,
+) -> list[dict[str, Any]]:
+    """Calibrate ``model`` choosing, per activation, the observer that serves the output best.
+
+    Args:
+        model: a model from ``prepare_qat_fx`` (any qconfig: its observers are
+            kept; only the scales are set).
+        data: calibration batches (see ``fxq.calibration.calibrate``).
+        candidates: observer names to choose from (``min_max``, ``percentile``
+            (99.99), ``mse``, ``kl``).
+        num_batches: batches used for the statistics.
+        eval_batches: the first batches of ``data``, on which each choice is judged.
+        show: print the table of choices.
+
+    Returns:
+        one row per activation fake quant: ``layer``, ``chosen``, ``scale``,
+        and the output SQNR (dB) each candidate gave when it was tried.
+
+    Raises:
+        ValueError: for unknown candidates or empty data.
+    """
+    batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
+    if not batches:
+        raise ValueError("auto_calibrate: the data yielded no batch")
+    model.eval()
+    quants = _activation_quants(model, batches[0], input_fn)
+    originals = [fq.activation_post_process for _, fq in quants]
+    for _, fq in quants:
+        collector = _Collector()
+        collector.qmax = fq.dtype.qmax
+        fq.activation_post_process = collector
+    try:
+        set_fake_quantize(model, FakeQuantState.CALIBRATION)
+        run_batches(model, batches, None, input_fn, "auto-calibrate: statistics", show_progress)
+        clips = [fq.activation_post_process.clips(candidates) for _, fq in quants]
+    finally:
+        for (_, fq), obs in zip(quants, originals):
+            fq.activation_post_process = obs
+            fq._stale = False
+    evaluation = batches[:eval_batches]
+    with bypass(model):
+        reference = [
+            _flatten_outputs(o)
+            for o in run_batches(model, evaluation, None, input_fn, show_progress=False)
+        ]
+    signal = sum(float((r**2).sum()) for r in reference)
+
+    def output_error() -> float:
+        outs = run_batches(model, evaluation, None, input_fn, show_progress=False)
+        return sum(float(((_flatten_outputs(o) - r) ** 2).sum()) for o, r in zip(outs, reference))
+
+    def set_clip(fq: FakeQuantize, clip: float) -> None:
+        scale = torch.tensor([max(clip, 1e-30) / fq.dtype.qmax], device=fq.scale.device).clamp(
+            min=float(torch.finfo(torch.float32).eps)
+        )
+        fq.scale.copy_(qf.constrain_scale(scale, fq.spec.scale_constraint))
+        fq.observed.fill_(True)
+
+    for (_, fq), c in zip(quants, clips):
+        set_clip(fq, c.get("mse", next(iter(c.values()))))
+    set_fake_quantize(model, FakeQuantState.VALIDATION)
+    rows = []
+    with float_fake_quant(model):
+        for (name, fq), c in progress(
+            list(zip(quants, clips)), len(quants), "auto-calibrate: choosing", show_progress
+        ):
+            tried: dict[str, float] = {}
+            seen: dict[float, float] = {}
+            for cand, clip in c.items():
+                key = round(clip, 9)
+                if key not in seen:
+                    set_clip(fq, clip)
+                    seen[key] = output_error()
+                tried[cand] = seen[key]
+            best = min(tried, key=tried.get)
+            set_clip(fq, c[best])
+            rows.append(
+                {
+                    "layer": name.removesuffix(".activation_post_process"),
+                    "chosen": best,
+                    "scale": float(fq.scale.reshape(-1)[0]),
+                    **{
+                        f"sqnr_{k}": 10 * torch.log10(torch.tensor(signal / max(v, 1e-30))).item()
+                        for k, v in tried.items()
+                    },
+                }
+            )
+    if show:
+        headers = ["layer", "chosen", "scale"] + [f"sqnr_{k}" for k in candidates]
+        print(
+            tabulate(
+                [[r.get(h, "") for h in headers] for r in rows], headers=headers, floatfmt=".4g"
+            )
+        )
+    return rows
