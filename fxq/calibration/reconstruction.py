@@ -32,6 +32,7 @@ without a bias gets one), so QAT can continue from it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -99,10 +100,8 @@ def _capture_inputs(
         with torch.no_grad():
             for batch in batches:
                 args, kwargs = batch_arguments(model, batch, input_fn)
-                try:
+                with contextlib.suppress(_Stop):
                     model(*args, **kwargs)
-                except _Stop:
-                    pass
     finally:
         handle.remove()
     return captured
