@@ -102,6 +102,17 @@ def fxq_method(model: nn.Module, calib: list[torch.Tensor], method: str, iters: 
     return fxq.convert_fx(prepared)
 
 
+def evaluate(
+    quantized: nn.Module, held: torch.Tensor, ref: torch.Tensor, confident: torch.Tensor, batch: int
+) -> tuple[float, float, str]:
+    """SQNR (dB), top-1 agreement (%) and agreement where the float model is confident."""
+    with torch.no_grad():
+        out = torch.cat([quantized(b) for b in held.split(batch)])
+    agree = out.argmax(1) == ref.argmax(1)
+    sure = f"{100 * agree[confident].float().mean():.1f}" if confident.any() else "-"
+    return sqnr(ref, out), 100 * float(agree.float().mean()), sure
+
+
 METHODS = (
     "min_max",
     "percentile",
@@ -134,22 +145,19 @@ def main() -> None:
         with torch.no_grad():
             ref = model(held)
         confident = ref.softmax(1).amax(1) > 0.5
-        rows = []
+        rows: list[list[str]] = []
 
-        def report(label: str, quantized: nn.Module, seconds: float) -> float:
-            with torch.no_grad():
-                out = torch.cat([quantized(b) for b in held.split(args.batch)])
-            agree = out.argmax(1) == ref.argmax(1)
-            db = sqnr(ref, out)
-            rows.append(
-                [
-                    label,
-                    f"{db:.2f}",
-                    f"{100 * agree.float().mean():.1f}",
-                    f"{100 * agree[confident].float().mean():.1f}" if confident.any() else "-",
-                    f"{seconds:.1f}",
-                ]
-            )
+        def report(
+            label: str,
+            quantized: nn.Module,
+            seconds: float,
+            held=held,
+            ref=ref,
+            rows=rows,
+            confident=confident,
+        ) -> float:
+            db, agree, sure = evaluate(quantized, held, ref, confident, args.batch)
+            rows.append([label, f"{db:.2f}", f"{agree:.1f}", sure, f"{seconds:.1f}"])
             return db
 
         t0 = time.perf_counter()
