@@ -177,15 +177,24 @@ class WeightedQAT(QATModule):
             residual = quantized[1] if residual is not None else None
         if self.add and residual is None:
             raise ValueError(f"{type(self).__name__} fused with add needs a residual input")
-        w_q = self.quantized_weight()
         if self._bn_statistics_train():
+            # BatchNorm trains on batch statistics: the conv runs with the weight folded with
+            # the running statistics (what deployment uses), then is unfolded for the BatchNorm.
+            # The fold and the unfold cancel, so the folding factor is a constant here and the
+            # BatchNorm's affine parameters get their gradient through the BatchNorm alone.
+            factor = self.bn_factor().detach()
+            w_om = self.weight_to_out_major(self.weight)
+            w_q = self.weight_from_out_major(
+                self.weight_fake_quant(w_om * factor.reshape([-1] + [1] * (w_om.dim() - 1)))
+            )
             y = self._apply(x, w_q, None)
             shape = self._channel_shape(y.dim())
-            y = y / self.bn_factor().reshape(shape)
+            y = y * (1.0 / factor).reshape(shape)
             if self.bias is not None:
                 y = y + self.bias.reshape(shape)
             y = self.bn(y)
         else:
+            w_q = self.quantized_weight()
             b = self.folded_bias()
             if b is not None:
                 b = quantize_bias(
@@ -195,7 +204,7 @@ class WeightedQAT(QATModule):
         if self.add:
             y = y + residual
         if self.activation is not None:
-            y = ACTIVATIONS[self.activation](y)
+            y = ACTIVATIONS[self.activation](y, inplace=True)  # y is this module's own tensor
         return self.quantize_output(y)
 
     def fused_description(self) -> str:

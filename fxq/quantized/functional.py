@@ -127,8 +127,9 @@ def fake_quantize(
 ) -> tuple[Tensor, Tensor]:
     """Quantize and dequantize in float, without autograd.
 
-    ``exact=False`` uses the faster ``floor(v + 0.5)`` (see ``round_float``);
-    QAT training uses it, VALIDATION does not.
+    ``exact=False`` (QAT training) multiplies by ``1 / s`` and rounds with the
+    faster ``floor(v + 0.5)`` (see ``round_float``); VALIDATION uses the exact
+    division and rounding of ``quantize``.
 
     Returns:
         ``(out, mask)``: ``out = clamp(round(x / s), qmin, qmax) * s`` and a bool
@@ -136,7 +137,8 @@ def fake_quantize(
         (the straight-through estimator passes gradients there).
     """
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
-    v = round_float(x / s, rounding, inplace=True, exact=exact)
+    # exact: the IEEE division of ``quantize``; training: multiply by the reciprocal (cheaper)
+    v = round_float(x / s if exact else x * (1.0 / s), rounding, inplace=True, exact=exact)
     clamped = v.clamp(qmin, qmax)
     mask = clamped == v
     return clamped.mul_(s), mask
