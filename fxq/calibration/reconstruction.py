@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from tabulate import tabulate
 from torch import Tensor, nn
+from torch.fx import Graph, GraphModule, Interpreter, Node
 
 from fxq.calibration.runner import batch_arguments, progress
 from fxq.debug import float_fake_quant
@@ -124,75 +126,111 @@ def _activate(layer: WeightedQAT, y: Tensor) -> Tensor:
     return ACTIVATIONS[layer.activation](y) if layer.activation else y
 
 
-def _reconstruct(
-    layer: WeightedQAT,
-    quant_in: list[tuple[Tensor, ...]],
-    targets: list[Tensor],
+def _expand(t: Tensor) -> list[int]:
+    return [-1] + [1] * (t.dim() - 1)
+
+
+class _Rounding:
+    """The rounding variables of one layer's folded weight (out-major layout).
+
+    ``weight(h)`` is ``s * clamp(floor(w / s) + h, qmin, qmax)``; the weights
+    that set a channel's range (``|w / s| >= qmax - 1/2``) keep their nearest
+    rounding so that the scale does not change.
+    """
+
+    def __init__(self, layer: WeightedQAT) -> None:
+        self.layer = layer
+        dtype = layer.weight_fake_quant.dtype
+        self.qmin, self.qmax = dtype.qmin, dtype.qmax
+        with torch.no_grad():
+            w = layer.folded_weight().detach()
+            self.scale = layer.weight_fake_quant.scale.detach().reshape(_expand(w))
+            ratio = w / self.scale
+            self.low = torch.floor(ratio)
+            self.nearest = torch.floor(ratio + 0.5) - self.low  # what round-half-up picks
+            self.frozen = ratio.abs() >= self.qmax - 0.5
+        self.v = _inverse_rectified_sigmoid(ratio - self.low).requires_grad_(True)
+
+    def weight(self, h: Tensor) -> Tensor:
+        h = torch.where(self.frozen, self.nearest, h)
+        return (self.low + h).clamp(self.qmin, self.qmax) * self.scale
+
+    def soft(self) -> tuple[Tensor, Tensor]:
+        h = _rectified_sigmoid(self.v)
+        return self.weight(h), h
+
+    def hard(self) -> Tensor:
+        return self.weight((self.v >= 0).to(self.low.dtype))
+
+    def nearest_weight(self) -> Tensor:
+        return self.weight(self.nearest)
+
+    def write_back(self, folded: Tensor) -> None:
+        """Store a folded out-major weight as the layer's (unfolded) weight."""
+        layer = self.layer
+        with torch.no_grad():
+            factor = layer.bn_factor()
+            unfolded = folded if factor is None else folded / factor.reshape(_expand(folded))
+            layer.weight.copy_(layer.weight_from_out_major(unfolded))
+
+
+def _learn(
+    roundings: list[_Rounding],
+    loss_of: Callable[[list[Tensor], Tensor | None], Tensor],
+    samples: int,
     iters: int,
     lr: float,
     reg_weight: float,
     beta: tuple[float, float],
     warmup: float,
     batch_size: int,
-) -> tuple[Tensor, float, float]:
-    """Learn the rounding of one layer; returns the hardened folded weight and the losses before / after."""
-    qmin, qmax = layer.weight_fake_quant.dtype.qmin, layer.weight_fake_quant.dtype.qmax
+) -> tuple[float, float]:
+    """Train the rounding variables against ``loss_of(weights, sample_index)``, harden,
+    keep the result only if it beats nearest rounding, write it back; returns the
+    losses with nearest and with the final rounding (on all samples)."""
     with torch.no_grad():
-        w = layer.folded_weight().detach()
-        b = layer.folded_bias()
-        b = None if b is None else b.detach()
-        scale = layer.weight_fake_quant.scale.detach().reshape([-1] + [1] * (w.dim() - 1))
-        ratio = w / scale
-        low = torch.floor(ratio)
-        nearest = torch.floor(ratio + 0.5) - low  # 0 or 1: what round-half-up picks
-        frozen = (
-            ratio.abs() >= qmax - 0.5
-        )  # the channel's range-setting weights keep their rounding
-    v = _inverse_rectified_sigmoid(ratio - low).requires_grad_(True)
-    samples = torch.cat([t[0] for t in quant_in]) if len(quant_in) > 1 else quant_in[0][0]
-    residuals = (
-        (torch.cat([t[1] for t in quant_in]) if len(quant_in) > 1 else quant_in[0][1])
-        if layer.add
-        else None
-    )
-    target = torch.cat(targets) if len(targets) > 1 else targets[0]
-    norm = target.pow(2).mean().clamp(min=1e-12)
-
-    def weight_for(h: Tensor) -> Tensor:
-        h = torch.where(frozen, nearest, h)
-        return (low + h).clamp(qmin, qmax) * scale
-
-    def loss_of(weight: Tensor, idx: Tensor | None = None) -> Tensor:
-        x = samples if idx is None else samples[idx]
-        res = None if residuals is None else (residuals if idx is None else residuals[idx])
-        y = _activate(layer, _pre_activation(layer, (x,) if res is None else (x, res), weight, b))
-        t = target if idx is None else target[idx]
-        return (y - t).pow(2).mean() / norm
-
-    with torch.no_grad():
-        before = float(loss_of(weight_for(nearest)))
-    opt = torch.optim.Adam([v], lr=lr)
-    n = samples.shape[0]
+        before = float(loss_of([r.nearest_weight() for r in roundings], None))
+    opt = torch.optim.Adam([r.v for r in roundings], lr=lr)
     start = int(warmup * iters)
     generator = torch.Generator().manual_seed(0)
     for it in range(iters):
-        idx = torch.randperm(n, generator=generator)[: min(batch_size, n)].to(samples.device)
-        h = _rectified_sigmoid(v)
-        loss = loss_of(weight_for(h), idx)
+        idx = torch.randperm(samples, generator=generator)[: min(batch_size, samples)]
+        soft = [r.soft() for r in roundings]
+        loss = loss_of([w for w, _ in soft], idx)
         if it >= start:
-            frac = (it - start) / max(iters - start, 1)
-            b_now = beta[0] + (beta[1] - beta[0]) * frac
-            loss = loss + reg_weight * (1 - (2 * h - 1).abs().pow(b_now)).mean()
+            b_now = beta[0] + (beta[1] - beta[0]) * (it - start) / max(iters - start, 1)
+            for _, h in soft:
+                loss = loss + reg_weight * (1 - (2 * h - 1).abs().pow(b_now)).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
-        hard = (v >= 0).to(w.dtype)
-        learned = weight_for(hard)
-        after = float(loss_of(learned))
-        if after > before:  # keep nearest rounding when learning did not help
-            learned, after = weight_for(nearest), before
-    return learned, before, after
+        learned = [r.hard() for r in roundings]
+        after = float(loss_of(learned, None))
+        if after > before:  # learning did not help: keep nearest rounding
+            learned, after = [r.nearest_weight() for r in roundings], before
+        for r, w in zip(roundings, learned):
+            r.write_back(w)
+    return before, after
+
+
+def _layer_loss(layer: WeightedQAT, quant_in: list[tuple[Tensor, ...]], targets: list[Tensor]):
+    """Loss of one layer fed its quantized inputs, against the float layer's outputs."""
+    x = torch.cat([t[0] for t in quant_in])
+    res = torch.cat([t[1] for t in quant_in]) if layer.add else None
+    target = torch.cat(targets)
+    norm = target.pow(2).mean().clamp(min=1e-12)
+    bias = layer.folded_bias()
+    bias = None if bias is None else bias.detach()
+
+    def loss_of(weights: list[Tensor], idx: Tensor | None) -> Tensor:
+        xi = x if idx is None else x[idx.to(x.device)]
+        inputs = (xi,) if res is None else (xi, res if idx is None else res[idx.to(x.device)])
+        y = _activate(layer, _pre_activation(layer, inputs, weights[0], bias))
+        t = target if idx is None else target[idx.to(x.device)]
+        return (y - t).pow(2).mean() / norm
+
+    return loss_of, x.shape[0]
 
 
 def _correct_bias(layer: WeightedQAT, delta: Tensor) -> None:
@@ -210,6 +248,118 @@ def _correct_bias(layer: WeightedQAT, delta: Tensor) -> None:
             layer.bias = nn.Parameter(-delta.clone())
 
 
+def _bias_shift(layer: WeightedQAT, quant_in: list[tuple[Tensor, ...]]) -> Tensor:
+    """``E[(W_q - W) x]`` per output channel on the inputs the layer sees."""
+    with torch.no_grad():
+        w_now = layer.folded_weight()
+        scale = layer.weight_fake_quant.scale.reshape(_expand(w_now))
+        dtype = layer.weight_fake_quant.dtype
+        wq = torch.floor(w_now / scale + 0.5).clamp(dtype.qmin, dtype.qmax) * scale
+        b_now = layer.folded_bias()
+        axis = layer._out_axis
+        diffs = []
+        for tq in quant_in:
+            d = _pre_activation(layer, tq, wq, b_now) - _pre_activation(layer, tq, w_now, b_now)
+            diffs.append(d.transpose(0, axis % d.dim()).reshape(d.shape[axis], -1).mean(1))
+        return torch.stack(diffs).mean(0)
+
+
+# -- block-wise reconstruction ------------------------------------------------------------
+def _block_graph(gm: GraphModule, layer_targets: list[str]) -> tuple[GraphModule, list[str], str]:
+    """The sub-graph from the first to the last layer of a block.
+
+    Returns the sub-module (sharing gm's modules), the names of the nodes it
+    reads from outside (its inputs) and the name of its output node.
+    """
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    layer_nodes = [n for n in nodes if n.op == "call_module" and n.target in layer_targets]
+    first = min(index[n] for n in layer_nodes)
+    last = max(index[n] for n in layer_nodes)
+    inside = nodes[first : last + 1]
+    members = set(inside)
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    outside: list[str] = []
+    for node in inside:
+        for inp in node.all_input_nodes:
+            if inp not in members and inp not in env:
+                env[inp] = graph.placeholder(inp.name)
+                outside.append(inp.name)
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(env[nodes[last]])
+    return GraphModule(gm, graph), outside, nodes[last].name
+
+
+def _capture_nodes(
+    gm: GraphModule, names: list[str], batches: list[Any], input_fn
+) -> list[list[Tensor]]:
+    """The values of the named nodes, per batch (the run stops once all are known)."""
+    wanted = set(names)
+
+    class _Recorder(Interpreter):
+        def run_node(self, n: Node) -> Any:
+            out = super().run_node(n)
+            if n.name in wanted:
+                self.seen[n.name] = out.detach().clone() if isinstance(out, Tensor) else out
+                if len(self.seen) == len(wanted):
+                    raise _Stop
+            return out
+
+    signature = inspect.signature(gm.forward)
+    captured = []
+    with torch.no_grad():
+        for batch in batches:
+            args, kwargs = batch_arguments(gm, batch, input_fn)
+            recorder = _Recorder(gm)
+            recorder.seen = {}
+            with contextlib.suppress(_Stop):
+                recorder.run(*signature.bind(*args, **kwargs).args)
+            captured.append([recorder.seen[n] for n in names])
+    return captured
+
+
+def _blocks(
+    layers: list[tuple[str, WeightedQAT]], depth: int
+) -> list[list[tuple[str, WeightedQAT]]]:
+    """Consecutive layers whose paths share their first ``depth`` components."""
+    groups: list[list[tuple[str, WeightedQAT]]] = []
+    for name, layer in layers:
+        key = ".".join(name.split(".")[:depth])
+        if groups and ".".join(groups[-1][0][0].split(".")[:depth]) == key:
+            groups[-1].append((name, layer))
+        else:
+            groups.append([(name, layer)])
+    return groups
+
+
+def _reconstruct_block(model, reference, block, batches, input_fn, opts) -> tuple[float, float]:
+    names = [n for n, _ in block]
+    sub, inputs, output = _block_graph(model, names)
+    with float_fake_quant(model):
+        quant_in = _capture_nodes(model, inputs, batches, input_fn)
+    with bypass(reference):
+        target = torch.cat([v[0] for v in _capture_nodes(reference, [output], batches, input_fn)])
+    x = [torch.cat([b[i] for b in quant_in]) for i in range(len(inputs))]
+    norm = target.pow(2).mean().clamp(min=1e-12)
+    roundings = [_Rounding(layer) for _, layer in block]
+
+    def loss_of(weights: list[Tensor], idx: Tensor | None) -> Tensor:
+        for r, w in zip(roundings, weights):  # the block's layers use these weights
+            r.layer.quantized_weight = lambda w=w, r=r: r.layer.weight_from_out_major(w)
+        try:
+            args = [t if idx is None else t[idx] for t in x]
+            with float_fake_quant(model):
+                y = sub(*args)
+        finally:
+            for r in roundings:
+                del r.layer.quantized_weight
+        t = target if idx is None else target[idx]
+        return (y - t).pow(2).mean() / norm
+
+    return _learn(roundings, loss_of, target.shape[0], **opts)
+
+
 def weight_reconstruction(
     model: nn.Module,
     data: Iterable[Any],
@@ -222,6 +372,7 @@ def weight_reconstruction(
     warmup: float = 0.2,
     learned_rounding: bool = True,
     bias_correction: bool = False,
+    block_depth: int | None = None,
     input_fn: Callable[[Any], Any] | None = None,
     show_progress: bool | None = None,
     show: bool = True,
@@ -234,25 +385,35 @@ def weight_reconstruction(
         data: calibration batches (see ``fxq.calibration.calibrate``).
         num_batches: how many batches to learn from (all by default).
         iters, batch_size, lr, reg_weight, beta, warmup: the learned-rounding
-            optimisation (per layer: Adam on the rounding variables, samples
-            drawn from the recorded batches).
+            optimisation (Adam on the rounding variables, samples drawn from the
+            recorded batches).
         learned_rounding, bias_correction: the two steps. Bias correction is off
             by default: with per-channel weights the shift it corrects is small
             (on ImageNet MobileNetV2 it changed SQNR by -0.3 to 0.0 dB after
             learned rounding); it matters more for coarse per-tensor weights.
+        block_depth: None learns layer by layer. An integer learns block by
+            block: consecutive layers whose paths share their first
+            ``block_depth`` components (2: ``layer1.0`` in a ResNet,
+            ``features.3`` in a MobileNet) are trained together on the block's
+            output, with the activations between them fake-quantized.
 
     Returns:
-        one row per layer: ``layer``, the relative output error with nearest
-        rounding (``error_nearest``) and after (``error_learned``), and the
-        RMS bias shift (``bias_shift``).
+        one row per layer (per block with ``block_depth``): ``layer``, the
+        relative output error with nearest rounding (``error_nearest``) and
+        after (``error_learned``), and the RMS bias shift (``bias_shift``).
 
     Raises:
         RuntimeError: when the model is not calibrated.
-        ValueError: when ``data`` yields no batch.
+        ValueError: when ``data`` yields no batch, or ``block_depth`` is used on
+            a model that is not a GraphModule.
     """
     batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
     if not batches:
         raise ValueError("weight_reconstruction: the data yielded no batch")
+    if block_depth is not None and not isinstance(model, GraphModule):
+        raise ValueError(
+            "block-wise reconstruction needs the GraphModule returned by prepare_qat_fx"
+        )
     missing = [
         n
         for n, m in model.named_modules()
@@ -267,6 +428,14 @@ def weight_reconstruction(
             f"weight_reconstruction needs a calibrated model; {len(missing)} fake quant(s) have no scale "
             f"(e.g. {missing[0]}). Run fxq.calibration.calibrate first"
         )
+    opts = {
+        "iters": iters,
+        "lr": lr,
+        "reg_weight": reg_weight,
+        "beta": beta,
+        "warmup": warmup,
+        "batch_size": batch_size,
+    }
     states = {m: m.state for m in model.modules() if hasattr(m, "set_fake_quant_state")}
     training = model.training
     model.eval()
@@ -277,49 +446,42 @@ def weight_reconstruction(
     reference = copy.deepcopy(model)
     try:
         layers = _layers_in_order(model, batches[0], input_fn)
-        for name, layer in progress(layers, len(layers), "weight reconstruction", show_progress):
-            with float_fake_quant(model):
-                quant_in = _capture_inputs(model, layer, batches, input_fn)
-            original = reference.get_submodule(name)
-            with bypass(reference):
-                float_in = _capture_inputs(reference, original, batches, input_fn)
-                with torch.no_grad():
-                    w_float = original.folded_weight().detach()
-                    b_float = original.folded_bias()
-                    pre_float = [_pre_activation(original, t, w_float, b_float) for t in float_in]
-            targets = [_activate(layer, p) for p in pre_float]
-            row: dict[str, Any] = {"layer": name}
+        groups = (
+            [[entry] for entry in layers] if block_depth is None else _blocks(layers, block_depth)
+        )
+        for group in progress(groups, len(groups), "weight reconstruction", show_progress):
+            row: dict[str, Any] = {
+                "layer": group[0][0] if len(group) == 1 else ", ".join(n for n, _ in group)
+            }
             if learned_rounding:
-                learned, before, after = _reconstruct(
-                    layer, quant_in, targets, iters, lr, reg_weight, beta, warmup, batch_size
-                )
-                with torch.no_grad():
-                    factor = layer.bn_factor()
-                    unfolded = (
-                        learned
-                        if factor is None
-                        else learned / factor.reshape([-1] + [1] * (learned.dim() - 1))
+                if block_depth is None:
+                    name, layer = group[0]
+                    with float_fake_quant(model):
+                        quant_in = _capture_inputs(model, layer, batches, input_fn)
+                    original = reference.get_submodule(name)
+                    with bypass(reference), torch.no_grad():
+                        float_in = _capture_inputs(reference, original, batches, input_fn)
+                        w0, b0 = original.folded_weight().detach(), original.folded_bias()
+                        targets = [
+                            _activate(original, _pre_activation(original, t, w0, b0))
+                            for t in float_in
+                        ]
+                    loss_of, samples = _layer_loss(layer, quant_in, targets)
+                    before, after = _learn([_Rounding(layer)], loss_of, samples, **opts)
+                else:
+                    before, after = _reconstruct_block(
+                        model, reference, group, batches, input_fn, opts
                     )
-                    layer.weight.copy_(layer.weight_from_out_major(unfolded))
                 row.update(error_nearest=before, error_learned=after)
             if bias_correction:
-                with torch.no_grad():
-                    w_q = layer.weight_fake_quant.calculate_scale()
-                    scale = w_q.reshape([-1] + [1] * (w_float.dim() - 1))
-                    wq = torch.floor(layer.folded_weight() / scale + 0.5).clamp(-128, 127) * scale
-                    b_now = layer.folded_bias()
-                    w_now = layer.folded_weight()
-                    axis = layer._out_axis
-                    diffs = []
-                    for tq in quant_in:
-                        # the shift that weight quantization alone causes, on the inputs the layer sees
-                        pq = _pre_activation(layer, tq, wq, b_now)
-                        pw = _pre_activation(layer, tq, w_now, b_now)
-                        d = (pq - pw).transpose(0, axis % pq.dim()).reshape(pq.shape[axis], -1)
-                        diffs.append(d.mean(1))
-                    delta = torch.stack(diffs).mean(0)
-                _correct_bias(layer, delta)
-                row["bias_shift"] = float(delta.pow(2).mean().sqrt())
+                shifts = []
+                for _, layer in group:
+                    with float_fake_quant(model):
+                        quant_in = _capture_inputs(model, layer, batches, input_fn)
+                    delta = _bias_shift(layer, quant_in)
+                    _correct_bias(layer, delta)
+                    shifts.append(delta.pow(2).mean())
+                row["bias_shift"] = float(torch.stack(shifts).mean().sqrt())
             rows.append(row)
     finally:
         for m, s in states.items():

@@ -84,9 +84,15 @@ def test_methods_are_ordered_on_pretrained_mobilenet_v2(bayes):
     assert scores["mse"] > scores["min_max"] + 1.5
     assert scores["mix"] >= scores["mse"] - 0.1
     learned = _calibrated(model, calib, "percentile")
+    blocks = copy.deepcopy(learned)
     rows = weight_reconstruction(learned, calib, iters=20, show=False, show_progress=False)
     assert all(r["error_learned"] <= r["error_nearest"] for r in rows)
     assert _integer_sqnr(learned, held, ref) > scores["percentile"] + 1.0  # measured: 15.7 dB
+    rows = weight_reconstruction(
+        blocks, calib, iters=20, block_depth=2, show=False, show_progress=False
+    )
+    assert rows[2]["layer"] == "features.2.conv.0.0, features.2.conv.1.0, features.2.conv.2"
+    assert _integer_sqnr(blocks, held, ref) > scores["percentile"] + 1.0  # measured: 15.9 dB
 
 
 def test_learned_rounding_lowers_every_layer_error(setup):
@@ -198,3 +204,24 @@ def test_calibrate_handles_batches_limits_and_progress(bayes):
         calibrate(model, [])
     calibrated = copy.deepcopy(model)
     assert all(bool(m.observed) for m in calibrated.modules() if isinstance(m, fxq.FakeQuantize))
+
+
+def test_block_wise_reconstruction(setup):
+    model, calib, held, ref = setup
+    prepared = _calibrated(model, calib, "mse")
+    # depth 0: one block from the first conv to the classifier, with the mean in between
+    rows = weight_reconstruction(
+        prepared, calib, iters=30, block_depth=0, show=False, show_progress=False
+    )
+    assert [r["layer"] for r in rows] == ["c1, c2, c3, fc"]
+    assert rows[0]["error_learned"] <= rows[0]["error_nearest"]
+    fxq.set_fake_quantize(prepared, "validation")
+    with torch.no_grad():
+        assert torch.equal(prepared(held), fxq.convert_fx(prepared)(held))
+    assert not hasattr(prepared.c1, "quantized_weight") or callable(
+        type(prepared.c1).quantized_weight
+    )
+    with pytest.raises(ValueError, match="needs the GraphModule"):
+        weight_reconstruction(
+            nn.Sequential(nn.Linear(2, 2)), [torch.zeros(1, 2)], block_depth=1, show=False
+        )
