@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import fxq
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_in_fresh_process(code: str) -> str:
+    """Run Python ``code`` in a new interpreter (from the repository root); return its stdout."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=str(ROOT)
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
 
 
 def sqnr(reference: torch.Tensor, test: torch.Tensor) -> float:

@@ -25,7 +25,7 @@ from tabulate import tabulate
 from torch import Tensor, nn
 
 from fxq.calibration.observers import HistogramObserver
-from fxq.calibration.runner import batch_arguments, progress, run_batches
+from fxq.calibration.runner import call_order, progress, run_batches
 from fxq.debug import float_fake_quant
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
 from fxq.quantized import functional as qf
@@ -68,32 +68,22 @@ def _flatten_outputs(out: Any) -> Tensor:
 
 
 def _activation_quants(model: nn.Module, batch: Any, input_fn) -> list[tuple[str, FakeQuantize]]:
-    """Activation fake quants in the order the model runs them."""
+    """Activation fake quants (not weights, fixed scales or int32 outputs), in the order the model runs them."""
     weights = {
         id(m.weight_fake_quant)
         for m in model.modules()
         if isinstance(getattr(m, "weight_fake_quant", None), FakeQuantize)
     }
-    names = {id(m): n for n, m in model.named_modules()}
-    order: list[FakeQuantize] = []
-    hooks = [
-        m.register_forward_pre_hook(
-            lambda mod, inp: order.append(mod) if mod not in order else None
-        )
+    candidates = [
+        m
         for m in model.modules()
         if isinstance(m, FakeQuantize)
         and id(m) not in weights
         and not m.is_high_precision
         and not m.is_fixed_scale
     ]
-    try:
-        with torch.no_grad(), bypass(model):
-            args, kwargs = batch_arguments(model, batch, input_fn)
-            model(*args, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return [(names[id(m)], m) for m in order]
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names[id(m)], m) for m in call_order(model, candidates, batch, input_fn)]
 
 
 def auto_calibrate(

@@ -43,7 +43,7 @@ from tabulate import tabulate
 from torch import Tensor, nn
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
-from fxq.calibration.runner import batch_arguments, progress
+from fxq.calibration.runner import batch_arguments, call_order, progress
 from fxq.debug import float_fake_quant
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
 from fxq.fused import ACTIVATIONS
@@ -64,27 +64,15 @@ def _inverse_rectified_sigmoid(h: Tensor) -> Tensor:
 
 
 def _layers_in_order(model: nn.Module, batch: Any, input_fn) -> list[tuple[str, WeightedQAT]]:
+    """Weighted layers in the order the model runs them (call-site copies share their weight: once)."""
+    layers = [m for m in model.modules() if isinstance(m, WeightedQAT) and not m.standalone]
     names = {id(m): n for n, m in model.named_modules()}
-    order: list[WeightedQAT] = []
-    seen_weights: set[int] = set()
-    hooks = []
-    for m in model.modules():
-        if isinstance(m, WeightedQAT) and not m.standalone:
-
-            def hook(mod, inp):
-                if id(mod.weight) not in seen_weights:  # call-site copies share their weight
-                    seen_weights.add(id(mod.weight))
-                    order.append(mod)
-
-            hooks.append(m.register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad(), bypass(model):
-            args, kwargs = batch_arguments(model, batch, input_fn)
-            model(*args, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return [(names[id(m)], m) for m in order]
+    out, weights = [], set()
+    for m in call_order(model, layers, batch, input_fn):
+        if id(m.weight) not in weights:
+            weights.add(id(m.weight))
+            out.append((names[id(m)], m))
+    return out
 
 
 def _capture_inputs(

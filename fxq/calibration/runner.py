@@ -13,7 +13,7 @@ from torch import nn
 
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
 
-__all__ = ["calibrate", "batch_arguments", "progress", "run_batches"]
+__all__ = ["calibrate", "batch_arguments", "progress", "run_batches", "call_order"]
 
 
 def _positional_count(model: nn.Module) -> int | None:
@@ -150,3 +150,32 @@ def calibrate(
         if isinstance(m, FakeQuantize):
             m.finalize()
     return model
+
+
+def call_order(
+    model: nn.Module,
+    modules: Iterable[nn.Module],
+    batch: Any,
+    input_fn: Callable[[Any], Any] | None = None,
+) -> list[nn.Module]:
+    """``modules`` in the order one float forward pass on ``batch`` first calls them
+    (modules it never calls are left out)."""
+    from fxq.fake_quantize import bypass
+
+    order: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def record(module: nn.Module, inputs: Any) -> None:
+        if id(module) not in seen:
+            seen.add(id(module))
+            order.append(module)
+
+    hooks = [m.register_forward_pre_hook(record) for m in modules]
+    try:
+        with torch.no_grad(), bypass(model):
+            args, kwargs = batch_arguments(model, batch, input_fn)
+            model(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return order

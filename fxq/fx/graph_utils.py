@@ -12,6 +12,8 @@ from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 
+from fxq.qat.mapping import NONTENSOR_METHODS
+
 __all__ = [
     "owner_path",
     "tensor_inputs",
@@ -38,20 +40,6 @@ _METADATA_ATTRS = frozenset(
         "names",
         "grad_fn",
         "is_leaf",
-    }
-)
-_NONTENSOR_METHODS = frozenset(
-    {
-        "size",
-        "dim",
-        "numel",
-        "nelement",
-        "element_size",
-        "is_contiguous",
-        "get_device",
-        "tolist",
-        "item",
-        "__len__",
     }
 )
 _SCALAR_ANNOTATIONS = (int, float, bool, str)
@@ -108,7 +96,7 @@ def infer_tensor_nodes(
                 value = None
             is_tensor[node] = isinstance(value, torch.Tensor)
         elif node.op == "call_method":
-            is_tensor[node] = node.target not in _NONTENSOR_METHODS and any_tensor_input
+            is_tensor[node] = node.target not in NONTENSOR_METHODS and any_tensor_input
         elif node.op == "call_module":
             is_tensor[node] = True
         elif node.op == "call_function":

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from fxq.fake_quantize import FakeQuantState
 from fxq.fused import ACTIVATIONS, Fused
 from fxq.qat.base import QATModule, quantize_bias
+from fxq.qat.weighted import batchnorm_factor
 from fxq.qconfig import QConfig
 
 __all__ = ["BatchNorm"]
@@ -55,8 +56,7 @@ class BatchNorm(QATModule):
         return Fused(self.bn, activation=self.activation, pattern=f"bn_{self.activation}")
 
     def factor(self) -> Tensor:
-        std = torch.sqrt(self.bn.running_var + self.bn.eps)
-        return self.bn.weight / std if self.bn.weight is not None else 1.0 / std
+        return batchnorm_factor(self.bn)
 
     def folded_bias(self) -> Tensor:
         beta = self.bn.bias if self.bn.bias is not None else torch.zeros_like(self.bn.running_mean)

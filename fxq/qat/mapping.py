@@ -33,7 +33,14 @@ from fxq.fused import Fused
 from fxq.qat import activation, batchnorm, elementwise, interpolate, matmul, pooling, weighted
 from fxq.qat.stubs import QuantStub
 
-__all__ = ["Kind", "OpRule", "rule_for", "qat_class_for_weighted", "functional_target"]
+__all__ = [
+    "Kind",
+    "OpRule",
+    "rule_for",
+    "qat_class_for_weighted",
+    "functional_target",
+    "NONTENSOR_METHODS",
+]
 
 
 class Kind(str, enum.Enum):
@@ -294,6 +301,21 @@ except Exception:  # pragma: no cover
     pass
 
 # -- method rules (call_method targets) --------------------------------------
+#: tensor methods that return Python values (sizes, flags), not tensors
+NONTENSOR_METHODS = frozenset(
+    {
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "element_size",
+        "is_contiguous",
+        "get_device",
+        "tolist",
+        "item",
+        "__len__",
+    }
+)
 METHOD_RULES: dict[str, OpRule] = {
     "add": _compute(elementwise.Add),
     "add_": _compute(elementwise.Add),
@@ -343,21 +365,7 @@ METHOD_RULES: dict[str, OpRule] = {
             "__getitem__",
         )
     },
-    **{
-        name: NONTENSOR
-        for name in (
-            "size",
-            "dim",
-            "numel",
-            "nelement",
-            "element_size",
-            "is_contiguous",
-            "get_device",
-            "tolist",
-            "item",
-            "__len__",
-        )
-    },
+    **dict.fromkeys(NONTENSOR_METHODS, NONTENSOR),
 }
 
 

@@ -28,7 +28,25 @@ from fxq.fused import ACTIVATIONS, Fused
 from fxq.qat.base import QATModule, quantize_bias
 from fxq.qconfig import QConfig
 
-__all__ = ["WeightedQAT"]
+__all__ = ["WeightedQAT", "swap_group_axes", "batchnorm_factor"]
+
+
+def swap_group_axes(w: Tensor, groups: int) -> Tensor:
+    """Swap a grouped weight's first two axes within each group.
+
+    A transposed conv's weight is ``[in, out / groups, *k]`` with output
+    channel ``o = g * (out / groups) + j``; this gives the out-major
+    ``[out, in / groups, *k]`` layout, and applied again gives it back.
+    """
+    k = w.shape[2:]
+    w = w.reshape(groups, w.shape[0] // groups, w.shape[1], *k).transpose(1, 2)
+    return w.reshape(groups * w.shape[1], w.shape[2], *k)
+
+
+def batchnorm_factor(bn: nn.Module) -> Tensor:
+    """``gamma / sqrt(running_var + eps)`` per channel (``1 / std`` without affine)."""
+    std = torch.sqrt(bn.running_var + bn.eps)
+    return bn.weight / std if bn.weight is not None else 1.0 / std
 
 
 class WeightedQAT(QATModule):
@@ -126,11 +144,7 @@ class WeightedQAT(QATModule):
 
     def bn_factor(self) -> Tensor | None:
         """``gamma / sqrt(running_var + eps)`` per output channel, or None without BN."""
-        bn = self.bn
-        if bn is None:
-            return None
-        std = torch.sqrt(bn.running_var + bn.eps)
-        return bn.weight / std if bn.weight is not None else 1.0 / std
+        return None if self.bn is None else batchnorm_factor(self.bn)
 
     def folded_weight(self) -> Tensor:
         """The BN-folded float weight in out-major layout (before fake quant)."""
@@ -317,18 +331,11 @@ class _ConvTranspose(_ConvBase):
             self.dilation,
         )
 
-    # ConvTranspose weights are [in, out/groups, *k]; output channel o = g * (out/groups) + j.
     def weight_to_out_major(self, w: Tensor) -> Tensor:
-        g = self.groups
-        k = w.shape[2:]
-        w = w.reshape(g, w.shape[0] // g, w.shape[1], *k).transpose(1, 2)
-        return w.reshape(g * w.shape[1], w.shape[2], *k)
+        return swap_group_axes(w, self.groups)
 
     def weight_from_out_major(self, w: Tensor) -> Tensor:
-        g = self.groups
-        k = w.shape[2:]
-        w = w.reshape(g, w.shape[0] // g, w.shape[1], *k).transpose(1, 2)
-        return w.reshape(g * w.shape[1], w.shape[2], *k)
+        return swap_group_axes(w, self.groups)
 
 
 class Conv1d(_Conv):

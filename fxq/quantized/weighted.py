@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fxq.dtypes import QDType, as_qdtype, qint8, qint32
+from fxq.qat.weighted import swap_group_axes
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import QuantizedModule, check_input, warn_if_saturated
@@ -264,12 +265,7 @@ class _Conv(_Weighted):
         return _CONV[self._DIM](x, w, b, self.stride, self.padding, self.dilation, self.groups)
 
     def weight_out_major(self) -> Tensor:
-        if not self._TRANSPOSED:
-            return self.weight
-        w, g = self.weight, self.groups
-        k = w.shape[2:]
-        w = w.reshape(g, w.shape[0] // g, w.shape[1], *k).transpose(1, 2)
-        return w.reshape(g * w.shape[1], w.shape[2], *k)
+        return swap_group_axes(self.weight, self.groups) if self._TRANSPOSED else self.weight
 
     def _hyper(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, kernel_size={tuple(self.weight.shape[2:])}, stride={self.stride}, groups={self.groups}"

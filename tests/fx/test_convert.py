@@ -1,8 +1,5 @@
 import contextlib
 import io
-import subprocess
-import sys
-import textwrap
 import warnings
 from pathlib import Path
 
@@ -24,7 +21,14 @@ from fxq.qconfig import (
 from fxq.quantized import native
 from fxq.quantized.base import Standalone
 from fxq.quantized.stubs import DeQuantize, Quantize
-from tests.helpers import ResidualNet, TinyRetinaNet, calibrate, recalibrate_bn, sqnr
+from tests.helpers import (
+    ResidualNet,
+    TinyRetinaNet,
+    calibrate,
+    recalibrate_bn,
+    run_in_fresh_process,
+    sqnr,
+)
 from tests.zoo import Zoo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,8 +203,7 @@ def test_save_and_load_converted_model_in_a_fresh_process(bayes, tmp_path):
     with torch.no_grad():
         expected = converted(x)
     torch.save({"model": converted, "x": x, "expected": expected}, tmp_path / "m.pt")
-    code = textwrap.dedent(
-        f"""
+    code = f"""
         import torch
         blob = torch.load({str(tmp_path / "m.pt")!r}, weights_only=False)
         with torch.no_grad():
@@ -209,12 +212,7 @@ def test_save_and_load_converted_model_in_a_fresh_process(bayes, tmp_path):
         assert torch.equal(out["boxes"], blob["expected"]["boxes"])
         print(type(blob["model"].stem if hasattr(blob["model"], "stem") else blob["model"].lat1).__name__)
         """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT)
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "Conv2d"
+    assert run_in_fresh_process(code) == "Conv2d"
 
 
 def test_print_tabular_has_readable_names(bayes):

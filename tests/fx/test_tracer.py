@@ -1,7 +1,4 @@
 import copy
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -11,7 +8,7 @@ from torch import nn
 import fxq
 from fxq import qat
 from fxq.fx.tracer import FxqTraceError, call_wrapped_method
-from tests.helpers import TinyRetinaNet, calibrate
+from tests.helpers import TinyRetinaNet, calibrate, run_in_fresh_process
 
 q8 = fxq.qconfig.default_qat_8bit_fake_quant_qconfig
 
@@ -195,8 +192,7 @@ def test_save_and_load_in_a_fresh_process(bayes, tmp_path):
     with torch.no_grad():
         expected = prepared(x)
     torch.save({"model": prepared, "x": x, "expected": expected}, tmp_path / "m.pt")
-    code = textwrap.dedent(
-        f"""
+    code = f"""
         import torch
         blob = torch.load({str(tmp_path / "m.pt")!r}, weights_only=False)
         with torch.no_grad():
@@ -207,12 +203,4 @@ def test_save_and_load_in_a_fresh_process(bayes, tmp_path):
         assert set(blob["model"](blob["x"])) == {{"cls", "box"}}
         print("ok")
         """
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=str(__import__("pathlib").Path(__file__).parents[2]),
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
+    assert run_in_fresh_process(code) == "ok"
