@@ -113,12 +113,32 @@ def auto_calibrate(
         and the output SQNR (dB) each candidate gave when it was tried.
 
     Raises:
-        ValueError: for unknown candidates or empty data.
+        ValueError: for unknown candidates or empty data (a failure part-way
+            restores the model's scales and states).
     """
     batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
     if not batches:
         raise ValueError("auto_calibrate: the data yielded no batch")
+    training = model.training
     model.eval()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    states = {m: m.state for m in model.modules() if hasattr(m, "set_fake_quant_state")}
+    try:
+        return _auto_calibrate(
+            model, batches, candidates, eval_batches, input_fn, show_progress, show
+        )
+    except BaseException:  # a failure leaves the model as it was
+        model.load_state_dict(snapshot)
+        for m, st in states.items():
+            m.set_fake_quant_state(st)
+        raise
+    finally:
+        model.train(training)
+
+
+def _auto_calibrate(
+    model, batches, candidates, eval_batches, input_fn, show_progress, show
+) -> list[dict[str, Any]]:
     quants = _activation_quants(model, batches[0], input_fn)
     originals = [fq.activation_post_process for _, fq in quants]
     for _, fq in quants:

@@ -394,6 +394,8 @@ def weight_reconstruction(
         RuntimeError: when the model is not calibrated.
         ValueError: when ``data`` yields no batch, or ``block_depth`` is used on
             a model that is not a GraphModule.
+
+    A failure part-way (an exception, Ctrl-C) restores the model's weights and biases.
     """
     batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
     if not batches:
@@ -432,6 +434,8 @@ def weight_reconstruction(
     # the float model stays as it was: every target comes from this untouched copy (the
     # model itself changes layer after layer)
     reference = copy.deepcopy(model)
+    biasless = [m for m in model.modules() if isinstance(m, WeightedQAT) and m.bias is None]
+    completed = False
     try:
         layers = _layers_in_order(model, batches[0], input_fn)
         groups = (
@@ -471,7 +475,12 @@ def weight_reconstruction(
                     shifts.append(delta.pow(2).mean())
                 row["bias_shift"] = float(torch.stack(shifts).mean().sqrt())
             rows.append(row)
+        completed = True
     finally:
+        if not completed:  # a failure leaves the model as it was
+            for m in biasless:
+                m.bias = None
+            model.load_state_dict(reference.state_dict())
         for m, s in states.items():
             m.set_fake_quant_state(s)
         model.train(training)

@@ -268,6 +268,8 @@ def requantize(
 # limb is accumulated separately; the limb results are combined in float64,
 # exact below 2**53. Limbs are at most 8 bits wide in float32 so that even
 # reduced-precision float modes (TF32, bf16 inputs) represent them exactly.
+# On CUDA, cuDNN is switched off for these kernels (its Winograd / FFT
+# algorithms are not exact); on the CPU, mkldnn runs direct convolution.
 
 _F32_EXACT = 1 << 24
 _F64_EXACT = 1 << 53
@@ -376,6 +378,11 @@ def accumulate(
     Returns:
         float32 (single float32 limb) or float64 tensor holding exact integers.
     """
+    if q.device.type == "cuda" and torch.backends.cudnn.enabled:
+        # cuDNN may pick Winograd or FFT algorithms, which are not exact on integers; without
+        # it torch runs im2col + GEMM, exact under the same bounds
+        with torch.backends.cudnn.flags(enabled=False):
+            return accumulate(op, q, weight, bias, plan, channel_axis)
     dt = plan.dtype
     w = weight.to(dt)
     if plan.limbs == 1:

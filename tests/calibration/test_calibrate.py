@@ -225,3 +225,36 @@ def test_block_wise_reconstruction(setup):
         weight_reconstruction(
             nn.Sequential(nn.Linear(2, 2)), [torch.zeros(1, 2)], block_depth=1, show=False
         )
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_failures_part_way_leave_the_model_as_it_was(setup):
+    model, calib, _, _ = setup
+    prepared = _calibrated(model, calib, "mse")
+    before = {k: v.clone() for k, v in prepared.state_dict().items()}
+    calls = []
+
+    def interrupt(module, inputs):
+        calls.append(1)
+        if len(calls) > 12:  # well after the first layers were changed
+            raise _Interrupt
+
+    handle = prepared.fc.register_forward_pre_hook(interrupt)
+    with pytest.raises(_Interrupt):
+        weight_reconstruction(
+            prepared, calib, iters=5, bias_correction=True, show=False, show_progress=False
+        )
+    with pytest.raises(_Interrupt):
+        calls.clear()
+        auto_calibrate(prepared, calib, show=False, show_progress=False)
+    handle.remove()
+    after = prepared.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert (
+        prepared.c3.bias is not None
+        and prepared.fc.weight_fake_quant.state is fxq.FakeQuantState.CALIBRATION
+    )
