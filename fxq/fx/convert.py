@@ -26,9 +26,10 @@ from fxq.fake_quantize import FakeQuantize
 from fxq.fx.graph_utils import set_submodule, unique_name
 from fxq.qat.base import QATModule
 from fxq.qat.mapping import Kind, rule_for
+from fxq.qat.stubs import QuantStub
 from fxq.quantized.base import QuantizedModule
 from fxq.quantized.mapping import to_quantized
-from fxq.quantized.stubs import DeQuantize
+from fxq.quantized.stubs import DeQuantize, UnusedQuantize
 
 __all__ = ["convert_fx"]
 
@@ -74,7 +75,8 @@ def _require_observed(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FakeQuantize):
             m.finalize()
-        if isinstance(m, QATModule) and m.standalone:
+        if isinstance(m, QATModule) and m.standalone or isinstance(m, QuantStub):
+            # standalone modules that never ran stay float; stubs that saw no tensor pass values on
             skipped.update(id(fq) for fq in m.modules() if isinstance(fq, FakeQuantize))
     missing = [
         name
@@ -110,6 +112,9 @@ class _Converter:
             if node.op in ("placeholder", "get_attr"):
                 continue
             module = self.modules.get(node.target) if node.op == "call_module" else None
+            if isinstance(module, QuantStub) and _never_observed(module.activation_post_process):
+                set_submodule(self.gm, node.target, UnusedQuantize(node.target))
+                continue
             if isinstance(module, QATModule):
                 integer = to_quantized(module)
                 integer.name = node.target

@@ -33,6 +33,8 @@ class QuantStub(QATModule):
         self.fixed_scale = scale
 
     def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, Tensor):  # a Python number taken for a tensor: nothing to quantize
+            return x
         return self.quantize_output(x)
 
     def extra_repr(self) -> str:

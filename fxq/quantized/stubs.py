@@ -11,7 +11,7 @@ from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import QuantizedModule
 
-__all__ = ["Quantize", "DeQuantize", "Requantize"]
+__all__ = ["Quantize", "DeQuantize", "Requantize", "UnusedQuantize"]
 
 
 class Quantize(QuantizedModule):
@@ -36,6 +36,8 @@ class Quantize(QuantizedModule):
         return cls(fq.scale, fq.dtype, fq.march)
 
     def forward(self, x: Tensor | QTensor) -> QTensor:
+        if not isinstance(x, (Tensor, QTensor)):  # a Python number: passes through
+            return x
         if isinstance(x, QTensor):
             return Requantize(self.scale, self.dtype, self.march)(x)
         return QTensor.quantize(x, self.scale, self.dtype, self.rounding)
@@ -68,3 +70,24 @@ class Requantize(QuantizedModule):
         m, n = qf.quantize_multiplier(qf.scale_ratio(x.scale, self.scale), self.spec)
         q = qf.requantize_exact(x.values(), m, n, dtype, self.rounding, as_float=True)
         return QTensor(q, self.scale, dtype)
+
+
+class UnusedQuantize(nn.Module):
+    """A quantize stub that saw no tensor during calibration (only Python numbers).
+
+    Python values pass through; a tensor is an error, since there is no scale.
+    """
+
+    _fxq_leaf = True
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, x):
+        if isinstance(x, (Tensor, QTensor)):
+            raise RuntimeError(
+                f"quantize stub {self.name!r} saw no tensor during calibration, so it has no scale; "
+                "calibrate with data that reaches it"
+            )
+        return x

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import fxq
+import fxq.calibration
 from fxq import qat
 from fxq.qconfig import default_calib_8bit_fake_quant_qconfig as calib_q8
 from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
@@ -165,3 +166,25 @@ def test_validation_tracks_the_float_model(bayes):
 def test_nothing_to_quantize_is_an_error(bayes):
     with pytest.raises(ValueError, match="nothing to quantize"):
         fxq.prepare_qat_fx(ResidualNet())
+
+
+@pytest.mark.parametrize("with_example", [False, True])
+def test_python_number_arguments(bayes, with_example):
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x, k):  # k: a Python number, not annotated
+            return self.conv(x) * k
+
+    x = torch.randn(2, 3, 4, 4)
+    example = (x, 3) if with_example else None
+    prepared = fxq.prepare_qat_fx(Scaled(), {"": calib_q8}, example_inputs=example)
+    # with example inputs fxq knows k is a number; without, k passes through its quantize stub
+    assert ("k_quant" in dict(prepared.named_children())) is not with_example
+    fxq.calibration.calibrate(prepared, [(x, 3)], show_progress=False)  # tuple batches: (x, k)
+    fxq.set_fake_quantize(prepared, "validation")
+    with torch.no_grad():
+        expected = prepared(x, 3)
+        assert torch.equal(fxq.convert_fx(prepared)(x, 3), expected)
