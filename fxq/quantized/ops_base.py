@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from fxq.dtypes import QDType, as_qdtype
@@ -49,7 +48,3 @@ class FunctionalQuantized(QuantizedModule):
         name = getattr(self.fn, "__name__", None)
         fn = f"fn={name}, " if name else ""
         return f"{fn}out={self.out_dtype_name} at {self.output_scale.item():.6g}"
-
-
-def as_float64(x: QTensor) -> Tensor:
-    return x.values().to(torch.float64)
