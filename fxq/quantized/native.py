@@ -92,39 +92,17 @@ def _build() -> ctypes.CDLL | None:
                 return None
             os.replace(out, target)
     lib = ctypes.CDLL(str(target))
-    for name in _FUNCS.values():
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_double,
-            ctypes.c_double,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
-    for name in _ADD_FUNCS.values():
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int64,
-        ]
-        fn.argtypes += [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_double,
-            ctypes.c_double,
-            ctypes.c_int,
-        ]
-        fn.argtypes += [ctypes.c_void_p, ctypes.c_int]
+    ptr, i64, f64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
+    # (acc, [residual,] outer, channels, inner, r, [rr,] lo, hi, half_even, out, threads)
+    signatures = [(_FUNCS.values(), [ptr, i64, i64, i64, ptr, f64, f64, cint, ptr, cint])]
+    signatures.append(
+        (_ADD_FUNCS.values(), [ptr, ptr, i64, i64, i64, ptr, ptr, f64, f64, cint, ptr, cint])
+    )
+    for names, argtypes in signatures:
+        for name in names:
+            fn = getattr(lib, name)
+            fn.restype = None
+            fn.argtypes = argtypes
     return lib
 
 
