@@ -148,8 +148,10 @@ class WeightedQAT(QATModule):
 
     def folded_weight(self) -> Tensor:
         """The BN-folded float weight in out-major layout (before fake quant)."""
+        return self._fold_weight(self.bn_factor())
+
+    def _fold_weight(self, factor: Tensor | None) -> Tensor:
         w = self.weight_to_out_major(self.weight)
-        factor = self.bn_factor()
         if factor is not None:
             w = w * factor.reshape([-1] + [1] * (w.dim() - 1))
         return w
@@ -197,10 +199,7 @@ class WeightedQAT(QATModule):
             # The fold and the unfold cancel, so the folding factor is a constant here and the
             # BatchNorm's affine parameters get their gradient through the BatchNorm alone.
             factor = self.bn_factor().detach()
-            w_om = self.weight_to_out_major(self.weight)
-            w_q = self.weight_from_out_major(
-                self.weight_fake_quant(w_om * factor.reshape([-1] + [1] * (w_om.dim() - 1)))
-            )
+            w_q = self.weight_from_out_major(self.weight_fake_quant(self._fold_weight(factor)))
             y = self._apply(x, w_q, None)
             shape = self._channel_shape(y.dim())
             y = y * (1.0 / factor).reshape(shape)
