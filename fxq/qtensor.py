@@ -37,7 +37,7 @@ from torch import Tensor
 
 from fxq.dtypes import QDType, as_qdtype
 
-__all__ = ["QTensor", "implements"]
+__all__ = ["QTensor", "implements", "is_handled", "passthrough_method", "passthrough_function"]
 
 _HANDLED: dict[Callable, Callable] = {}
 
@@ -117,13 +117,17 @@ class QTensor:
     # -- construction / leaving the integer domain --------------------------
     @classmethod
     def quantize(cls, x: Tensor, scale: Tensor, dtype: QDType | str, rounding) -> QTensor:
-        """Quantize a float tensor with fxq's one quantize formula."""
+        """Quantize a tensor with fxq's one quantize formula (``fxq.quantized.functional.quantize``).
+
+        ``x`` may have any real dtype: half-precision floats and integers of up to
+        16 bits (e.g. uint8 camera frames) quantize exactly as the same values in
+        float32 would; the scale keeps its float32 value whatever ``x``'s dtype.
+        """
         from fxq.quantized import functional as qf
 
         dtype = as_qdtype(dtype)
-        return cls(
-            qf.quantize(x, scale, dtype, rounding, as_float=x.dtype is torch.float32), scale, dtype
-        )
+        q = qf.quantize(x, scale, dtype, rounding, as_float=dtype.bits <= 24)
+        return cls(q, scale, dtype)
 
     def dequantize(self) -> Tensor:
         """``data * scale`` as float32."""
@@ -202,33 +206,6 @@ class QTensor:
                 f"{op} on a per-channel QTensor would lose track of its channel axis; dequantize() it first"
             )
 
-    def _shape_op(name: str):  # noqa: N805 - builds methods
-        def method(self: QTensor, *args: Any, **kwargs: Any):
-            self._per_tensor(f"QTensor.{name}")
-            return self._map(lambda v: getattr(v, name)(*_unwrap(args), **kwargs))
-
-        method.__name__ = name
-        method.__doc__ = f"``Tensor.{name}`` on the integer data; the scale is kept."
-        return method
-
-    view = _shape_op("view")
-    reshape = _shape_op("reshape")
-    flatten = _shape_op("flatten")
-    permute = _shape_op("permute")
-    transpose = _shape_op("transpose")
-    squeeze = _shape_op("squeeze")
-    unsqueeze = _shape_op("unsqueeze")
-    chunk = _shape_op("chunk")
-    split = _shape_op("split")
-    unbind = _shape_op("unbind")
-    expand = _shape_op("expand")
-    repeat = _shape_op("repeat")
-    t = _shape_op("t")
-    narrow = _shape_op("narrow")
-    flip = _shape_op("flip")
-    roll = _shape_op("roll")
-    __getitem__ = _shape_op("__getitem__")
-    del _shape_op
 
     def contiguous(self, *args: Any, **kwargs: Any) -> QTensor:
         return QTensor(
@@ -296,6 +273,40 @@ class QTensor:
         return impl(*args, **kwargs)
 
 
+def is_handled(func: Callable) -> bool:
+    """Whether QTensor has an implementation of the torch function ``func``."""
+    try:
+        return func in _HANDLED
+    except TypeError:
+        return False
+
+
+def passthrough_method(name: str) -> Callable:
+    """A QTensor method that runs ``Tensor.<name>`` on the integers and keeps the scale.
+
+    Only for ops that move or select values (reshapes, slicing...); the op
+    registry installs one for every pass-through row's method names.
+    """
+
+    def method(self: QTensor, *args: Any, **kwargs: Any) -> Any:
+        self._per_tensor(f"QTensor.{name}")
+        return self._map(lambda v: getattr(v, name)(*_unwrap(args), **kwargs))
+
+    method.__name__ = name
+    method.__doc__ = f"``Tensor.{name}`` on the integer data; the scale is kept."
+    return method
+
+
+def passthrough_function(func: Callable) -> Callable:
+    """The QTensor implementation of a value-moving torch function (``torch.flatten``...)."""
+
+    def impl(input: QTensor, *args: Any, **kwargs: Any) -> Any:
+        input._per_tensor(_op_name(func))
+        return input._map(lambda v: func(v, *_unwrap(args), **kwargs))
+
+    return impl
+
+
 def _op_name(func: Callable) -> str:
     """A readable name for a torch function (``torch.exp``, ``torch.nn.functional.gelu``)."""
     name = getattr(func, "__name__", None) or repr(func)
@@ -335,19 +346,6 @@ def _delegate(name: str) -> Callable:
 
 
 for _fn, _name in (
-    (torch.flatten, "flatten"),
-    (torch.reshape, "reshape"),
-    (torch.permute, "permute"),
-    (torch.transpose, "transpose"),
-    (torch.squeeze, "squeeze"),
-    (torch.unsqueeze, "unsqueeze"),
-    (torch.chunk, "chunk"),
-    (torch.split, "split"),
-    (torch.unbind, "unbind"),
-    (torch.narrow, "narrow"),
-    (torch.flip, "flip"),
-    (torch.roll, "roll"),
-    (torch.t, "t"),
     (torch.clone, "clone"),
     (torch.Tensor.view, "view"),
     (torch.Tensor.reshape, "reshape"),

@@ -18,9 +18,9 @@ from fxq.fake_quantize import FakeQuantize
 from fxq.fx.graph_utils import tensor_inputs
 from fxq.fx.tracer import call_wrapped_method
 from fxq.qat.base import QATModule
-from fxq.qat.mapping import Kind, rule_for
 from fxq.quantized.base import QuantizedModule, Standalone
 from fxq.quantized.stubs import DeQuantize, Quantize
+from fxq.registry import Kind, row_for
 
 __all__ = ["summary"]
 
@@ -101,7 +101,7 @@ def summary(model: nn.Module, show: bool = True) -> list[dict[str, Any]]:
         elif isinstance(module, DeQuantize):
             output = "float32"
         else:
-            rule, _ = rule_for(node, modules)
+            rule, _ = row_for(node, modules)
             if (
                 rule.kind is Kind.PASSTHROUGH
                 and inputs

@@ -1,7 +1,7 @@
 """``convert_fx``: QAT model -> integer model.
 
 Every fxq.qat module is replaced by its integer twin (``fxq.quantized``,
-table in ``fxq.quantized.mapping``), built from its current weights and
+the op registry, ``fxq.registry``), built from its current weights and
 scales; fake quants disappear into them. Values between quantized ops are
 ``fxq.QTensor``s. Value-preserving ops (reshapes, ReLU, max pooling, ...)
 run on QTensors unchanged. Where a quantized value reaches float code (a
@@ -25,11 +25,11 @@ from fxq import stubs
 from fxq.fake_quantize import FakeQuantize
 from fxq.fx.graph_utils import set_submodule, unique_name
 from fxq.qat.base import QATModule
-from fxq.qat.mapping import Kind, rule_for
 from fxq.qat.stubs import QuantStub
 from fxq.quantized.base import QuantizedModule
 from fxq.quantized.mapping import to_quantized
 from fxq.quantized.stubs import DeQuantize, UnusedQuantize
+from fxq.registry import Kind, row_for
 
 __all__ = ["convert_fx"]
 
@@ -128,7 +128,7 @@ class _Converter:
                 set_submodule(self.gm, node.target, dq)
                 self.modules[node.target] = dq
                 continue
-            rule, _ = rule_for(node, self.modules)
+            rule, _ = row_for(node, self.modules)
             first = next(iter(node.all_input_nodes), None)
             if (
                 rule.kind is Kind.PASSTHROUGH

@@ -13,12 +13,10 @@ several places, when every call site matches the same pattern.
 from __future__ import annotations
 
 import copy
-import operator
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
@@ -27,6 +25,7 @@ from fxq.fused import Fused
 from fxq.fx.graph_utils import take_name
 from fxq.fx.tracer import symbolic_trace
 from fxq.march import MarchSpec, get_march_spec
+from fxq.registry import fusion_members
 
 __all__ = ["FusionPattern", "PATTERNS", "fuse_fx", "fuse_graph_module"]
 
@@ -66,11 +65,9 @@ PATTERNS: tuple[FusionPattern, ...] = (
     FusionPattern("bn_relu", "bn", ("relu",)),
 )
 
+# the members of each step come from the op registry's fusion roles
 _ANCHOR_TYPES: dict[str, tuple[type, ...]] = {
-    "conv": (nn.Conv1d, nn.Conv2d, nn.Conv3d),
-    "convtranspose": (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d),
-    "linear": (nn.Linear,),
-    "bn": (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d),
+    role: fusion_members(role)[0] for role in ("conv", "convtranspose", "linear", "bn")
 }
 
 # BatchNorm class expected after each anchor class
@@ -84,8 +81,8 @@ _BN_FOR: dict[type, type] = {
     nn.Linear: nn.BatchNorm1d,
 }
 
-_ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
-_ADD_METHODS = ("add", "add_")
+_, _ADD_FUNCTIONS, _ADD_METHODS = fusion_members("add")
+_RELU_MODULES, _RELU_FUNCTIONS, _RELU_METHODS = fusion_members("relu")
 
 
 def _module(node: Node, modules: dict[str, nn.Module]) -> nn.Module | None:
@@ -96,10 +93,10 @@ def _is_relu(node: Node, modules: dict[str, nn.Module], prev: Node) -> bool:
     if node.args[:1] != (prev,):
         return False
     if node.op == "call_module":
-        return type(modules[node.target]) is nn.ReLU
+        return type(modules[node.target]) in _RELU_MODULES
     if node.op == "call_function":
-        return node.target in (F.relu, torch.relu)
-    return node.op == "call_method" and node.target in ("relu", "relu_")
+        return node.target in _RELU_FUNCTIONS
+    return node.op == "call_method" and node.target in _RELU_METHODS
 
 
 def _is_relu6(node: Node, modules: dict[str, nn.Module], prev: Node) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 
-from fxq.qat.mapping import NONTENSOR_METHODS
+from fxq.registry import NONTENSOR_METHODS
 
 __all__ = [
     "owner_path",

@@ -24,10 +24,12 @@ Steps (each reads a table, none edits the user's model):
 from __future__ import annotations
 
 import copy
+import itertools
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
@@ -44,17 +46,26 @@ from fxq.fx.graph_utils import (
 from fxq.fx.tracer import is_fx_wrapped, symbolic_trace
 from fxq.march import MarchSpec, get_march_spec
 from fxq.qat.base import QATModule
-from fxq.qat.mapping import MODULE_RULES, Kind, functional_target, rule_for
 from fxq.qat.stubs import QuantStub
-from fxq.qconfig import QConfig, QConfigChoice, QConfigResolver, canonical_op
+from fxq.qconfig import QConfig, QConfigChoice, QConfigResolver
+from fxq.registry import (
+    Kind,
+    OpRow,
+    canonical_key,
+    functional_target,
+    row_for,
+    row_for_module,
+    target_name,
+)
 
-__all__ = ["prepare_qat_fx"]
+__all__ = ["prepare_qat_fx", "FloatOpWarning"]
 
 
 def prepare_qat_fx(
     model: nn.Module,
     qconfig_dict: Mapping[str, Any] | None = None,
     example_inputs: Sequence[Any] | None = None,
+    float_ops: str = "warn",
 ) -> GraphModule:
     """Turn a float model into a QAT model for the current march.
 
@@ -65,20 +76,32 @@ def prepare_qat_fx(
         example_inputs: optional positional inputs; when given, the float
             graph runs once so that tensors and Python values are told apart
             exactly (otherwise static rules decide).
+        float_ops: what to do about ops that have a qconfig but no integer
+            implementation (they run in float, i.e. off the accelerator):
+            ``"warn"`` (one warning listing every such op, its location and
+            the reason), ``"error"`` (raise ``ValueError`` with that list; for
+            models that must deploy entirely in integers) or ``"ignore"``.
+            An op given a qconfig of ``None`` is float on purpose and never
+            listed.
 
     Returns:
-        a GraphModule in ``FakeQuantState.QAT``.
+        a GraphModule in ``FakeQuantState.QAT``, on the model's device.
 
     Raises:
         RuntimeError: no march is set.
         ValueError: bad qconfig_dict (unknown key, wrong type, a dtype the
-            march cannot run), or nothing to quantize.
+            march cannot run), nothing to quantize, or float ops with
+            ``float_ops="error"``.
         fxq.fx.tracer.FxqTraceError: the model cannot be traced; the message
             names the source line and what to wrap with ``@fxq.fx_wrap()``.
     """
     spec = get_march_spec()
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare_qat_fx expects an nn.Module, got {type(model).__name__}")
+    if float_ops not in _FLOAT_OPS_CHOICES:
+        raise ValueError(
+            f"prepare_qat_fx: float_ops must be one of {_FLOAT_OPS_CHOICES}, got {float_ops!r}"
+        )
     work = copy.deepcopy(model)
     resolver = QConfigResolver(qconfig_dict, work, spec)
     if not resolver.anything_quantized():
@@ -88,9 +111,70 @@ def prepare_qat_fx(
         )
     gm = work if isinstance(work, GraphModule) else symbolic_trace(work)
     fuse_graph_module(gm, spec)
-    _Preparer(gm, resolver, spec, example_inputs).run()
+    preparer = _Preparer(gm, resolver, spec, example_inputs)
+    preparer.run()
+    if not any(isinstance(m, FakeQuantize) for m in gm.modules()):
+        raise ValueError(
+            "prepare_qat_fx: the qconfig_dict selects no op that fxq can quantize"
+            + _float_op_list(preparer.float_ops)
+            + ". Check the qconfig_dict, or quantize ops that have an integer implementation "
+            "(conv, linear, add, pooling, ...; see fxq.registry.ROWS)"
+        )
+    _report_float_ops(preparer.float_ops, float_ops)
+    _follow_model_device(gm)
     set_fake_quantize(gm, FakeQuantState.QAT)
     return gm
+
+
+_FLOAT_OPS_CHOICES = ("warn", "error", "ignore")
+
+
+def _float_op_list(entries: list[str]) -> str:
+    if not entries:
+        return ""
+    shown = entries[:20] + ([f"... and {len(entries) - 20} more"] if len(entries) > 20 else [])
+    return " (float ops: " + "; ".join(shown) + ")"
+
+
+def _report_float_ops(entries: list[str], policy: str) -> None:
+    """One warning (or error) listing every op that has a qconfig but stays float."""
+    if not entries or policy == "ignore":
+        return
+    lines = "\n".join(f"  - {e}" for e in entries)
+    message = (
+        f"fxq.prepare_qat_fx: {len(entries)} op(s) have a qconfig but no integer implementation; "
+        f"they run in float, off the accelerator:\n{lines}\n"
+        "To keep them in float on purpose, give them a qconfig of None (e.g. "
+        "{'module_name': {'<path>': None}} or {'module_type': {<op>: None}}), which silences "
+        "this; prepare_qat_fx(..., float_ops='error') makes this an error, 'ignore' silences it."
+    )
+    if policy == "error":
+        raise ValueError(message)
+    warnings.warn(message, FloatOpWarning, stacklevel=3)
+
+
+class FloatOpWarning(UserWarning):
+    """Ops with a qconfig that stay float (``prepare_qat_fx(float_ops="warn")``)."""
+
+
+def _follow_model_device(gm: GraphModule) -> None:
+    """Put every module prepare created on the device of the weights it serves.
+
+    Fake quants and observers are built on the default device; a module with
+    weights moves its own fake quants to its weights' device, every other one
+    follows the model's first parameter or buffer (nothing moves for a model
+    without tensors).
+    """
+    default = next((t.device for t in itertools.chain(gm.parameters(), gm.buffers())), None)
+    for module in gm.modules():
+        if isinstance(module, QATModule):
+            weight = getattr(module, "weight", None)
+            device = weight.device if isinstance(weight, Tensor) else default
+            if device is None:
+                continue
+            for child in module.modules():
+                if isinstance(child, FakeQuantize):
+                    child.to(device)
 
 
 class _Preparer:
@@ -111,6 +195,7 @@ class _Preparer:
         self.fq_of: dict[Node, FakeQuantize | None] = {}
         self.border: dict[tuple[Node, str], Node] = {}
         self.swapped_first: dict[str, QATModule] = {}
+        self.float_ops: list[str] = []  # "node (target, where): reason" of ops that stay float
 
     # -- qconfig ---------------------------------------------------------------
     def choice_for(self, node: Node, module: nn.Module | None) -> QConfigChoice:
@@ -130,7 +215,7 @@ class _Preparer:
             if node.op == "call_module" and node.target in self.swapped_first:
                 self._install_call_site(node)
                 continue
-            rule, module = rule_for(node, self.modules)
+            rule, module = row_for(node, self.modules)
             if rule.kind in (Kind.NONTENSOR, Kind.DEQUANT_STUB):
                 continue
             choice = self.choice_for(node, module)
@@ -138,6 +223,9 @@ class _Preparer:
             node.meta["fxq_qconfig"] = f"{choice.source}: {choice.key}"
             if rule.kind is Kind.FLOAT:
                 node.meta["fxq_status"] = "float fallback" if qconfig is not None else "float"
+                if qconfig is not None and tensor_inputs(node, self.is_tensor):
+                    node.meta["fxq_float_reason"] = rule.reason
+                    self.float_ops.append(_describe_float_op(node, rule))
                 continue
             if qconfig is None:
                 node.meta["fxq_status"] = "float"
@@ -176,7 +264,7 @@ class _Preparer:
                 self.gm.get_submodule(owner)
             except AttributeError:
                 owner = ""
-            key = canonical_op(node.target)
+            key = canonical_key(node.target)
             path = unique_name(self.gm, owner, key if isinstance(key, str) else node.name)
             set_submodule(self.gm, path, qat)
             node.op = "call_module"
@@ -242,8 +330,8 @@ class _Preparer:
                     if path in in_graph and _opaque_container(child):
                         visit(child, path)
                     continue
-                rule = MODULE_RULES.get(type(child))
-                if rule is not None and rule.kind in (Kind.WEIGHTED, Kind.COMPUTE):
+                rule = row_for_module(type(child))
+                if rule.kind in (Kind.WEIGHTED, Kind.COMPUTE):
                     choice = self.resolver.resolve(
                         path, type(child.op) if isinstance(child, Fused) else type(child)
                     )
@@ -251,7 +339,7 @@ class _Preparer:
                         resolved = rule.resolve(None, child)
                         if (
                             resolved.kind in (Kind.WEIGHTED, Kind.COMPUTE)
-                            and resolved.qat_class is not None
+                            and resolved.qat is not None
                         ):
                             qat = self._make_standalone(resolved, child, choice)
                             _name_fake_quants(qat, path)
@@ -284,12 +372,61 @@ def _is_torch_builtin(module: nn.Module) -> bool:
     return type(module).__module__.startswith(("torch.", "torchvision."))
 
 
+def _describe_float_op(node: Node, row: OpRow) -> str:
+    target = node.target if node.op != "call_module" else None
+    what = row.name if target is None else target_name(target)
+    where = owner_path(node)
+    location = f", in {where!r}" if where and where != node.target else ""
+    frame = _source_line(node)
+    location += f", {frame}" if frame else ""
+    return f"{node.name} ({what}{location}): {row.reason or 'no integer implementation'}"
+
+
+def _source_line(node: Node) -> str:
+    """``file:line`` of the user's code that made ``node`` (when the tracer recorded it)."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
+    if not lines:
+        return ""
+    last = lines[-1]  # File "x.py", line 12, in forward
+    try:
+        path = last.split('"')[1]
+        line = last.split("line ")[1].split(",")[0]
+    except IndexError:
+        return ""
+    return f"{path}:{line}"
+
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
 def _clone_for_call_site(qat: QATModule) -> QATModule:
-    """A QAT module sharing ``qat``'s parameters and submodules, with a fresh output fake quant."""
+    """A QAT module sharing ``qat``'s parameters and submodules, with a fresh output fake quant.
+
+    The clone owns its hook dictionaries (``copy.copy`` would share them, so a
+    hook registered on one call site would fire on every one); hooks present
+    on the original when it is cloned are carried over.
+    """
     clone = copy.copy(qat)
     clone._parameters = dict(qat._parameters)
     clone._buffers = dict(qat._buffers)
     clone._modules = dict(qat._modules)
+    for name in _HOOK_DICTS:
+        hooks = qat.__dict__.get(name)
+        if hooks is not None:
+            clone.__dict__[name] = type(hooks)(hooks)
     if qat.has_output_quant:
         clone.activation_post_process = qat.qconfig.activation()
     return clone

@@ -1,59 +1,22 @@
-"""The QAT -> quantized table: which integer module replaces each fxq.qat module."""
+"""QAT module -> integer module, as the op registry says (``fxq.registry``)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from fxq import qat
-from fxq.quantized import (
-    activation,
-    batchnorm,
-    elementwise,
-    interpolate,
-    matmul,
-    pooling,
-    stubs,
-    weighted,
-)
 from fxq.quantized.base import QuantizedModule, Standalone
+from fxq.registry import integer_class_for
 
-__all__ = ["QUANTIZED_CLASSES", "to_quantized"]
-
-QUANTIZED_CLASSES: dict[type, type[QuantizedModule]] = {
-    qat.Conv1d: weighted.Conv1d,
-    qat.Conv2d: weighted.Conv2d,
-    qat.Conv3d: weighted.Conv3d,
-    qat.ConvTranspose1d: weighted.ConvTranspose1d,
-    qat.ConvTranspose2d: weighted.ConvTranspose2d,
-    qat.ConvTranspose3d: weighted.ConvTranspose3d,
-    qat.Linear: weighted.Linear,
-    qat.BatchNorm: batchnorm.BatchNorm,
-    qat.QuantStub: stubs.Quantize,
-    qat.Add: elementwise.Add,
-    qat.Sub: elementwise.Sub,
-    qat.Mul: elementwise.Mul,
-    qat.Cat: elementwise.Cat,
-    qat.MatMul: matmul.MatMul,
-    qat.AvgPool: pooling.AvgPool,
-    qat.AdaptiveAvgPool: pooling.AdaptiveAvgPool,
-    qat.Mean: pooling.Mean,
-    qat.Sum: pooling.Sum,
-    qat.Clamp: activation.Clamp,
-    qat.LookupTableOp: activation.LookupTable,
-    qat.Interpolate: interpolate.Interpolate,
-}
+__all__ = ["to_quantized"]
 
 
 def to_quantized(module: nn.Module) -> QuantizedModule:
     """The integer twin of a QAT module, from its current parameters and scales.
 
     Raises:
-        KeyError: for a QAT module type without an integer twin.
+        KeyError: for a QAT module type that no registry row converts.
     """
-    try:
-        cls = QUANTIZED_CLASSES[type(module)]
-    except KeyError:
-        raise KeyError(f"no integer module for {type(module).__name__}") from None
+    cls = integer_class_for(type(module))
     quantized = cls.from_qat(module)
     if getattr(module, "standalone", False):
         quants = list(module.input_quant)

@@ -1,0 +1,774 @@
+"""The op registry: every fact fxq knows about an op, one row per op.
+
+A row (``OpRow``) says which float targets the op matches (module classes,
+functions, ``Tensor`` method names), its qconfig key (``OpRow.name``: the
+aliases ``torch.add``, ``operator.add``, ``x.add(y)`` and ``x += y`` are one
+key), what kind of op it is (``Kind``), its QAT class and its integer class,
+the role it plays in fusions, how a ``QTensor`` runs it when it is a
+pass-through, and a slot for its export rule. Every pass reads this table:
+
+* ``prepare_qat_fx`` asks ``row_for(node)`` what to do with each node;
+* ``convert_fx`` lowers a QAT module to ``integer_class_for(type(qat))``;
+* ``QTensor`` gets its pass-through methods and functions installed from the
+  PASSTHROUGH rows (so an op that is a pass-through in prepare always runs
+  on a QTensor after convert);
+* ``fuse_fx`` takes the members of each fusion step (``fusion_role``);
+* qconfig resolution canonicalises functional targets with ``canonical_key``;
+* ``fxq.summary`` and the float-op warning give ``OpRow.reason`` for ops that
+  stay float.
+
+Supporting a new op is adding a row here and its two classes. The QAT and
+integer classes are named by dotted path and imported on first use, so this
+module sits below both layers (``fxq.quantized`` never imports ``fxq.qat``).
+
+>>> import torch, operator
+>>> row_for_function(operator.iadd).name, row_for_method("add_").name
+('add', 'add')
+>>> row_for_module(torch.nn.Conv2d).integer_class.__name__
+'Conv2d'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import importlib
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx import Node
+
+from fxq import stubs
+from fxq.fused import Fused
+from fxq.qtensor import QTensor, implements, is_handled, passthrough_function, passthrough_method
+
+__all__ = [
+    "Kind",
+    "OpRow",
+    "ROWS",
+    "NONTENSOR_METHODS",
+    "row_for",
+    "row_for_module",
+    "row_for_function",
+    "row_for_method",
+    "row_named",
+    "canonical_key",
+    "integer_class_for",
+    "fusion_members",
+    "target_name",
+]
+
+
+class Kind(str, enum.Enum):
+    """What an op does to quantization.
+
+    * ``WEIGHTED``: a module with weights, swapped for its QAT twin.
+    * ``COMPUTE``: makes a new value (``+``, ``cat``, pooling, LUT ops...); its
+      QAT module owns the output fake quant.
+    * ``PASSTHROUGH``: keeps its input's integer grid and scale (ReLU, max
+      pooling, reshapes, slicing, dropout...); no fake quant, no module.
+    * ``QUANT_STUB`` / ``DEQUANT_STUB``: the user's boundaries.
+    * ``FLOAT``: no quantized implementation; runs in float, with quantize /
+      dequantize inserted at its borders (``OpRow.reason`` says why).
+    * ``NONTENSOR``: sizes, shapes and other Python values.
+    """
+
+    WEIGHTED = "weighted"
+    COMPUTE = "compute"
+    PASSTHROUGH = "passthrough"
+    QUANT_STUB = "quant_stub"
+    DEQUANT_STUB = "dequant_stub"
+    FLOAT = "float"
+    NONTENSOR = "nontensor"
+
+
+#: how a QTensor runs a PASSTHROUGH op:
+#: ``"data"``: the op applied to the integer data, the scale kept (per-tensor only);
+#: ``"custom"``: QTensor implements it itself (ReLU clamps, padding, dropout, max pooling...);
+#: None: nothing to run (e.g. ``nn.Identity``) or the row's module calls other rows' targets.
+QTENSOR_MODES = ("data", "custom", None)
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """Every fact about one op.
+
+    Attributes:
+        name: the op's qconfig key (``"add"``, ``"conv2d"``, ``"sigmoid"``);
+            also names the QAT module prepare inserts for a functional op.
+        kind: see ``Kind``.
+        modules: float module classes matched exactly (``type(m) is cls``).
+        functions: functions matched as ``call_function`` targets.
+        methods: ``Tensor`` method names matched as ``call_method`` targets.
+        qat: dotted path of the ``fxq.qat`` class (WEIGHTED / COMPUTE / stubs).
+        integer: dotted path of the ``fxq.quantized`` class.
+        fusion_role: the step this op plays in ``fxq.fx.fuse.PATTERNS``
+            (``"conv"``, ``"convtranspose"``, ``"linear"``, ``"bn"``, ``"add"``,
+            ``"relu"``, ``"relu6"``) or None.
+        qtensor: how a QTensor runs a PASSTHROUGH op (``QTENSOR_MODES``).
+        refine: optional ``(row, node, module) -> OpRow`` that looks at a call's
+            arguments (an interpolation mode, clamp bounds) and returns the row
+            that applies to this call (e.g. a FLOAT variant with a reason).
+        reason: why a FLOAT row stays float (shown in warnings and summaries).
+        export: the export rule (filled by ``fxq.export``; None until then).
+        doc: a one-line description.
+    """
+
+    name: str
+    kind: Kind
+    modules: tuple[type, ...] = ()
+    functions: tuple[Callable, ...] = ()
+    methods: tuple[str, ...] = ()
+    qat: str | None = None
+    integer: str | None = None
+    fusion_role: str | None = None
+    qtensor: str | None = None
+    refine: Callable[[OpRow, Node | None, nn.Module | None], OpRow] | None = None
+    reason: str = ""
+    export: Any = None
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if self.qtensor not in QTENSOR_MODES:
+            raise ValueError(f"row {self.name!r}: qtensor must be one of {QTENSOR_MODES}")
+        needs_classes = self.kind in (Kind.WEIGHTED, Kind.COMPUTE) and self.refine is None
+        if needs_classes and (self.qat is None or self.integer is None):
+            raise ValueError(f"row {self.name!r}: a {self.kind.value} op needs qat and integer")
+
+    @property
+    def qat_class(self) -> type:
+        """The fxq.qat class (imported on first use)."""
+        return _import(self.qat)
+
+    @property
+    def integer_class(self) -> type:
+        """The fxq.quantized class (imported on first use)."""
+        return _import(self.integer)
+
+    @property
+    def targets(self) -> tuple[Any, ...]:
+        """Every float target this row matches."""
+        return self.modules + self.functions + self.methods
+
+    def resolve(self, node: Node | None, module: nn.Module | None) -> OpRow:
+        """The row that applies to this particular call."""
+        return self.refine(self, node, module) if self.refine is not None else self
+
+    def as_float(self, reason: str) -> OpRow:
+        """This op, kept in float for ``reason`` (a refinement result)."""
+        return dataclasses.replace(
+            self, kind=Kind.FLOAT, qat=None, integer=None, refine=None, reason=reason
+        )
+
+    def as_passthrough(self) -> OpRow:
+        """This op, keeping its input's integer grid (a refinement result)."""
+        return dataclasses.replace(
+            self, kind=Kind.PASSTHROUGH, qat=None, integer=None, refine=None, qtensor="custom"
+        )
+
+
+@functools.cache
+def _import(path: str | None) -> type:
+    if path is None:
+        raise KeyError("this op has no class of that kind")
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+# -- refinements ---------------------------------------------------------------------
+def _arg(node: Node | None, index: int, name: str, default: Any = None) -> Any:
+    if node is None:
+        return default
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+_INTERP_MODES = ("bilinear", "linear")
+_NEAREST_MODES = ("nearest", "nearest-exact")
+
+
+def _refine_interpolate(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    mode = getattr(module, "mode", "nearest") if module is not None else _arg(node, 3, "mode")
+    mode = "nearest" if mode is None else mode
+    if mode in _NEAREST_MODES:
+        return row.as_passthrough()
+    if mode in _INTERP_MODES:
+        return dataclasses.replace(row, refine=None)
+    return row.as_float(f"interpolation mode {mode!r} has no integer implementation")
+
+
+def _refine_pad(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    mode = _arg(node, 2, "mode", "constant")
+    value = _arg(node, 3, "value", None)
+    if mode == "constant" and value not in (None, 0, 0.0):
+        return row.as_float(f"padding with the value {value} is not on the integer grid")
+    return dataclasses.replace(row, refine=None)
+
+
+def _refine_clamp(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    bounds = [_arg(node, 1, "min"), _arg(node, 2, "max")]
+    if any(isinstance(b, Node) for b in bounds):
+        return row.as_float("clamp with tensor bounds has no fixed integer meaning")
+    return dataclasses.replace(row, refine=None)
+
+
+def _refine_fused(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    return row_for_module(type(module.op)).resolve(node, module.op)
+
+
+def _refine_functional_weight(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    return row.as_float(
+        f"{row.name} called as a function with a weight tensor: fxq quantizes the weights of "
+        "modules; use the nn module form (e.g. nn.Conv2d) so its weight gets a fake quant"
+    )
+
+
+# -- the table -------------------------------------------------------------------------
+_Q = "fxq.qat."
+_I = "fxq.quantized."
+
+
+def _weighted(name: str, module: type, cls: str, role: str, qat_file: str = "weighted") -> OpRow:
+    return OpRow(
+        name,
+        Kind.WEIGHTED,
+        modules=(module,),
+        qat=f"{_Q}{qat_file}.{cls}",
+        integer=f"{_I}{qat_file}.{cls}",
+        fusion_role=role,
+        doc=f"{module.__name__} with int8 per-channel weights and an int32 bias",
+    )
+
+
+def _compute(
+    name: str,
+    cls: str,
+    file: str,
+    modules: Iterable[type] = (),
+    functions: Iterable[Callable] = (),
+    methods: Iterable[str] = (),
+    integer: str | None = None,
+    **extra: Any,
+) -> OpRow:
+    return OpRow(
+        name,
+        Kind.COMPUTE,
+        modules=tuple(modules),
+        functions=tuple(functions),
+        methods=tuple(methods),
+        qat=f"{_Q}{file}.{cls}",
+        integer=f"{_I}{file}.{integer or cls}",
+        **extra,
+    )
+
+
+def _lut(name: str, modules=(), functions=(), methods=()) -> OpRow:
+    return _compute(
+        name,
+        "LookupTableOp",
+        "activation",
+        modules,
+        functions,
+        methods,
+        integer="LookupTable",
+        doc=f"{name} by lookup table",
+    )
+
+
+def _pass(
+    name: str, modules=(), functions=(), methods=(), qtensor: str | None = "data", **extra
+) -> OpRow:
+    return OpRow(
+        name,
+        Kind.PASSTHROUGH,
+        modules=tuple(modules),
+        functions=tuple(functions),
+        methods=tuple(methods),
+        qtensor=qtensor,
+        **extra,
+    )
+
+
+def _float(name: str, reason: str, modules=(), functions=(), methods=(), **extra) -> OpRow:
+    return OpRow(
+        name,
+        Kind.FLOAT,
+        modules=tuple(modules),
+        functions=tuple(functions),
+        methods=tuple(methods),
+        reason=reason,
+        **extra,
+    )
+
+
+def _dims(fmt: str, *namespaces: Any) -> list[Any]:
+    return [getattr(ns, fmt.format(d)) for d in (1, 2, 3) for ns in namespaces]
+
+
+def _table() -> list[OpRow]:
+    rows: list[OpRow] = []
+    for d in (1, 2, 3):
+        rows.append(_weighted(f"conv{d}d", getattr(nn, f"Conv{d}d"), f"Conv{d}d", "conv"))
+        rows.append(
+            _weighted(
+                f"conv_transpose{d}d",
+                getattr(nn, f"ConvTranspose{d}d"),
+                f"ConvTranspose{d}d",
+                "convtranspose",
+            )
+        )
+        rows.append(
+            _weighted(
+                f"batch_norm{d}d", getattr(nn, f"BatchNorm{d}d"), "BatchNorm", "bn", "batchnorm"
+            )
+        )
+    rows.append(_weighted("linear", nn.Linear, "Linear", "linear"))
+    rows.append(
+        OpRow(
+            "fused",
+            Kind.WEIGHTED,
+            modules=(Fused,),
+            refine=_refine_fused,
+            doc="a fused chain (conv / linear + bn + add + relu); resolves to its anchor's row",
+        )
+    )
+    rows += [
+        OpRow(
+            "quant_stub",
+            Kind.QUANT_STUB,
+            modules=(stubs.QuantStub, torch.ao.quantization.QuantStub),
+            qat=f"{_Q}stubs.QuantStub",
+            integer=f"{_I}stubs.Quantize",
+            doc="float -> quantized boundary",
+        ),
+        OpRow(
+            "dequant_stub",
+            Kind.DEQUANT_STUB,
+            modules=(stubs.DeQuantStub, torch.ao.quantization.DeQuantStub),
+            integer=f"{_I}stubs.DeQuantize",
+            doc="quantized -> float boundary",
+        ),
+        # -- elementwise ---------------------------------------------------------------
+        _compute(
+            "add",
+            "Add",
+            "elementwise",
+            functions=(operator.add, operator.iadd, torch.add),
+            methods=("add", "add_"),
+            fusion_role="add",
+        ),
+        _compute(
+            "sub",
+            "Sub",
+            "elementwise",
+            functions=(operator.sub, operator.isub, torch.sub),
+            methods=("sub", "sub_"),
+        ),
+        _compute(
+            "mul",
+            "Mul",
+            "elementwise",
+            functions=(operator.mul, operator.imul, torch.mul),
+            methods=("mul", "mul_"),
+        ),
+        _compute("cat", "Cat", "elementwise", functions=(torch.cat, torch.concat)),
+        _compute(
+            "matmul",
+            "MatMul",
+            "matmul",
+            functions=(operator.matmul, torch.matmul, torch.bmm),
+            methods=("matmul", "bmm"),
+        ),
+        # -- pooling and reductions ------------------------------------------------------
+        *[
+            _compute(
+                f"avg_pool{d}d",
+                "AvgPool",
+                "pooling",
+                modules=(getattr(nn, f"AvgPool{d}d"),),
+                functions=(getattr(F, f"avg_pool{d}d"),),
+            )
+            for d in (1, 2, 3)
+        ],
+        *[
+            _compute(
+                f"adaptive_avg_pool{d}d",
+                "AdaptiveAvgPool",
+                "pooling",
+                modules=(getattr(nn, f"AdaptiveAvgPool{d}d"),),
+                functions=(getattr(F, f"adaptive_avg_pool{d}d"),),
+            )
+            for d in (1, 2, 3)
+        ],
+        _compute("mean", "Mean", "pooling", functions=(torch.mean,), methods=("mean",)),
+        _compute("sum", "Sum", "pooling", functions=(torch.sum,), methods=("sum",)),
+        # -- clamps ------------------------------------------------------------------------
+        _compute(
+            "relu6",
+            "Clamp",
+            "activation",
+            modules=(nn.ReLU6,),
+            functions=(F.relu6,),
+            fusion_role="relu6",
+        ),
+        _compute(
+            "hardtanh", "Clamp", "activation", modules=(nn.Hardtanh,), functions=(F.hardtanh,)
+        ),
+        _compute(
+            "clamp",
+            "Clamp",
+            "activation",
+            functions=(torch.clamp, torch.clip),
+            methods=("clamp", "clamp_", "clip"),
+            refine=_refine_clamp,
+        ),
+        # -- lookup tables -------------------------------------------------------------------
+        _lut("sigmoid", (nn.Sigmoid,), (torch.sigmoid, F.sigmoid), ("sigmoid", "sigmoid_")),
+        _lut("tanh", (nn.Tanh,), (torch.tanh, F.tanh), ("tanh", "tanh_")),
+        _lut("hardsigmoid", (nn.Hardsigmoid,), (F.hardsigmoid,)),
+        _lut("hardswish", (nn.Hardswish,), (F.hardswish,)),
+        _lut("silu", (nn.SiLU,), (F.silu,)),
+        _lut("gelu", (nn.GELU,), (F.gelu,)),
+        _lut("exp", (), (torch.exp,), ("exp",)),
+        _lut("leaky_relu", (nn.LeakyReLU,), (F.leaky_relu,)),
+        _lut("elu", (nn.ELU,), (F.elu,)),
+        _lut("softplus", (nn.Softplus,), (F.softplus,)),
+        _lut("mish", (nn.Mish,), (F.mish,)),
+        # -- resampling --------------------------------------------------------------------
+        _compute(
+            "interpolate",
+            "Interpolate",
+            "interpolate",
+            modules=(nn.Upsample,),
+            functions=(F.interpolate,),
+            refine=_refine_interpolate,
+        ),
+        _compute(
+            "upsampling_bilinear2d",
+            "Interpolate",
+            "interpolate",
+            modules=(nn.UpsamplingBilinear2d,),
+        ),
+        _pass("upsampling_nearest2d", modules=(nn.UpsamplingNearest2d,), qtensor=None),
+        # -- pass-throughs -------------------------------------------------------------------
+        _pass(
+            "relu",
+            (nn.ReLU,),
+            (F.relu, torch.relu),
+            ("relu", "relu_"),
+            qtensor="custom",
+            fusion_role="relu",
+        ),
+        *[
+            _pass(
+                f"max_pool{d}d",
+                (getattr(nn, f"MaxPool{d}d"),),
+                (getattr(F, f"max_pool{d}d"), getattr(F, f"max_pool{d}d_with_indices")),
+                qtensor="custom",
+            )
+            for d in (1, 2, 3)
+        ],
+        *[
+            _pass(
+                f"adaptive_max_pool{d}d",
+                (getattr(nn, f"AdaptiveMaxPool{d}d"),),
+                (getattr(F, f"adaptive_max_pool{d}d"),),
+                qtensor="custom",
+            )
+            for d in (1, 2, 3)
+        ],
+        _pass(
+            "dropout",
+            (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout),
+            (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout),
+            qtensor="custom",
+        ),
+        _pass(
+            "pad",
+            (
+                nn.ZeroPad1d,
+                nn.ZeroPad2d,
+                nn.ZeroPad3d,
+                nn.ReflectionPad1d,
+                nn.ReflectionPad2d,
+                nn.ReplicationPad1d,
+                nn.ReplicationPad2d,
+            ),
+            (F.pad,),
+            qtensor="custom",
+            refine=_refine_pad,
+        ),
+        _pass("pixel_shuffle", (nn.PixelShuffle,), (F.pixel_shuffle,), qtensor="custom"),
+        _pass("pixel_unshuffle", (nn.PixelUnshuffle,), (F.pixel_unshuffle,), qtensor="custom"),
+        _pass("channel_shuffle", (nn.ChannelShuffle,), (torch.channel_shuffle,), qtensor="custom"),
+        _pass("identity", (nn.Identity,), qtensor=None),
+        _pass("flatten", (nn.Flatten,), (torch.flatten,), ("flatten",)),
+        _pass("unflatten", (nn.Unflatten,), (torch.unflatten,), ("unflatten",)),
+        _pass("reshape", (), (torch.reshape,), ("reshape", "view", "view_as", "reshape_as")),
+        _pass("permute", (), (torch.permute,), ("permute",)),
+        _pass("transpose", (), (torch.transpose, torch.t), ("transpose", "t")),
+        _pass("squeeze", (), (torch.squeeze,), ("squeeze",)),
+        _pass("unsqueeze", (), (torch.unsqueeze,), ("unsqueeze",)),
+        _pass("chunk", (), (torch.chunk,), ("chunk",)),
+        _pass("split", (), (torch.split,), ("split",)),
+        _pass("unbind", (), (torch.unbind,), ("unbind",)),
+        _pass("narrow", (), (torch.narrow,), ("narrow",)),
+        _pass("flip", (), (torch.flip,), ("flip",)),
+        _pass("roll", (), (torch.roll,), ("roll",)),
+        _pass("expand", (), (), ("expand", "expand_as")),
+        _pass("repeat", (), (), ("repeat",)),
+        _pass("contiguous", (), (), ("contiguous", "clone", "detach"), qtensor="custom"),
+        _pass("getitem", (), (operator.getitem,), ("__getitem__",)),
+        # -- known float ops (no integer implementation yet) ---------------------------------
+        _float(
+            "conv_functional",
+            "",
+            functions=(F.conv1d, F.conv2d, F.conv3d, F.linear),
+            refine=_refine_functional_weight,
+        ),
+        _float(
+            "layer_norm",
+            "no integer LayerNorm yet",
+            modules=(nn.LayerNorm,),
+            functions=(F.layer_norm,),
+        ),
+        _float(
+            "group_norm",
+            "no integer GroupNorm yet",
+            modules=(nn.GroupNorm,),
+            functions=(F.group_norm,),
+        ),
+        _float(
+            "softmax",
+            "no integer softmax yet",
+            modules=(nn.Softmax, nn.LogSoftmax),
+            functions=(F.softmax, torch.softmax, F.log_softmax),
+            methods=("softmax", "log_softmax"),
+        ),
+        _float(
+            "multihead_attention",
+            "no integer attention yet",
+            modules=(nn.MultiheadAttention,),
+            functions=(F.scaled_dot_product_attention,),
+        ),
+        _float(
+            "div",
+            "no integer division yet",
+            functions=(operator.truediv, operator.itruediv, torch.div, torch.true_divide),
+            methods=("div", "div_", "true_divide"),
+        ),
+        # -- Python values -------------------------------------------------------------------
+        OpRow("getattr", Kind.NONTENSOR, functions=(getattr, len), doc="shapes and attributes"),
+        OpRow("tensor_metadata", Kind.NONTENSOR, methods=tuple(sorted(_NONTENSOR_METHODS))),
+    ]
+    try:  # torchvision is optional
+        from torchvision.ops import StochasticDepth, stochastic_depth
+    except ImportError:  # pragma: no cover
+        pass
+    else:  # identity in eval; a random mask in training
+        rows.append(
+            _pass("stochastic_depth", (StochasticDepth,), (stochastic_depth,), qtensor=None)
+        )
+    return rows
+
+
+#: tensor methods that return Python values (sizes, flags), not tensors
+_NONTENSOR_METHODS = frozenset(
+    {
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "element_size",
+        "is_contiguous",
+        "get_device",
+        "tolist",
+        "item",
+        "__len__",
+    }
+)
+NONTENSOR_METHODS = _NONTENSOR_METHODS
+
+ROWS: tuple[OpRow, ...] = tuple(_table())
+
+_BY_NAME: dict[str, OpRow] = {}
+_BY_MODULE: dict[type, OpRow] = {}
+_BY_FUNCTION: dict[Any, OpRow] = {}
+_BY_METHOD: dict[str, OpRow] = {}
+
+
+def _index() -> None:
+    for row in ROWS:
+        if row.name in _BY_NAME:
+            raise ValueError(f"two registry rows are named {row.name!r}")
+        _BY_NAME[row.name] = row
+        for table, targets in (
+            (_BY_MODULE, row.modules),
+            (_BY_FUNCTION, row.functions),
+            (_BY_METHOD, row.methods),
+        ):
+            for t in targets:
+                if t in table:
+                    raise ValueError(f"{t!r} is in rows {table[t].name!r} and {row.name!r}")
+                table[t] = row
+
+
+_index()
+
+
+# -- lookups ---------------------------------------------------------------------------
+def target_name(target: Any) -> str:
+    """A readable name for a node target (``torch.nn.functional.layer_norm``, ``x.view``)."""
+    if isinstance(target, str):
+        return f"Tensor.{target}"
+    if isinstance(target, type):
+        return f"{target.__module__}.{target.__qualname__}"
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__name__", None) or repr(target)
+    if module in ("_operator", "operator"):
+        return f"operator.{name}"
+    if module.startswith("torch._C") or module == "":
+        module = "torch"
+    return f"{module}.{name}"
+
+
+def _unknown(target: Any) -> OpRow:
+    return OpRow(
+        target_name(target),
+        Kind.FLOAT,
+        reason="no registry row: fxq has no integer implementation of this op",
+    )
+
+
+def row_named(name: str) -> OpRow:
+    """The row whose qconfig key is ``name``.
+
+    Raises:
+        KeyError: for an unknown name (the message lists close matches).
+    """
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(_BY_NAME), n=3)
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise KeyError(f"no registry row named {name!r}{hint}") from None
+
+
+def row_for_module(cls: type) -> OpRow:
+    """The row of a float module class (exact class match); a FLOAT row when unknown."""
+    return _BY_MODULE.get(cls) or _unknown(cls)
+
+
+def row_for_function(fn: Any) -> OpRow:
+    """The row of a ``call_function`` target; a FLOAT row when unknown."""
+    try:
+        row = _BY_FUNCTION.get(fn)
+    except TypeError:  # unhashable target
+        row = None
+    return row or _unknown(fn)
+
+
+def row_for_method(name: str) -> OpRow:
+    """The row of a ``call_method`` target (a ``Tensor`` method name); FLOAT when unknown."""
+    return _BY_METHOD.get(name) or _unknown(name)
+
+
+def row_for(node: Node, modules: dict[str, nn.Module]) -> tuple[OpRow, nn.Module | None]:
+    """The row that applies to ``node`` (refined by its arguments) and its module."""
+    module = None
+    if node.op == "call_module":
+        module = modules[node.target]
+        row = row_for_module(type(module))
+    elif node.op == "call_function":
+        row = row_for_function(node.target)
+    elif node.op == "call_method":
+        row = row_for_method(node.target)
+    else:
+        row = _unknown(node.op)
+    return row.resolve(node, module), module
+
+
+def canonical_key(target: Any) -> Any:
+    """The qconfig key of a functional target: its row's name (the target itself if unknown).
+
+    Module classes are their own key (``nn.Conv2d``); ``torch.add``,
+    ``operator.iadd`` and the method name ``"add_"`` all give ``"add"``.
+    """
+    if isinstance(target, type):
+        return target
+    if isinstance(target, str):
+        row = _BY_NAME.get(target) or _BY_METHOD.get(target)
+        return row.name if row is not None else target
+    try:
+        row = _BY_FUNCTION.get(target)
+    except TypeError:
+        return target
+    return row.name if row is not None else target
+
+
+@functools.cache
+def _integer_by_qat() -> dict[type, type]:
+    table: dict[type, type] = {}
+    for row in ROWS:
+        if row.qat is not None and row.integer is not None:
+            table[row.qat_class] = row.integer_class
+    return table
+
+
+def integer_class_for(qat_cls: type) -> type:
+    """The fxq.quantized class a QAT class converts to.
+
+    Raises:
+        KeyError: for a class that no row names as its QAT class.
+    """
+    try:
+        return _integer_by_qat()[qat_cls]
+    except KeyError:
+        raise KeyError(f"no registry row converts {qat_cls.__name__}") from None
+
+
+def fusion_members(role: str) -> tuple[tuple[type, ...], tuple[Any, ...], tuple[str, ...]]:
+    """The module classes, functions and method names that play ``role`` in fusions."""
+    rows = [r for r in ROWS if r.fusion_role == role]
+    return (
+        tuple(m for r in rows for m in r.modules),
+        tuple(f for r in rows for f in r.functions),
+        tuple(m for r in rows for m in r.methods),
+    )
+
+
+def functional_target(node: Node) -> Callable:
+    """The callable a COMPUTE ``call_function`` / ``call_method`` node computes."""
+    if node.op == "call_function":
+        return node.target
+    name = node.target
+    if name.endswith("_") and not name.startswith("__"):
+        name = name.rstrip("_")
+    fn = getattr(torch, name, None)
+    return fn if fn is not None else getattr(torch.Tensor, node.target)
+
+
+# -- QTensor pass-throughs ----------------------------------------------------------------
+def _install_qtensor_passthroughs() -> None:
+    """Give QTensor every pass-through row's methods and functions ("data" rows)."""
+    for row in ROWS:
+        if row.kind is not Kind.PASSTHROUGH or row.qtensor != "data":
+            continue
+        for name in row.methods:
+            if name not in QTensor.__dict__:
+                setattr(QTensor, name, passthrough_method(name))
+        for fn in row.functions:
+            if not is_handled(fn):
+                implements(fn)(passthrough_function(fn))
+
+
+_install_qtensor_passthroughs()
