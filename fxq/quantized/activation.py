@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
+from fxq.quantized.base import multiplier_for
 from fxq.quantized.ops_base import FunctionalQuantized
 
 __all__ = ["Clamp", "LookupTable"]
@@ -50,42 +51,37 @@ class Clamp(FunctionalQuantized):
         ):  # F.relu6(x, inplace) / F.hardtanh(x, lo, hi, inplace)
             args = args[:-1]
         lo, hi = _clamp_bounds(self.op, self.fn, args, kwargs)
+        (s_x,) = self.scale_values(x)
+        m, s, q_lo, q_hi = self.derived((s_x, lo, hi), lambda: self._derive(x.scale, lo, hi))
+        q = qf.requantize_exact(
+            x.values(), m, s, self.out_dtype, self.rounding, None, q_lo, q_hi, as_float=True
+        )
+        return self.wrap(q)
+
+    def _derive(
+        self, s_x: Tensor, lo: float | None, hi: float | None
+    ) -> tuple[Tensor, Tensor, int | None, int | None]:
+        """Multiplier, shift and integer bounds for input scale ``s_x``."""
         s_y = self.output_scale.to(torch.float64)
-        m, s = qf.quantize_multiplier(qf.scale_ratio(x.scale, s_y), self.spec)
+        m, s = multiplier_for(self, qf.scale_ratio(s_x, s_y), [s_x], s_y)
 
         def bound(v: float | None) -> int | None:
             if v is None:
                 return None
-            return int(
-                qf.round_float(
-                    torch.tensor([v], dtype=torch.float64) / s_y.cpu(), self.rounding
-                ).item()
-            )
+            q = qf.round_float(torch.tensor([v], dtype=torch.float64) / s_y.cpu(), self.rounding)
+            return int(q.item())
 
-        q = qf.requantize_exact(
-            x.values(),
-            m,
-            s,
-            self.out_dtype,
-            self.rounding,
-            None,
-            bound(lo),
-            bound(hi),
-            as_float=True,
-        )
-        return self.wrap(q)
+        return m, s, bound(lo), bound(hi)
 
 
 class LookupTable(FunctionalQuantized):
     """A pointwise non-linear function evaluated by table lookup.
 
-    Tables are built on first use for each set of constant arguments (e.g.
-    a leaky ReLU's slope) and cached.
+    The table depends on the input scale and dtype and on the function's
+    constant arguments (e.g. a leaky ReLU's slope); it is built from the float
+    function on first use for each of them and cached, so an input at another
+    scale than at convert gets the table convert would have built for it.
     """
-
-    def __init__(self, qat: nn.Module) -> None:
-        super().__init__(qat)
-        self._tables: dict[Any, Any] = {}
 
     def _function(self, args: tuple, kwargs: dict):
         op = self.float_op()
@@ -94,22 +90,21 @@ class LookupTable(FunctionalQuantized):
     def table(self, x: QTensor, args: tuple = (), kwargs: dict | None = None):
         """The table for inputs of ``x``'s scale and dtype (int8: 256 entries; int16: segmented)."""
         kwargs = {k: v for k, v in (kwargs or {}).items() if k != "inplace"}
-        key = (x.qdtype.name, float(x.scale), args, tuple(sorted(kwargs.items())))
-        table = self._tables.get(key)
-        if table is None:
-            fn = self._function(args, kwargs)
-            scale = x.scale.detach().cpu()
-            out = self.output_scale.detach().cpu()
-            if x.qdtype.bits == 8:
-                table = qf.lut_int8(fn, scale, out, self.out_dtype, self.rounding)
-            else:
-                table = qf.build_segment_lut(fn, scale, out, self.out_dtype, self.rounding)
-            self._tables[key] = table
-        return table
+        (s_x,) = self.scale_values(x)
+        key = (x.qdtype.name, s_x, args, tuple(sorted(kwargs.items())), x.device)
+        return self.derived(key, lambda: self._build(x, args, kwargs))
+
+    def _build(self, x: QTensor, args: tuple, kwargs: dict):
+        fn = self._function(args, kwargs)
+        scale = x.scale.detach().cpu()
+        out = self.output_scale.detach().cpu()
+        if x.qdtype.bits == 8:
+            return qf.lut_int8(fn, scale, out, self.out_dtype, self.rounding).to(x.device)
+        return qf.build_segment_lut(fn, scale, out, self.out_dtype, self.rounding)
 
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
         args = tuple(a for a in args if not isinstance(a, bool))  # inplace flags
         table = self.table(x, args, kwargs)
         if x.qdtype.bits == 8:
-            return self.wrap(qf.apply_lut_int8(x.values(), table.to(x.device)))
+            return self.wrap(qf.apply_lut_int8(x.values(), table))
         return self.wrap(qf.apply_segment_lut(x.values(), table, self.rounding))

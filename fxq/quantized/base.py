@@ -1,9 +1,24 @@
-"""What every fxq.quantized module shares."""
+"""What every fxq.quantized module shares.
+
+Runtime input scales: an integer module computes with the scale of the
+QTensor it receives. Where that differs from the scale it was converted for
+(a graph edit, a quantize stub whose scale was changed), it derives its
+multipliers, shifts and int32 bias for the new scale, exactly as
+``convert_fx`` would have for a model calibrated with that input scale,
+caches them per scale (``QuantizedModule.derived``) and warns once
+(``warn_rescaled``).
+
+Dtypes: integer modules keep the dtype of every buffer under ``.half()``,
+``.to(torch.bfloat16)``, ``.double()`` and the like (``QuantizedModule._apply``),
+so a converted model computes the same integers whatever dtype it was
+"converted" to; device moves apply as usual.
+"""
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -12,15 +27,35 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fxq.dtypes import QDType, as_qdtype
 from fxq.march import March, spec_for
 from fxq.qtensor import QTensor
+from fxq.quantized import functional as qf
 
-__all__ = ["QuantizedModule", "Standalone", "check_input", "quantize_tensors", "warn_if_saturated"]
+__all__ = [
+    "QuantizedModule",
+    "Standalone",
+    "check_input",
+    "same_scale",
+    "warn_rescaled",
+    "multiplier_for",
+    "require_finite",
+    "quantize_tensors",
+    "warn_if_saturated",
+]
+
+_T = TypeVar("_T")
+
+#: how many input scales a module keeps derived parameters for
+_CACHE_SIZE = 16
 
 
 class QuantizedModule(nn.Module):
     """Base class: an integer op on QTensors, built from its QAT twin.
 
     Integer parameters are buffers, so ``state_dict`` round-trips and
-    ``.to(device)`` moves them.
+    ``.to(device)`` moves them. Dtype conversions (``.half()``,
+    ``.to(torch.bfloat16)``, ``.double()``, ``.to(device, dtype)``) leave every
+    buffer in its own dtype: scales stay float32 (float64 where they are
+    float64), multipliers and shifts int64, so the integer results do not
+    change; only the device part of a conversion applies.
 
     Attributes:
         march: the march whose rounding and multiplier widths apply.
@@ -46,22 +81,176 @@ class QuantizedModule(nn.Module):
     def from_qat(cls, qat: nn.Module) -> QuantizedModule:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    # -- nn.Module hooks ---------------------------------------------------------
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantizedModule:
+        """``nn.Module._apply`` that keeps every tensor's dtype and follows the device.
 
-def check_input(module: QuantizedModule, x: Any, scale: Tensor, index: int = 0) -> QTensor:
-    """Check that input ``index`` is a QTensor at the scale the module was converted for."""
+        Where ``fn`` would change a tensor's dtype, the original tensor is moved
+        to the device ``fn`` chose instead (its values are never cast).
+        """
+
+        def keep_dtype(t: Tensor) -> Tensor:
+            out = fn(t)
+            if out is None or out.dtype == t.dtype:
+                return out
+            return t.to(out.device)
+
+        self.__dict__.pop("_derived", None)  # cached tensors live on the old device
+        return super()._apply(keep_dtype, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self.__dict__.pop("_derived", None)
+
+    # -- parameters derived per input scale ------------------------------------------
+    def derived(self, key: tuple, build: Callable[[], _T]) -> _T:
+        """``build()``, cached under ``key`` (input scales as floats and other constants).
+
+        The cache holds at most 16 entries (the oldest is dropped); it is cleared
+        on device moves and ``load_state_dict``, and its key includes the
+        version counters of the module's buffers, so in-place edits of a buffer
+        (``scale.fill_``) are seen.
+        """
+        cache: dict = self.__dict__.setdefault("_derived", {})
+        full = (key, tuple(_version(b) for b in self._buffers.values() if b is not None))
+        value = cache.get(full)
+        if value is None:
+            if len(cache) >= _CACHE_SIZE:
+                cache.pop(next(iter(cache)))
+            value = cache[full] = build()
+        return value
+
+
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor (made under torch.inference_mode): immutable
+        return -1
+
+
+def _describe(module: nn.Module) -> str:
+    return f"{type(module).__name__} {getattr(module, 'name', '')!r}"
+
+
+def check_input(
+    module: QuantizedModule, x: Any, index: int = 0, dtype: QDType | str | None = None
+) -> QTensor:
+    """Check that input ``index`` is a per-tensor QTensor, at most as wide as ``dtype``.
+
+    A narrower input (int8 where int16 was calibrated) computes exactly; a wider
+    one could overflow the accumulation plan made at convert.
+
+    Raises:
+        TypeError: ``x`` is not a QTensor, or is wider than ``dtype``.
+        ValueError: ``x`` has per-channel scales.
+    """
     if not isinstance(x, QTensor):
         raise TypeError(
-            f"{type(module).__name__} {module.name!r} expects a QTensor as input {index}, got "
+            f"{_describe(module)} expects a QTensor as input {index}, got "
             f"{type(x).__name__}; quantize it first (fxq.quantized.Quantize)"
         )
-    if x.scale.numel() != 1 or not torch.equal(x.scale, scale.to(x.scale.device)):
-        got = x.scale.tolist()
+    if x.scale.numel() != 1:
         raise ValueError(
-            f"{type(module).__name__} {module.name!r}: input {index} has scale {got}, but the module "
-            f"was converted for scale {scale.item():.8g}. If you edited the graph, the op before "
-            "this one must output the scale this layer expects"
+            f"{_describe(module)}: input {index} has per-channel scales (axis {x.axis}); integer "
+            "ops take one scale per activation tensor. Requantize it per tensor first"
+        )
+    if dtype is not None and x.qdtype.bits > as_qdtype(dtype).bits:
+        expected = as_qdtype(dtype).name
+        raise TypeError(
+            f"{_describe(module)}: input {index} is {x.qdtype.name}, but the module was converted "
+            f"for {expected} inputs (its accumulation plan depends on the width). If you edited "
+            f"the graph, the op before this one must output {expected} (or narrower)"
         )
     return x
+
+
+def same_scale(x: QTensor, scale: Tensor) -> bool:
+    """Whether per-tensor ``x`` has exactly ``scale`` (the fast path of every module)."""
+    s = x.scale
+    return s is scale or torch.equal(s, scale if scale.device == s.device else scale.to(s.device))
+
+
+def warn_rescaled(
+    module: QuantizedModule, index: int, converted: Tensor | float, got: Tensor | float
+) -> None:
+    """Warn, once per module, that input ``index`` arrives at another scale than at convert."""
+    if module.__dict__.get("_warned_rescaled"):
+        return
+    module.__dict__["_warned_rescaled"] = True
+    was, now = float(converted), float(got)
+    warnings.warn(
+        f"fxq: {_describe(module)} was converted for input {index} scale {was:.8g} but receives "
+        f"scale {now:.8g}; it computes what a model converted for input scale {now:.8g} computes "
+        "(multipliers, shifts and int32 bias derived again, cached per scale). If that is not "
+        "intended, the op before it must output the scale it was converted for",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def multiplier_for(
+    module: QuantizedModule,
+    real: Tensor,
+    inputs: Sequence[Tensor | float],
+    output: Tensor | float | None,
+    left_shift: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``qf.quantize_multiplier(real, module.spec)`` with errors that name the layer.
+
+    Args:
+        module: the layer (named in errors).
+        real: the float64 factors.
+        inputs, output: the scales the factors come from (quoted in errors).
+        left_shift: as in ``quantize_multiplier``.
+
+    Raises:
+        MultiplierRangeError: naming the layer, the scales and what to do.
+    """
+    try:
+        return qf.quantize_multiplier(real, module.spec, left_shift)
+    except qf.MultiplierRangeError as e:
+        scales = ", ".join(_scale_text(s) for s in inputs)
+        out = f", output scale {_scale_text(output)}" if output is not None else ""
+        raise qf.MultiplierRangeError(
+            f"{_describe(module)}: {e} (input scale(s) {scales}{out}). Its output scale is far "
+            "too small for its inputs, or a scale is not finite: calibrate this layer with data "
+            "that reaches its real output range (or fix the scale of its output), check the "
+            "model for NaN/Inf, or keep the layer in float with a qconfig of None"
+        ) from None
+
+
+def _scale_text(s: Tensor | float) -> str:
+    if isinstance(s, Tensor):
+        values = s.detach().reshape(-1).tolist()
+        if len(values) > 4:
+            return f"[{min(values):.6g} .. {max(values):.6g}] ({len(values)} channels)"
+        return ", ".join(f"{v:.6g}" for v in values)
+    return f"{float(s):.6g}"
+
+
+def require_finite(module: nn.Module, tensors: dict[str, Tensor | None]) -> None:
+    """Refuse NaN / Inf in the float tensors a layer is converted from.
+
+    Args:
+        module: the QAT module being converted (its ``name`` is quoted).
+        tensors: what each tensor is (``"weight"``, ``"BatchNorm running_var"``...) -> tensor
+            (None entries are skipped).
+
+    Raises:
+        ValueError: naming the layer and the tensor, and saying what to do.
+    """
+    for what, t in tensors.items():
+        if t is None:
+            continue
+        finite = torch.isfinite(t.detach())
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
+            raise ValueError(
+                f"{_describe(module)}: its {what} has {bad} NaN/Inf value(s) of {t.numel()}, which "
+                "cannot be quantized. The training diverged (or the checkpoint is damaged): load a "
+                "good checkpoint, or train again with a lower learning rate; or keep this layer "
+                "in float with a qconfig of None"
+            )
 
 
 def quantize_tensors(values: Any, scales: list[Tensor], dtypes: list[QDType], rounding) -> Any:
@@ -102,21 +291,31 @@ class Standalone(QuantizedModule):
 _INT32_LIMIT = float((1 << 31) - 1)
 
 
-def warn_if_saturated(module: QuantizedModule, acc: Tensor) -> None:
+def warn_if_saturated(
+    module: QuantizedModule, acc: Tensor, cause: str | Callable[[], str] = ""
+) -> None:
     """Warn (once per module) when an int32 accumulator actually saturated.
 
     Only called where the worst case can exceed int32; the march's accumulator
     saturates, so results stay defined, but the layer is far less accurate.
+
+    Args:
+        module: the layer (named in the warning).
+        acc: the exact accumulator (float or integer tensor of integers).
+        cause: what the accumulator sums, with operand dtypes and worst-case
+            magnitudes (a callable is only called when the warning is issued).
     """
     if module.__dict__.get("_warned_saturation"):
         return
     hits = int((acc.abs() >= _INT32_LIMIT).sum())
     if hits:
         module.__dict__["_warned_saturation"] = True
+        text = cause() if callable(cause) else cause
         warnings.warn(
-            f"fxq: the int32 accumulator of {type(module).__name__} {module.name!r} saturated on {hits} "
-            f"of {acc.numel()} elements; products of two int16 values (or int16 inputs with large "
-            "weights) overflow 32 bits. Use int8 for one operand or scale the values down.",
+            f"fxq: the int32 accumulator of {_describe(module)} saturated on {hits} of "
+            f"{acc.numel()} elements; {text or 'its operands are too large for 32 bits'}. The "
+            "layer's results are clipped: use narrower operands (int8) or smaller values, or keep "
+            "the layer in float with a qconfig of None.",
             RuntimeWarning,
             stacklevel=3,
         )

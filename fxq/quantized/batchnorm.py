@@ -7,55 +7,83 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from fxq.dtypes import QDType, as_qdtype, qint8, qint32
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
-from fxq.quantized.base import QuantizedModule, check_input
+from fxq.quantized.base import (
+    QuantizedModule,
+    check_input,
+    multiplier_for,
+    require_finite,
+    same_scale,
+    warn_rescaled,
+)
 
 __all__ = ["BatchNorm"]
 
 
 class BatchNorm(QuantizedModule):
-    """Integer per-channel affine op (a BatchNorm that no conv absorbed)."""
+    """Integer per-channel affine op (a BatchNorm that no conv absorbed).
+
+    The folded float bias is kept (``float_bias``, float64) so that an input at
+    another scale than at convert gets the int32 bias convert would give it.
+
+    Raises:
+        ValueError (at construction): the input scale is unknown, or the
+            BatchNorm's parameters or statistics hold NaN / Inf.
+    """
 
     def __init__(self, qat: nn.Module) -> None:
         super().__init__(qat.march)
-        rounding = qat.spec.rounding
         s_x = qat.input_scale(0)
         if s_x is None:
             raise ValueError(
-                "BatchNorm: the scale of its input is unknown; convert needs a prepared model"
+                f"BatchNorm {qat.name!r}: the scale of its input is unknown; convert needs a "
+                "prepared model"
             )
+        bn = qat.bn
+        require_finite(
+            qat,
+            {
+                "BatchNorm weight": bn.weight,
+                "BatchNorm bias": bn.bias,
+                "BatchNorm running_mean": bn.running_mean,
+                "BatchNorm running_var": bn.running_var,
+            },
+        )
         s_w = qat.weight_fake_quant.scale.detach()
         with torch.no_grad():
-            w = qf.quantize(qat.factor().detach(), s_w, qint8, rounding, ch_axis=0)
-            b = qf.quantize(
-                qat.folded_bias().detach().double(),
-                s_x.double() * s_w.double(),
-                qint32,
-                rounding,
-                ch_axis=0,
-            )
+            factor = qat.factor().detach()
+            float_bias = qat.folded_bias().detach().double()
+        require_finite(
+            qat,
+            {
+                "BatchNorm factor gamma / std": factor,
+                "BatchNorm-folded bias": float_bias,
+                "weight scale": s_w,
+                "input scale": s_x,
+            },
+        )
         fq = qat.activation_post_process
-        self.register_buffer("weight", w)
-        self.register_buffer("bias", b)
+        self.register_buffer("weight", qf.quantize(factor, s_w, qint8, self.rounding, ch_axis=0))
+        self.register_buffer("float_bias", float_bias)
         self.register_buffer("input_scale", s_x.detach().clone().reshape(1))
+        self.register_buffer("weight_scale", s_w.clone())
         self.register_buffer("output_scale", fq.scale.detach().clone().reshape(1))
-        m, s = qf.quantize_multiplier(s_x.double() * s_w.double() / fq.scale.double(), qat.spec)
+        self.input_dtype_name = qat.input_quants[0].dtype.name
+        self.out_dtype_name = fq.dtype.name
+        bias, m, s = self._derive(self.input_scale)
+        self.register_buffer("bias", bias)
         self.register_buffer("multiplier", m)
         self.register_buffer("shift", s)
-        self.out_dtype_name = fq.dtype.name
         self.activation = qat.activation
         self.lo = 0 if self.activation in ("relu", "relu6") else None
         self.hi = None
         if self.activation == "relu6":
-            self.hi = int(
-                qf.round_float(
-                    torch.tensor([6.0], dtype=torch.float64) / fq.scale.double().cpu(), rounding
-                ).item()
-            )
+            six = torch.tensor([6.0], dtype=torch.float64) / fq.scale.double().cpu()
+            self.hi = int(qf.round_float(six, self.rounding).item())
 
     @classmethod
     def from_qat(cls, qat: nn.Module) -> BatchNorm:
@@ -65,16 +93,29 @@ class BatchNorm(QuantizedModule):
     def out_dtype(self) -> QDType:
         return as_qdtype(self.out_dtype_name)
 
+    def _derive(self, s_x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The int32 bias, multiplier and shift convert gives for input scale ``s_x``."""
+        acc_scale = s_x.double() * self.weight_scale.double()
+        bias = qf.quantize(self.float_bias, acc_scale, qint32, self.rounding, ch_axis=0)
+        real = acc_scale / self.output_scale.double()
+        m, s = multiplier_for(self, real, [s_x, self.weight_scale], self.output_scale)
+        return bias, m, s
+
     def forward(self, x: QTensor) -> QTensor:
-        check_input(self, x, self.input_scale)
+        check_input(self, x, 0, self.input_dtype_name)
+        if same_scale(x, self.input_scale):
+            bias, multiplier, shift = self.bias, self.multiplier, self.shift
+        else:
+            warn_rescaled(self, 0, self.input_scale, x.scale)
+            bias, multiplier, shift = self.derived((float(x.scale),), lambda: self._derive(x.scale))
         shape = [1] * x.dim()
         shape[1] = -1
         acc = x.values().to(torch.float64) * self.weight.to(torch.float64).reshape(shape)
-        acc = qf.saturate_int32(acc + self.bias.to(torch.float64).reshape(shape))
+        acc = qf.saturate_int32(acc + bias.to(torch.float64).reshape(shape))
         q = qf.requantize_exact(
             acc,
-            self.multiplier,
-            self.shift,
+            multiplier,
+            shift,
             self.out_dtype,
             self.rounding,
             1,

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
+from fxq.quantized.base import multiplier_for
 from fxq.quantized.ops_base import FunctionalQuantized
 
 __all__ = ["Add", "Sub", "Mul", "Cat"]
@@ -38,18 +39,37 @@ class Add(FunctionalQuantized):
 
     def forward(self, *args: Any, **kwargs: Any) -> QTensor:
         a, b, alpha = _operands(args, kwargs)
-        s_y = self.output_scale.to(torch.float64)
-        tensors, scalars = [], 0.0
+        tensors, factors, scalars = [], [], 0.0
         for value, factor in ((a, 1.0), (b, self._SIGN * alpha)):
             if isinstance(value, QTensor):
-                tensors.append((value, qf.scale_ratio(value.scale, s_y) * factor))
+                tensors.append(value)
+                factors.append(factor)
             elif isinstance(value, Tensor):
                 raise TypeError(
                     f"{type(self).__name__} {self.name!r} got a float tensor; expected QTensors"
                 )
             else:
                 scalars += float(value) * factor
-        ms, n = qf.common_multipliers([r for _, r in tensors], self.spec)
+        scales = self.scale_values(*tensors)
+        ms, n, constant = self.derived(
+            (scales, tuple(factors), scalars),
+            lambda: self._derive([t.scale for t in tensors], factors, scalars),
+        )
+        terms = [(t.values(), m) for t, m in zip(tensors, ms)]
+        return self.wrap(qf.add_requant(terms, constant, n, self.out_dtype, self.rounding))
+
+    def _derive(
+        self, scales: list[Tensor], factors: list[float], scalars: float
+    ) -> tuple[list[int], Tensor, Tensor | None]:
+        """Multipliers (one per tensor), the common shift and the scalar term for these scales."""
+        s_y = self.output_scale.to(torch.float64)
+        ratios = [qf.scale_ratio(s, s_y) * f for s, f in zip(scales, factors)]
+        try:
+            ms, n = qf.common_multipliers(ratios, self.spec)
+        except qf.MultiplierRangeError:  # the error names the layer and the scales
+            largest = torch.stack([r.abs().max() for r in ratios]).max().reshape(1)
+            multiplier_for(self, largest, scales, s_y)
+            raise
         constant = None
         if scalars:
             constant = torch.floor(
@@ -58,8 +78,7 @@ class Add(FunctionalQuantized):
                 )
                 + 0.5
             )
-        terms = [(t.values(), int(m.reshape(-1)[0])) for (t, _), m in zip(tensors, ms)]
-        return self.wrap(qf.add_requant(terms, constant, n, self.out_dtype, self.rounding))
+        return [int(m.reshape(-1)[0]) for m in ms], n, constant
 
 
 class Sub(Add):
@@ -73,18 +92,27 @@ class Mul(FunctionalQuantized):
 
     def forward(self, *args: Any, **kwargs: Any) -> QTensor:
         a, b, _ = _operands(args, kwargs)
-        s_y = self.output_scale.to(torch.float64)
         if isinstance(a, QTensor) and isinstance(b, QTensor):
-            real = a.scale.to(torch.float64) * b.scale.to(torch.float64) / s_y
+            key = self.scale_values(a, b)
+            m, s = self.derived(key, lambda: self._derive([a.scale, b.scale], 1.0))
             product = a.values().to(torch.float64) * b.values().to(torch.float64)
         else:
             q, c = (a, b) if isinstance(a, QTensor) else (b, a)
-            real = q.scale.to(torch.float64) * abs(float(c)) / s_y
-            product = q.values().to(torch.float64) * (-1.0 if float(c) < 0 else 1.0)
-        m, s = qf.quantize_multiplier(real, self.spec)
+            c = float(c)
+            key = (*self.scale_values(q), c)
+            m, s = self.derived(key, lambda: self._derive([q.scale], abs(c)))
+            product = q.values().to(torch.float64) * (-1.0 if c < 0 else 1.0)
         return self.wrap(
             qf.requantize_exact(product, m, s, self.out_dtype, self.rounding, as_float=True)
         )
+
+    def _derive(self, scales: list[Tensor], factor: float) -> tuple[Tensor, Tensor]:
+        """``M * 2**-S ~ prod(scales) * factor / s_y``."""
+        s_y = self.output_scale.to(torch.float64)
+        real = scales[0].to(torch.float64)
+        for s in scales[1:]:
+            real = real * s.to(torch.float64)
+        return multiplier_for(self, real * factor / s_y, scales, s_y)
 
 
 class Cat(FunctionalQuantized):
@@ -92,15 +120,20 @@ class Cat(FunctionalQuantized):
 
     def forward(self, tensors, dim: int = 0) -> QTensor:
         s_y = self.output_scale
+        scales = self.scale_values(*tensors)
         datas = []
-        for t in tensors:
+        for t, s in zip(tensors, scales):
             if torch.equal(t.scale, s_y) and t.qdtype is self.out_dtype:
                 datas.append(t.values())
             else:
-                m, n = qf.quantize_multiplier(qf.scale_ratio(t.scale, s_y), self.spec)
+                m, n = self.derived((s,), lambda t=t: self._derive(t.scale))
                 datas.append(
                     qf.requantize_exact(
                         t.values(), m, n, self.out_dtype, self.rounding, as_float=True
                     )
                 )
         return self.wrap(torch.cat(datas, dim))
+
+    def _derive(self, s_x: Tensor) -> tuple[Tensor, Tensor]:
+        s_y = self.output_scale
+        return multiplier_for(self, qf.scale_ratio(s_x, s_y), [s_x], s_y)

@@ -31,6 +31,7 @@ __all__ = [
     "broadcast_scale",
     "round_float",
     "quantize",
+    "division_dtype",
     "dequantize",
     "fake_quantize",
     "constrain_scale",
@@ -89,16 +90,25 @@ def quantize(
     ch_axis: int | None = None,
     as_float: bool = False,
 ) -> Tensor:
-    """Quantize a float tensor: ``clamp(round(x / scale), qmin, qmax)``.
+    """Quantize a tensor: ``clamp(round(x / scale), qmin, qmax)``.
 
-    The division is an IEEE division in ``x``'s dtype, so the result is the
-    same on every device. This is the one formula used by fake quantization,
-    by the VALIDATION simulation and by the converted model's quantize stub.
+    The division is an IEEE division in float32 or float64, so the result is
+    the same on every device. This is the one formula used by fake
+    quantization, by the VALIDATION simulation and by the converted model's
+    quantize stub.
+
+    ``x`` of any dtype is first converted *exactly* to the dtype the division
+    runs in (``division_dtype``): float16 / bfloat16 and integers of up to
+    16 bits (uint8 camera frames) to float32, so they quantize exactly like the
+    same values given in float32; wider integers to float64. float32 and
+    float64 inputs divide in their own dtype. The scale is never cast to an
+    integer or half-precision dtype.
 
     Returns:
         an integer tensor of ``dtype.storage`` with ``x``'s shape (float32
         holding the same integers when ``as_float``).
     """
+    x = x.to(division_dtype(x.dtype))
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
     v = x / s
     if dtype.bits > 24 and v.dtype is not torch.float64:
@@ -107,6 +117,24 @@ def quantize(
         v = v.to(torch.float64)
     v = round_float(v, rounding, inplace=True).clamp_(dtype.qmin, dtype.qmax)
     return v.to(torch.float32) if as_float else v.to(dtype.storage)
+
+
+def division_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The float dtype ``quantize`` divides in for inputs of ``dtype``.
+
+    float32 for every dtype whose values float32 holds exactly (floats of up
+    to 32 bits, bool, integers of up to 16 bits), else float64.
+
+    Raises:
+        TypeError: for a complex dtype.
+    """
+    if dtype.is_complex:
+        raise TypeError(f"cannot quantize a complex tensor ({dtype})")
+    if dtype.is_floating_point:
+        exact = torch.finfo(dtype).bits <= 32
+    else:  # float32 holds every integer of up to 24 bits
+        exact = dtype is torch.bool or torch.iinfo(dtype).bits <= 16
+    return torch.float32 if exact else torch.float64
 
 
 def dequantize(q: Tensor, scale: Tensor, ch_axis: int | None = None) -> Tensor:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
+from fxq.quantized.base import multiplier_for
 from fxq.quantized.ops_base import FunctionalQuantized
 
 __all__ = ["Interpolate"]
@@ -48,6 +49,12 @@ class Interpolate(FunctionalQuantized):
             params.update(kwargs)
         return params
 
+    def _derive(self, s_x: Tensor, dims: int) -> tuple[Tensor, Tensor]:
+        """``M * 2**-S ~ s_x / (2**(8 * dims) * s_y)``."""
+        s_y = self.output_scale.to(torch.float64)
+        real = s_x.to(torch.float64) / (float(1 << (qf.INTERP_FRACTION_BITS * dims)) * s_y)
+        return multiplier_for(self, real, [s_x], s_y)
+
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
         p = self._arguments(args, kwargs)
         if p["mode"] not in ("linear", "bilinear") or p.get("antialias"):
@@ -73,10 +80,8 @@ class Interpolate(FunctionalQuantized):
         acc = x.values().to(torch.float64)
         for d in range(dims):
             acc = _resample_axis(acc, 2 + d, out_sizes[d], scales[d], align)
-        real = x.scale.to(torch.float64) / (
-            float(1 << (qf.INTERP_FRACTION_BITS * dims)) * self.output_scale.to(torch.float64)
-        )
-        m, s = qf.quantize_multiplier(real, self.spec)
+        (s_x,) = self.scale_values(x)
+        m, s = self.derived((s_x, dims), lambda: self._derive(x.scale, dims))
         return self.wrap(
             qf.requantize_exact(acc, m, s, self.out_dtype, self.rounding, as_float=True)
         )

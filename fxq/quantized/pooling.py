@@ -12,32 +12,53 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
+from fxq.quantized.base import multiplier_for
 from fxq.quantized.ops_base import FunctionalQuantized
 
 __all__ = ["AvgPool", "AdaptiveAvgPool", "Mean", "Sum", "window_sums_adaptive"]
 
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+_AVG_MODULES = {1: nn.AvgPool1d, 2: nn.AvgPool2d, 3: nn.AvgPool3d}
+_ADAPTIVE = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
+_ADAPTIVE_MODULES = {1: nn.AdaptiveAvgPool1d, 2: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool3d}
 
 
 def _requant_by_count(
     module: FunctionalQuantized, sums: Tensor, counts: Tensor, x: QTensor
 ) -> QTensor:
     """``clamp(shift_round(sums * M_d, S_d))`` with one multiplier per distinct count ``d``."""
+    (s_x,) = module.scale_values(x)
     distinct, inverse = torch.unique(counts.to(torch.float64).cpu(), return_inverse=True)
-    real = x.scale.to(torch.float64).cpu() / (
-        distinct * module.output_scale.to(torch.float64).cpu()
+    factors = module.derived(
+        (s_x, tuple(distinct.tolist())), lambda: _count_factors(module, x.scale, distinct)
     )
-    m, s = qf.quantize_multiplier(real, module.spec)
-    m = m[inverse].to(sums.device)
-    s = s[inverse].to(sums.device)
-    r = torch.ldexp(m.to(torch.float64), -s.to(torch.float64))
+    r = factors[inverse].to(sums.device)
     v = qf.round_float(sums.to(torch.float64) * r, module.rounding, inplace=True, exact=False)
     dt = module.out_dtype
     return module.wrap(v.clamp_(dt.qmin, dt.qmax).to(dt.storage))
+
+
+def _count_factors(module: FunctionalQuantized, s_x: Tensor, counts: Tensor) -> Tensor:
+    """``M_d * 2**-S_d`` (float64, CPU) for each window element count ``d``."""
+    s_y = module.output_scale.to(torch.float64).cpu()
+    real = s_x.to(torch.float64).cpu() / (counts * s_y)
+    m, s = multiplier_for(module, real, [s_x], s_y)
+    return torch.ldexp(m.to(torch.float64), -s.to(torch.float64))
+
+
+def _pool_dims(module: FunctionalQuantized, ops: dict[int, Any], modules: dict[int, type]) -> int:
+    """1, 2 or 3: how many spatial dims the pooling op works on (0 when unknown)."""
+    for dims, cls in modules.items():
+        if isinstance(module.op, cls):
+            return dims
+    for dims, fn in ops.items():
+        if module.fn is fn:
+            return dims
+    return 0
 
 
 _AVG_PARAMS = (
@@ -81,7 +102,11 @@ class AvgPool(FunctionalQuantized):
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
         params = self._arguments(args, kwargs)
         data = x.values()
-        one_d = data.dim() == 3
+        dims = _pool_dims(self, _AVG, _AVG_MODULES) or data.dim() - 2
+        unbatched = data.dim() == dims + 1  # (C, *spatial), as torch's pooling accepts
+        if unbatched:
+            data = data.unsqueeze(0)
+        one_d = dims == 1
         if one_d:  # avg_pool1d has no divisor_override: pool a height-1 image instead
             data = data.unsqueeze(2)
             params = {
@@ -97,6 +122,8 @@ class AvgPool(FunctionalQuantized):
         sums = fn(data.to(torch.float64), **summed)
         if one_d:
             sums, counts = sums.squeeze(2), counts.squeeze(2)
+        if unbatched:
+            sums, counts = sums.squeeze(0), counts.squeeze(0)
         return _requant_by_count(self, sums, counts.expand_as(sums), x)
 
 
@@ -125,14 +152,14 @@ def window_sums_adaptive(x: Tensor, output_size: tuple[int, ...]) -> tuple[Tenso
 
 
 class AdaptiveAvgPool(FunctionalQuantized):
-    """Integer ``adaptive_avg_pool1d/2d/3d``."""
+    """Integer ``adaptive_avg_pool1d/2d/3d`` (batched or unbatched input, as in torch)."""
 
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
         if self.op is not None:
             size = self.op.output_size
         else:
             size = args[0] if args else kwargs["output_size"]
-        dims = x.dim() - 2
+        dims = _pool_dims(self, _ADAPTIVE, _ADAPTIVE_MODULES) or x.dim() - 2
         size = (size,) * dims if isinstance(size, int) or size is None else tuple(size)
         sums, counts = window_sums_adaptive(x.values(), size)
         return _requant_by_count(self, sums, counts, x)

@@ -9,7 +9,7 @@ from fxq.dtypes import QDType, as_qdtype
 from fxq.march import March
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
-from fxq.quantized.base import QuantizedModule
+from fxq.quantized.base import QuantizedModule, check_input, multiplier_for
 
 __all__ = ["Quantize", "DeQuantize", "Requantize", "UnusedQuantize"]
 
@@ -64,10 +64,16 @@ class Requantize(QuantizedModule):
         self.dtype_name = as_qdtype(dtype).name
 
     def forward(self, x: QTensor) -> QTensor:
+        check_input(self, x)
         dtype = as_qdtype(self.dtype_name)
         if torch.equal(x.scale, self.scale) and x.qdtype is dtype:
             return x
-        m, n = qf.quantize_multiplier(qf.scale_ratio(x.scale, self.scale), self.spec)
+        m, n = self.derived(
+            (float(x.scale),),
+            lambda: multiplier_for(
+                self, qf.scale_ratio(x.scale, self.scale), [x.scale], self.scale
+            ),
+        )
         q = qf.requantize_exact(x.values(), m, n, dtype, self.rounding, as_float=True)
         return QTensor(q, self.scale, dtype)
 

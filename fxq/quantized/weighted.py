@@ -15,6 +15,9 @@ and ``lo = 0`` for ReLU, ``hi = round(6 / s_y)`` for ReLU6. A high-precision
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -23,7 +26,15 @@ from fxq.dtypes import QDType, as_qdtype, qint8, qint32
 from fxq.qat.weighted import swap_group_axes
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
-from fxq.quantized.base import QuantizedModule, check_input, warn_if_saturated
+from fxq.quantized.base import (
+    QuantizedModule,
+    check_input,
+    multiplier_for,
+    require_finite,
+    same_scale,
+    warn_if_saturated,
+    warn_rescaled,
+)
 
 __all__ = [
     "Conv1d",
@@ -40,29 +51,89 @@ _INT32_MAX = (1 << 31) - 1
 
 
 @torch.no_grad()
-def integer_weight_params(qat: nn.Module) -> dict[str, Tensor]:
-    """Integer weight (op layout), int32 bias and scales of a QAT weighted module."""
+def integer_weight_params(qat: nn.Module) -> dict[str, Tensor | None]:
+    """Integer weight (op layout), int32 bias and scales of a QAT weighted module.
+
+    Returns:
+        ``weight`` (int8, op layout), ``weight_out_major``, ``bias`` (int32 at
+        ``input_scale * weight_scale``, or None), ``float_bias`` (the folded float
+        bias in float64 that ``bias`` is quantized from, or None),
+        ``input_scale`` and ``weight_scale``.
+
+    Raises:
+        ValueError: the input scale is unknown, or a weight, bias, BatchNorm
+            statistic or scale is NaN / Inf (the message names the layer).
+    """
     rounding = qat.spec.rounding
     s_x = qat.input_scale(0)
     if s_x is None:
         raise ValueError(
-            f"{type(qat).__name__}: the scale of its input is unknown (no linked input fake quant); "
-            "convert needs a prepared model"
+            f"{type(qat).__name__} {qat.name!r}: the scale of its input is unknown (no linked "
+            "input fake quant); convert needs a prepared model"
         )
+    bn = getattr(qat, "bn", None)
+    require_finite(
+        qat,
+        {
+            "weight": qat.weight,
+            "bias": qat.bias,
+            "BatchNorm weight": None if bn is None else bn.weight,
+            "BatchNorm bias": None if bn is None else bn.bias,
+            "BatchNorm running_mean": None if bn is None else bn.running_mean,
+            "BatchNorm running_var": None if bn is None else bn.running_var,
+        },
+    )
     s_w = qat.weight_fake_quant.scale
-    w_om = qf.quantize(qat.folded_weight().detach(), s_w, qint8, rounding, ch_axis=0)
+    w_folded = qat.folded_weight().detach()
     b = qat.folded_bias()
-    bias = None
-    if b is not None:
-        bias_scale = s_x.to(torch.float64) * s_w.to(torch.float64)
-        bias = qf.quantize(b.detach().to(torch.float64), bias_scale, qint32, rounding, ch_axis=0)
+    float_bias = None if b is None else b.detach().to(torch.float64)
+    require_finite(
+        qat,
+        {
+            "BatchNorm-folded weight": w_folded,
+            "BatchNorm-folded bias": float_bias,
+            "weight scale": s_w,
+            "input scale": s_x,
+        },
+    )
+    w_om = qf.quantize(w_folded, s_w, qint8, rounding, ch_axis=0)
     return {
         "weight": qat.weight_from_out_major(w_om),
         "weight_out_major": w_om,
-        "bias": bias,
+        "bias": None if float_bias is None else _integer_bias(float_bias, s_x, s_w, rounding),
+        "float_bias": float_bias,
         "input_scale": s_x.detach().clone(),
         "weight_scale": s_w.detach().clone(),
     }
+
+
+def _integer_bias(float_bias: Tensor, s_x: Tensor, s_w: Tensor, rounding) -> Tensor:
+    """``sat32(round(b / (s_x * s_w)))`` per output channel, in float64 (arithmetic.md, 5.2)."""
+    bias_scale = s_x.to(torch.float64) * s_w.to(torch.float64)
+    return qf.quantize(float_bias, bias_scale, qint32, rounding, ch_axis=0)
+
+
+@dataclass(frozen=True)
+class Requantization:
+    """Everything a weighted layer derives from its input scale(s).
+
+    At the scales it was converted for these are the module's buffers; for
+    other input scales ``_Weighted.requantization`` derives them again, the same
+    way, and caches them per scale.
+    """
+
+    bias: Tensor | None  # int32 at accumulator_scale
+    accumulator_scale: Tensor  # float64, s_x * s_w per output channel
+    multiplier: Tensor | None  # None for a high-precision (int32) output
+    shift: Tensor | None
+    residual_multiplier: Tensor | None  # None without a fused add
+    residual_shift: Tensor | None
+    plan: qf.AccumulationPlan
+    may_saturate: bool
+
+
+def _magnitude(v: float) -> str:
+    return f"{v:,.0f} (2^{math.log2(v):.1f})" if v >= 1 else f"{v:g}"
 
 
 class _Weighted(QuantizedModule):
@@ -73,37 +144,33 @@ class _Weighted(QuantizedModule):
     def __init__(self, qat: nn.Module) -> None:
         super().__init__(qat.march)
         params = integer_weight_params(qat)
-        spec = qat.spec
         out_fq = qat.activation_post_process
         self.register_buffer("weight", params["weight"])
-        self.register_buffer("bias", params["bias"])
+        self.register_buffer("float_bias", params["float_bias"])
         self.register_buffer("input_scale", params["input_scale"].reshape(1))
         self.register_buffer("weight_scale", params["weight_scale"])
         self.register_buffer("output_scale", out_fq.scale.detach().clone().reshape(1))
         self.out_dtype_name = out_fq.dtype.name
+        self.input_dtype_name = qat.input_quants[0].dtype.name
         self.input_bits = qat.input_quants[0].dtype.bits
         self.activation = qat.activation
         self.add = qat.add
-        acc_scale = self.input_scale.to(torch.float64) * self.weight_scale.to(torch.float64)
-        self.register_buffer("accumulator_scale", acc_scale)
-        if self.high_precision:
-            self.register_buffer("multiplier", None)
-            self.register_buffer("shift", None)
-        else:
-            m, s = qf.quantize_multiplier(acc_scale / self.output_scale.to(torch.float64), spec)
-            self.register_buffer("multiplier", m)
-            self.register_buffer("shift", s)
+        residual_scale = None
         if self.add:
-            s_r = qat.input_quants[1].scale.detach().clone().reshape(1)
-            self.register_buffer("residual_scale", s_r)
-            mr, kr = qf.quantize_multiplier(
-                s_r.to(torch.float64) / acc_scale, spec, left_shift=True
-            )
-            self.register_buffer("residual_multiplier", mr)
-            self.register_buffer("residual_shift", kr)
+            residual_scale = qat.input_quants[1].scale.detach().clone().reshape(1)
+            self.residual_dtype_name = qat.input_quants[1].dtype.name
             self.residual_bits = qat.input_quants[1].dtype.bits
+        self.register_buffer("residual_scale", residual_scale)
+        self._weight_statistics()
+        p = self._derive(self.input_scale, residual_scale)
+        self.register_buffer("bias", p.bias)
+        self.register_buffer("accumulator_scale", p.accumulator_scale)
+        self.register_buffer("multiplier", p.multiplier)
+        self.register_buffer("shift", p.shift)
+        self.register_buffer("residual_multiplier", p.residual_multiplier)
+        self.register_buffer("residual_shift", p.residual_shift)
+        self.plan, self.may_saturate = p.plan, p.may_saturate
         self._set_bounds()
-        self._plan()
 
     # -- derived state ---------------------------------------------------------------
     @property
@@ -123,23 +190,67 @@ class _Weighted(QuantizedModule):
             )
             self.hi = int(qf.round_float(six, self.rounding).item())
 
-    def _plan(self) -> None:
+    def _weight_statistics(self) -> None:
+        """``max_c sum_k |W[c, k]|``, which bounds every partial sum of the accumulation."""
         w = self.weight_out_major().to(torch.int64).abs()
-        l1 = int(w.reshape(w.shape[0], -1).sum(1).max().item()) if w.numel() else 0
-        b = int(self.bias.abs().max().item()) if self.bias is not None and self.bias.numel() else 0
-        self.plan = qf.plan_accumulation(self.input_bits, l1, b)
-        worst = (1 << (self.input_bits - 1)) * l1 + b
+        self.weight_l1 = int(w.reshape(w.shape[0], -1).sum(1).max().item()) if w.numel() else 0
+
+    def _plan(
+        self, bias: Tensor | None, residual_multiplier: Tensor | None, residual_shift: Tensor | None
+    ) -> tuple[qf.AccumulationPlan, bool]:
+        """The accumulation plan and whether int32 saturation is possible."""
+        b = int(bias.abs().max().item()) if bias is not None and bias.numel() else 0
+        plan = qf.plan_accumulation(self.input_bits, self.weight_l1, b)
+        worst = (1 << (self.input_bits - 1)) * self.weight_l1 + b
         if self.add:
-            mr = self.residual_multiplier.to(torch.float64)
-            worst += int(
-                (
-                    (1 << (self.residual_bits - 1))
-                    * torch.ldexp(mr, -self.residual_shift.to(torch.float64))
-                )
-                .max()
-                .item()
-            )
-        self.may_saturate = worst > _INT32_MAX
+            worst += int(self._residual_bound(residual_multiplier, residual_shift))
+        return plan, worst > _INT32_MAX
+
+    def _residual_bound(self, multiplier: Tensor, shift: Tensor) -> float:
+        r = torch.ldexp(multiplier.to(torch.float64), -shift.to(torch.float64))
+        return float(((1 << (self.residual_bits - 1)) * r).max().item())
+
+    def _derive(self, s_x: Tensor, s_r: Tensor | None) -> Requantization:
+        """What convert derives for input scale ``s_x`` (and residual scale ``s_r``)."""
+        s_w = self.weight_scale
+        acc_scale = s_x.to(torch.float64) * s_w.to(torch.float64)
+        bias = None
+        if self.float_bias is not None:
+            bias = _integer_bias(self.float_bias, s_x, s_w, self.rounding)
+        m = s = mr = kr = None
+        if not self.high_precision:
+            real = acc_scale / self.output_scale.to(torch.float64)
+            m, s = multiplier_for(self, real, [s_x, s_w], self.output_scale)
+        if self.add:
+            real = s_r.to(torch.float64) / acc_scale
+            mr, kr = multiplier_for(self, real, [s_r, s_x, s_w], None, left_shift=True)
+        plan, may_saturate = self._plan(bias, mr, kr)
+        return Requantization(bias, acc_scale, m, s, mr, kr, plan, may_saturate)
+
+    def requantization(
+        self, x: QTensor, residual: QTensor | None = None
+    ) -> _Weighted | Requantization:
+        """The parameters for the inputs' scales: the module itself (its buffers) at the
+        scales it was converted for, else ``Requantization`` derived for them (cached).
+
+        Raises:
+            TypeError / ValueError: an input is not a per-tensor QTensor of (at most) the
+                dtype the module was converted for.
+        """
+        check_input(self, x, 0, self.input_dtype_name)
+        same = same_scale(x, self.input_scale)
+        if self.add:
+            check_input(self, residual, 1, self.residual_dtype_name)
+            same = same and same_scale(residual, self.residual_scale)
+        if same:
+            return self
+        s_r = residual.scale if self.add else None
+        key = (float(x.scale), None if s_r is None else float(s_r))
+        if not same_scale(x, self.input_scale):
+            warn_rescaled(self, 0, self.input_scale, x.scale)
+        else:
+            warn_rescaled(self, 1, self.residual_scale, s_r)
+        return self.derived(key, lambda: self._derive(x.scale, s_r))
 
     def weight_out_major(self) -> Tensor:
         return self.weight
@@ -147,7 +258,10 @@ class _Weighted(QuantizedModule):
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
         self._set_bounds()
-        self._plan()
+        self._weight_statistics()
+        self.plan, self.may_saturate = self._plan(
+            self.bias, self.residual_multiplier, self.residual_shift
+        )
 
     # -- compute -----------------------------------------------------------------------
     def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # pragma: no cover
@@ -155,16 +269,19 @@ class _Weighted(QuantizedModule):
 
     def accumulator(self, x: QTensor, residual: QTensor | None = None) -> Tensor:
         """The exact (saturated) int32 accumulator, as a float tensor of integers."""
-        acc = qf.accumulate(
-            self._op, x.values(), self.weight, self.bias, self.plan, self._channel_axis
-        )
-        if self.may_saturate:
+        return self._accumulator(x, residual, self.requantization(x, residual))
+
+    def _accumulator(
+        self, x: QTensor, residual: QTensor | None, p: _Weighted | Requantization
+    ) -> Tensor:
+        acc = qf.accumulate(self._op, x.values(), self.weight, p.bias, p.plan, self._channel_axis)
+        if p.may_saturate:
             acc = qf.saturate_int32(acc)
         if self.add:
             term = qf.rescale_term(
                 residual.values(),
-                self.residual_multiplier,
-                self.residual_shift,
+                p.residual_multiplier,
+                p.residual_shift,
                 self.rounding,
                 self._channel_axis,
             )
@@ -172,38 +289,54 @@ class _Weighted(QuantizedModule):
         return acc
 
     def forward(self, x: QTensor, residual: QTensor | None = None) -> QTensor | Tensor:
-        check_input(self, x, self.input_scale)
-        if self.add:
-            check_input(self, residual, self.residual_scale, 1)
+        # p: this module (its buffers) at the scales it was converted for, else the same
+        # parameters derived for the scales the inputs carry
+        p = self.requantization(x, residual)
         if self.high_precision:
-            acc = self.accumulator(x, residual)
+            acc = self._accumulator(x, residual, p)
             if self.lo is not None:
                 acc = acc.clamp(min=0)
-            scale = qf.broadcast_scale(self.accumulator_scale, acc.dim(), self._channel_axis)
+            scale = qf.broadcast_scale(p.accumulator_scale, acc.dim(), self._channel_axis)
             y = acc.to(torch.float64) * scale
             if self.activation == "relu6":
                 y = y.clamp(max=6.0)
             return y.to(torch.float32)
-        acc = qf.accumulate(
-            self._op, x.values(), self.weight, self.bias, self.plan, self._channel_axis
-        )
-        if self.may_saturate:
-            warn_if_saturated(self, acc)
+        acc = qf.accumulate(self._op, x.values(), self.weight, p.bias, p.plan, self._channel_axis)
+        if p.may_saturate:
+            warn_if_saturated(self, acc, lambda: self._saturation_cause(p, x))
             acc = qf.saturate_int32(acc)
         args = (self.out_dtype, self.rounding, self._channel_axis, self.lo, self.hi)
         if self.add:
             q = qf.requantize_residual(
                 acc,
                 residual.values(),
-                self.residual_multiplier,
-                self.residual_shift,
-                self.multiplier,
-                self.shift,
+                p.residual_multiplier,
+                p.residual_shift,
+                p.multiplier,
+                p.shift,
                 *args,
             )
         else:
-            q = qf.requantize_exact(acc, self.multiplier, self.shift, *args, as_float=True)
+            q = qf.requantize_exact(acc, p.multiplier, p.shift, *args, as_float=True)
         return QTensor(q, self.output_scale, self.out_dtype)
+
+    def _saturation_cause(self, p: _Weighted | Requantization, x: QTensor) -> str:
+        """What the accumulator sums, with operand dtypes and worst-case magnitudes."""
+        products = (1 << (self.input_bits - 1)) * self.weight_l1
+        parts = [
+            f"it sums {x.qdtype.name} inputs times int8 weights (|X| * sum|W| up to "
+            f"{_magnitude(products)})"
+        ]
+        if p.bias is not None and p.bias.numel():
+            bias = float(p.bias.abs().max())
+            parts.append(
+                f"plus an int32 bias of up to {_magnitude(bias)} (the float bias divided by input "
+                f"scale {float(x.scale):.6g} times the weight scale)"
+            )
+        if self.add:
+            term = self._residual_bound(p.residual_multiplier, p.residual_shift)
+            parts.append(f"plus the rescaled residual (up to {_magnitude(term)})")
+        return ", ".join(parts) + "; 32 bits hold 2^31"
 
     @classmethod
     def from_qat(cls, qat: nn.Module) -> _Weighted:
@@ -241,6 +374,11 @@ _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 class _Conv(_Weighted):
     _DIM = 2
     _TRANSPOSED = False
+
+    @property
+    def _channel_axis(self) -> int:
+        """The output channel axis counted from the end, so unbatched inputs work too."""
+        return -(self._DIM + 1)
 
     def __init__(self, qat: nn.Module) -> None:
         self.stride = qat.stride
