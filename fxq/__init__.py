@@ -9,10 +9,11 @@ The pipeline::
     fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)    # evaluate
 """
 
-from fxq import deploy, functional, qconfig
+from fxq import debug, deploy, functional, qconfig, registry
 from fxq.dtypes import QDType, qint8, qint16, qint32
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
 from fxq.fx import FxqTraceError, convert_fx, fuse_fx, fx_wrap, prepare_qat_fx, symbolic_trace
+from fxq.fx.prepare import FloatOpWarning
 from fxq.march import March, get_march, get_march_spec, set_march
 from fxq.qtensor import QTensor
 from fxq.stubs import DeQuantStub, QuantStub
@@ -45,4 +46,7 @@ __all__ = [
     "deploy",
     "summary",
     "FxqTraceError",
+    "FloatOpWarning",
+    "registry",
+    "debug",
 ]

@@ -31,14 +31,19 @@ __all__ = ["compare_qat_quantized", "float_fake_quant"]
 def float_fake_quant(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, VALIDATION computes in float with fake quantization
     (the training-time arithmetic) instead of with the integer kernels."""
-    modules = [m for m in model.modules() if isinstance(m, QATModule)]
-    for m in modules:
+    saved = [
+        (m, m.__dict__.get("simulate_integer")) for m in model.modules() if isinstance(m, QATModule)
+    ]
+    for m, _ in saved:
         m.simulate_integer = False
     try:
         yield model
-    finally:
-        for m in modules:
-            m.__dict__.pop("simulate_integer", None)
+    finally:  # restore what each module had, so nested blocks unwind correctly
+        for m, value in saved:
+            if value is None:
+                m.__dict__.pop("simulate_integer", None)
+            else:
+                m.simulate_integer = value
 
 
 def _as_inputs(inputs: Any) -> tuple:

@@ -224,9 +224,10 @@ def _refine_fused(row: OpRow, node: Node | None, module: nn.Module | None) -> Op
 
 
 def _refine_functional_weight(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    what = target_name(node.target) if node is not None else row.name
     return row.as_float(
-        f"{row.name} called as a function with a weight tensor: fxq quantizes the weights of "
-        "modules; use the nn module form (e.g. nn.Conv2d) so its weight gets a fake quant"
+        f"{what} with a weight tensor: fxq quantizes the weights of modules; use the nn "
+        "module form (e.g. nn.Conv2d) so its weight gets a fake quant"
     )
 
 
@@ -634,6 +635,9 @@ def target_name(target: Any) -> str:
     name = getattr(target, "__name__", None) or repr(target)
     if module in ("_operator", "operator"):
         return f"operator.{name}"
+    for prefix, namespace in (("torch.nn.functional", F), ("torch", torch)):
+        if getattr(namespace, name, None) is target:
+            return f"{prefix}.{name}"
     if module.startswith("torch._C") or module == "":
         module = "torch"
     return f"{module}.{name}"

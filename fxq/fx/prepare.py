@@ -383,18 +383,8 @@ def _describe_float_op(node: Node, row: OpRow) -> str:
 
 
 def _source_line(node: Node) -> str:
-    """``file:line`` of the user's code that made ``node`` (when the tracer recorded it)."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
-    if not lines:
-        return ""
-    last = lines[-1]  # File "x.py", line 12, in forward
-    try:
-        path = last.split('"')[1]
-        line = last.split("line ")[1].split(",")[0]
-    except IndexError:
-        return ""
-    return f"{path}:{line}"
+    """``file:line`` of the user's code that made ``node`` (recorded by fxq's tracer)."""
+    return node.meta.get("fxq_source", "")
 
 
 _HOOK_DICTS = (

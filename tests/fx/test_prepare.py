@@ -188,3 +188,66 @@ def test_python_number_arguments(bayes, with_example):
     with torch.no_grad():
         expected = prepared(x, 3)
         assert torch.equal(fxq.convert_fx(prepared)(x, 3), expected)
+
+
+class _SharedConv(nn.Module):
+    """One conv called at two places."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        return self.conv(x) + self.conv(x * 10.0)
+
+
+def test_call_site_clones_own_their_hooks(bayes):
+    prepared = fxq.prepare_qat_fx(_SharedConv(), {"": q8})
+    calls = []
+    prepared.conv.register_forward_hook(lambda m, i, o: calls.append("conv"))
+    prepared.conv_call1.register_forward_hook(lambda m, i, o: calls.append("conv_call1"))
+    prepared(torch.randn(1, 3, 4, 4))
+    assert calls == ["conv", "conv_call1"]
+
+
+def test_compare_is_exact_on_a_shared_module(bayes):
+    prepared = fxq.prepare_qat_fx(_SharedConv(), {"": q8})
+    calibrate(prepared, [torch.randn(4, 3, 4, 4)])
+    integer = fxq.convert_fx(prepared)
+    rows = fxq.debug.compare_qat_quantized(prepared, integer, torch.randn(2, 3, 4, 4), show=False)
+    by_layer = {r["layer"]: r for r in rows}
+    assert {"conv", "conv_call1"} <= set(by_layer)
+    assert all(r["exact"] == 1.0 and r["max_lsb"] == 0 for r in rows)
+
+
+def test_prepared_modules_follow_the_model_device(bayes):
+    model = ResidualNet().to("meta")
+    prepared = fxq.prepare_qat_fx(model, {"": q8})
+    devices = {t.device.type for t in list(prepared.parameters()) + list(prepared.buffers())}
+    assert devices == {"meta"}
+
+
+def test_a_model_with_no_quantizable_op_says_which_ops_it_found(bayes):
+    class OnlySoftmax(nn.Module):
+        def forward(self, x):
+            return torch.softmax(x, -1)
+
+    with pytest.raises(ValueError, match="selects no op that fxq can quantize") as info:
+        fxq.prepare_qat_fx(OnlySoftmax(), {"": q8})
+    assert "softmax (torch.softmax" in str(info.value) and "no integer softmax yet" in str(
+        info.value
+    )
+
+
+def test_float_ops_argument_is_checked(bayes):
+    with pytest.raises(ValueError, match="float_ops must be one of"):
+        fxq.prepare_qat_fx(ResidualNet(), {"": q8}, float_ops="raise")
+
+
+def test_float_fake_quant_is_reentrant(bayes):
+    prepared = fxq.prepare_qat_fx(ResidualNet(), {"": q8})
+    with fxq.debug.float_fake_quant(prepared):
+        with fxq.debug.float_fake_quant(prepared):
+            assert not prepared.stem.simulate_integer
+        assert not prepared.stem.simulate_integer
+    assert prepared.stem.simulate_integer
