@@ -24,20 +24,20 @@ module type key is the function (``operator.add``, ``torch.add`` and the
 from __future__ import annotations
 
 import difflib
-import operator
+import inspect
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from fxq.dtypes import QDType, qint8, qint16, qint32
+from fxq.dtypes import QDType, as_qdtype, qint8, qint16, qint32
 from fxq.fake_quantize import FakeQuantize, FakeQuantizeFactory
 from fxq.march import MarchSpec
-from fxq.observer import get_observer_class
+from fxq.observer import ObserverBase, get_observer_class
+from fxq.registry import ROWS, canonical_key, row_named
 
 __all__ = [
     "QConfig",
@@ -46,6 +46,10 @@ __all__ = [
     "default_qat_8bit_fake_quant_qconfig",
     "default_calib_8bit_weight_16bit_act_fake_quant_qconfig",
     "default_qat_8bit_weight_16bit_act_fake_quant_qconfig",
+    "default_qat_8bit_fixed_act_fake_quant_qconfig",
+    "default_qat_8bit_weight_16bit_fixed_act_fake_quant_qconfig",
+    "default_calib_8bit_weight_32bit_out_fake_quant_qconfig",
+    "default_qat_8bit_weight_32bit_out_fake_quant_qconfig",
     "default_calib_out_8bit_fake_quant_qconfig",
     "default_qat_out_8bit_fake_quant_qconfig",
     "QConfigResolver",
@@ -90,47 +94,163 @@ class QConfig:
 
 _FAKE_QUANTS = {"fake_quant": FakeQuantize}
 
+# How fxq quantizes, said in the vocabulary of torch.ao and the vendor plugin.
+_WEIGHT_LAYOUT = (
+    "fxq weights are symmetric per output channel (qscheme=torch.per_channel_symmetric, ch_axis=0)"
+)
+_ACTIVATION_LAYOUT = (
+    "fxq activations are symmetric per tensor (qscheme=torch.per_tensor_symmetric): "
+    "the zero point is always 0"
+)
+# FakeQuantize's own arguments; every other qkwargs entry goes to the observer.
+_FAKE_QUANT_KWARGS = frozenset({"dtype", "scale", "march"})
+
 
 def get_default_qconfig(
-    activation_fake_quant: str = "fake_quant",
+    activation_fake_quant: str | None = "fake_quant",
     weight_fake_quant: str = "fake_quant",
-    activation_observer: str = "min_max",
+    activation_observer: str | None = "min_max",
     weight_observer: str = "min_max",
-    activation_qkwargs: dict[str, Any] | None = None,
-    weight_qkwargs: dict[str, Any] | None = None,
+    activation_qkwargs: Mapping[str, Any] | None = None,
+    weight_qkwargs: Mapping[str, Any] | None = None,
 ) -> QConfig:
-    """Build a QConfig from names.
+    """Build a QConfig from names, accepting the vendor plugin's and torch.ao's forms.
 
     Args:
-        activation_fake_quant, weight_fake_quant: ``"fake_quant"``.
-        activation_observer: an observer name from ``fxq.observer.OBSERVERS``
-            (``"min_max"``, ``"moving_average"``, ``"fixed_scale"``, ...).
-        weight_observer: the same for weights (always per output channel).
-        activation_qkwargs: extra ``FakeQuantize`` arguments for activations,
-            e.g. ``{"dtype": fxq.qint16}`` or ``{"averaging_constant": 0.01}``.
-        weight_qkwargs: the same for weights.
+        activation_fake_quant: ``"fake_quant"``, or ``None`` for a
+            high-precision output: the op keeps its int32 accumulator (dtype
+            ``fxq.qint32``, like ``default_qat_8bit_weight_32bit_out_fake_quant_qconfig``).
+        weight_fake_quant: ``"fake_quant"``.
+        activation_observer: an observer name (``"min_max"``,
+            ``"moving_average"``, ``"fixed_scale"``, ``"percentile"``, ``"mse"``,
+            ``"kl"``, ``"mix"``); ``None`` only with ``activation_fake_quant=None``.
+        weight_observer: the same for weights (``"min_max"`` or ``"mse"``).
+        activation_qkwargs: ``FakeQuantize`` and observer arguments for
+            activations: ``{"dtype": fxq.qint16}``, ``{"averaging_constant":
+            0.01}``, ``{"percentile": 99.9}``... ``averaging_constant`` turns
+            ``"min_max"`` into ``"moving_average"`` (what the vendor's min/max
+            observer does with it), and ``averaging_constant=0`` freezes the
+            activation scales: a QAT model that loaded a calibrated
+            ``state_dict`` keeps the calibrated scales. ``qscheme=
+            torch.per_tensor_symmetric``, ``ch_axis=None`` and
+            ``quant_min`` / ``quant_max`` equal to the dtype's range are
+            accepted (they say what fxq does anyway).
+        weight_qkwargs: the same for weights; ``qscheme=
+            torch.per_channel_symmetric`` and ``ch_axis=0`` are accepted.
+
+    Returns:
+        the QConfig (its factories build fake quants at ``prepare_qat_fx``).
 
     Raises:
-        ValueError: for an unknown name, or weight kwargs that ask for a
-            non-int8 weight.
+        ValueError: for an unknown name; a qscheme, ``ch_axis`` or range fxq
+            does not quantize with (weights are symmetric int8 per output
+            channel, activations symmetric per tensor, zero point 0); a
+            non-int8 weight; ``weight_fake_quant=None``; or an argument that
+            neither ``FakeQuantize`` nor the observer takes.
     """
-    act_cls = _lookup(_FAKE_QUANTS, activation_fake_quant, "activation_fake_quant")
+    if weight_fake_quant is None:
+        raise ValueError(
+            "weight_fake_quant=None (float weights) is not available: fxq weights are int8 on "
+            "every march. To keep a layer in float, give it a qconfig of None in the qconfig_dict."
+        )
     wt_cls = _lookup(_FAKE_QUANTS, weight_fake_quant, "weight_fake_quant")
-    akw = dict(activation_qkwargs or {})
-    wkw = dict(weight_qkwargs or {})
-    akw.setdefault("dtype", qint8)
-    wkw.setdefault("dtype", qint8)
-    if wkw["dtype"] not in (qint8, "qint8", torch.int8):
+    wkw = _quant_kwargs(weight_qkwargs, "weight_qkwargs", per_channel=True)
+    if wkw["dtype"] is not qint8:
         raise ValueError(
             f"weights are int8 on every march; weight_qkwargs asked for {wkw['dtype']!r}"
         )
-    act = FakeQuantizeFactory(
-        act_cls, observer=get_observer_class(activation_observer, False), **akw
+    w_obs = _observer_for(weight_observer, wkw, "weight_qkwargs", per_channel=True)
+    wt = FakeQuantizeFactory(wt_cls, observer=w_obs, ch_axis=0, **wkw)
+    return QConfig(
+        activation=_activation_factory(
+            activation_fake_quant, activation_observer, activation_qkwargs
+        ),
+        weight=wt,
     )
-    wt = FakeQuantizeFactory(
-        wt_cls, observer=get_observer_class(weight_observer, True), ch_axis=0, **wkw
+
+
+def _activation_factory(
+    fake_quant: str | None, observer: str | None, qkwargs: Mapping[str, Any] | None
+) -> FakeQuantizeFactory:
+    if fake_quant is None:  # the vendor's form of a high-precision (int32) output
+        extra = dict(qkwargs or {})
+        if extra and (set(extra) != {"dtype"} or as_qdtype(extra["dtype"]) is not qint32):
+            raise ValueError(
+                "activation_fake_quant=None asks for an int32 (high-precision) output, which has "
+                f"no fake quant, so activation_qkwargs={extra!r} cannot apply; remove them, or "
+                "name a fake quant (activation_fake_quant='fake_quant') to quantize the output"
+            )
+        obs = get_observer_class(observer or "min_max", False)  # never used by an int32 output
+        return FakeQuantizeFactory(FakeQuantize, observer=obs, dtype=qint32)
+    cls = _lookup(_FAKE_QUANTS, fake_quant, "activation_fake_quant")
+    if observer is None:
+        raise ValueError(
+            "activation_observer=None is only meaningful with activation_fake_quant=None (an "
+            "int32 output); name an observer such as 'min_max' or 'moving_average'"
+        )
+    akw = _quant_kwargs(qkwargs, "activation_qkwargs", per_channel=False)
+    return FakeQuantizeFactory(
+        cls, observer=_observer_for(observer, akw, "activation_qkwargs", per_channel=False), **akw
     )
-    return QConfig(activation=act, weight=wt)
+
+
+def _quant_kwargs(qkwargs: Mapping[str, Any] | None, what: str, per_channel: bool) -> dict:
+    """Check and drop the layout arguments (qscheme, ch_axis, quant_min/max) fxq fixes itself."""
+    if qkwargs is None:
+        qkwargs = {}
+    if not isinstance(qkwargs, Mapping):
+        raise ValueError(f"{what} must be a dict, got {type(qkwargs).__name__}")
+    kw = dict(qkwargs)
+    layout = _WEIGHT_LAYOUT if per_channel else _ACTIVATION_LAYOUT
+    want_qscheme = torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric
+    if "qscheme" in kw:
+        qscheme = kw.pop("qscheme")
+        if qscheme != want_qscheme:
+            raise ValueError(
+                f"{what}: qscheme={qscheme} is not available: {layout}. "
+                f"Remove 'qscheme' or pass qscheme={want_qscheme}."
+            )
+    if "ch_axis" in kw:
+        axis = kw.pop("ch_axis")
+        want_axis = 0 if per_channel else None
+        if axis != want_axis:
+            fix = "Remove 'ch_axis' or pass ch_axis=0." if per_channel else "Remove 'ch_axis'."
+            raise ValueError(f"{what}: ch_axis={axis!r} is not available: {layout}. {fix}")
+    if "observer" in kw:
+        raise ValueError(
+            f"{what}: choose the observer by name with the "
+            f"{'weight' if per_channel else 'activation'}_observer argument, not an 'observer' "
+            "entry"
+        )
+    dtype = kw["dtype"] = as_qdtype(kw.get("dtype", qint8))
+    for key, bound in (("quant_min", dtype.qmin), ("quant_max", dtype.qmax)):
+        if key in kw and kw.pop(key) != bound:
+            raise ValueError(
+                f"{what}: {key}={qkwargs[key]!r} is not the range of {dtype.name} "
+                f"[{dtype.qmin}, {dtype.qmax}]; fxq always uses the whole range of the dtype: "
+                f"remove {key!r} or choose the dtype with 'dtype'"
+            )
+    return kw
+
+
+def _observer_for(
+    name: str, kw: Mapping[str, Any], what: str, per_channel: bool
+) -> type[ObserverBase]:
+    """The observer class for ``name``, after checking that it takes the arguments in ``kw``."""
+    if name == "min_max" and "averaging_constant" in kw:
+        name = "moving_average"  # the vendor's min/max observer is a moving average
+    cls = get_observer_class(name, per_channel)
+    params = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return cls
+    accepted = (set(params) - {"ch_axis", "num_channels"}) | _FAKE_QUANT_KWARGS
+    unknown = sorted(set(kw) - accepted)
+    if unknown:
+        raise ValueError(
+            f"{what}: {', '.join(map(repr, unknown))} is not an argument of FakeQuantize or of "
+            f"the {name!r} observer ({cls.__name__}); accepted: {', '.join(sorted(accepted))}"
+        )
+    return cls
 
 
 def _lookup(table: Mapping[str, Any], name: str, what: str) -> Any:
@@ -153,45 +273,30 @@ default_qat_8bit_weight_16bit_act_fake_quant_qconfig = get_default_qconfig(
     activation_observer="moving_average",
     activation_qkwargs={"dtype": qint16, "averaging_constant": 0.01},
 )
-# High-precision final output: the conv / linear keeps its int32 accumulator.
-default_calib_out_8bit_fake_quant_qconfig = get_default_qconfig(
-    activation_qkwargs={"dtype": qint32}
+# QAT with the activation scales frozen: load a calibrated state_dict, then only weights train.
+default_qat_8bit_fixed_act_fake_quant_qconfig = get_default_qconfig(
+    activation_qkwargs={"averaging_constant": 0}
 )
-default_qat_out_8bit_fake_quant_qconfig = get_default_qconfig(activation_qkwargs={"dtype": qint32})
+default_qat_8bit_weight_16bit_fixed_act_fake_quant_qconfig = get_default_qconfig(
+    activation_qkwargs={"dtype": qint16, "averaging_constant": 0}
+)
+# High-precision output: the conv / linear keeps its int32 accumulator. One qconfig serves
+# calibration and QAT (as in the vendor plugin, whose names these are).
+default_qat_8bit_weight_32bit_out_fake_quant_qconfig = get_default_qconfig(
+    activation_fake_quant=None, activation_observer=None
+)
+default_calib_8bit_weight_32bit_out_fake_quant_qconfig = (
+    default_qat_8bit_weight_32bit_out_fake_quant_qconfig
+)
+# Earlier names of the same qconfig, kept as aliases.
+default_calib_out_8bit_fake_quant_qconfig = default_calib_8bit_weight_32bit_out_fake_quant_qconfig
+default_qat_out_8bit_fake_quant_qconfig = default_qat_8bit_weight_32bit_out_fake_quant_qconfig
 
 
 # -- functional op aliases ----------------------------------------------------
-# One canonical key per functional op, so that `torch.add`, `operator.add`,
-# `x.add(...)` and `x += y` are configured together.
-_ALIASES: dict[Any, str] = {}
-
-
-def _alias(name: str, *targets: Any) -> None:
-    for t in targets:
-        _ALIASES[t] = name
-
-
-_alias("add", operator.add, operator.iadd, torch.add, "add", "add_")
-_alias("sub", operator.sub, operator.isub, torch.sub, "sub", "sub_")
-_alias("mul", operator.mul, operator.imul, torch.mul, "mul", "mul_")
-_alias("matmul", operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm")
-_alias("cat", torch.cat, torch.concat)
-_alias("relu", F.relu, torch.relu, "relu", "relu_")
-_alias("relu6", F.relu6)
-_alias("interpolate", F.interpolate)
-_alias("mean", torch.mean, "mean")
-_alias("sum", torch.sum, "sum")
-_alias("sigmoid", torch.sigmoid, F.sigmoid, "sigmoid")
-_alias("tanh", torch.tanh, F.tanh, "tanh")
-_alias("flatten", torch.flatten, "flatten")
-
-
-def canonical_op(target: Any) -> Any:
-    """The canonical qconfig key of a functional op target (itself if unaliased)."""
-    try:
-        return _ALIASES.get(target, target)
-    except TypeError:  # unhashable target
-        return target
+# One canonical key per functional op (the op registry's row name), so that `torch.add`,
+# `operator.add`, `x.add(...)` and `x += y` are configured together.
+canonical_op = canonical_key
 
 
 # -- resolution -----------------------------------------------------------------
@@ -247,6 +352,8 @@ class QConfigResolver:
                     raise ValueError(
                         f"qconfig_dict[{key!r}]: keys must be module classes or functions, got {t!r}"
                     )
+                if isinstance(t, str):
+                    t = _type_key_from_string(key, t, model)
                 types[canonical_op(t)] = self._check(f"{key} {_name_of(t)}", qc, key)
         self.types = types
         self.names: dict[str, QConfig | None] = {}
@@ -388,6 +495,80 @@ class QConfigResolver:
             or any(v is not None for _, v in self.regexes)
             or any(v is not None for v in self.attributes.values())
         )
+
+
+# -- module_type keys given as strings ----------------------------------------------
+_NN_PREFIXES = ("torch.nn.", "nn.")
+
+
+def _nn_module_classes() -> dict[str, type[nn.Module]]:
+    """Every module class ``torch.nn`` exports, by name."""
+    return {
+        name: obj
+        for name, obj in vars(nn).items()
+        if isinstance(obj, type) and issubclass(obj, nn.Module)
+    }
+
+
+def _functional_op_names() -> list[str]:
+    """The strings that name a functional op: registry row names and ``Tensor`` method names."""
+    names: list[str] = []
+    for row in ROWS:
+        if row.functions or row.methods:
+            names.append(row.name)
+            names.extend(row.methods)
+    return names
+
+
+def _functional_op_key(name: str) -> str | None:
+    """The qconfig key of the functional op ``name`` names (``"add_"`` gives ``"add"``), or None."""
+    key = canonical_op(name)
+    try:
+        row = row_named(key)
+    except KeyError:
+        return None
+    return key if (row.functions or row.methods) else None
+
+
+def _type_key_from_string(where: str, name: str, model: nn.Module) -> Any:
+    """Resolve a ``module_type`` key written as a string.
+
+    ``"Conv2d"``, ``"nn.Conv2d"`` and ``"torch.nn.Conv2d"`` give the class
+    ``torch.nn.Conv2d``; a functional op's name (``"add"``, ``"cat"``,
+    ``"matmul"``, a ``Tensor`` method such as ``"add_"``) gives its key.
+
+    Raises:
+        ValueError: for any other string, with close matches, the class form,
+            and the class of ``model`` that has that name if there is one.
+    """
+    op = _functional_op_key(name)
+    if op is not None:
+        return op
+    classes = _nn_module_classes()
+    prefix = next((p for p in _NN_PREFIXES if name.startswith(p)), "")
+    short = name[len(prefix) :]
+    if short in classes:
+        return classes[short]
+    # close matches: classes for "nn.Xxx", classes and op names otherwise
+    candidates: dict[str, list[str]] = {}
+    for candidate in dict.fromkeys([*([] if prefix else _functional_op_names()), *classes]):
+        candidates.setdefault(candidate.lower(), []).append(candidate)
+    close = difflib.get_close_matches(short.lower(), list(candidates), n=3)
+    close = [c for lowered in close for c in candidates[lowered]]
+    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    own = next((type(m) for m in model.modules() if type(m).__name__ == short), None)
+    if own is not None:
+        hint += (
+            f" The model has a module class named {short!r} "
+            f"({own.__module__}.{own.__qualname__}): pass that class itself."
+        )
+    raise ValueError(
+        f"qconfig_dict[{where!r}]: the key {name!r} matches no torch.nn module class and no "
+        f"functional op, so it would configure nothing.{hint} Use the class or function itself "
+        "(e.g. {torch.nn.Conv2d: qconfig}, {MyBlock: qconfig}, {torch.add: qconfig}); strings "
+        "may name a torch.nn class ('Conv2d', 'nn.Conv2d', 'torch.nn.Conv2d') or a functional "
+        "op ('add', 'cat', 'matmul', ...)."
+    )
 
 
 def _name_of(t: Any) -> str:

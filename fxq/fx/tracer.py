@@ -34,7 +34,7 @@ import linecache
 import os
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import torch
 import torch.fx
@@ -80,18 +80,37 @@ class FxqTraceError(TraceError):
     """Tracing failed; the message names the source line and what to wrap."""
 
 
+_NO_ARGUMENT: Any = object()  # fx_wrap() called with no argument: the decorator factory
+
+
 def is_fx_wrapped(obj: Any) -> bool:
     """True for functions, methods and module classes marked with ``@fxq.fx_wrap()``."""
     return bool(getattr(obj, "_fxq_fx_wrap", False))
 
 
-def fx_wrap() -> Callable[[T], T]:
+@overload
+def fx_wrap() -> Callable[[T], T]: ...
+
+
+@overload
+def fx_wrap(obj: T, /) -> T: ...
+
+
+def fx_wrap(obj: Any = _NO_ARGUMENT, /) -> Any:
     """Decorator: keep a function, a method or a module class as one graph node.
 
+    Written ``@fxq.fx_wrap()``, as in the vendor plugin; the bare form
+    ``@fxq.fx_wrap`` is accepted too and does exactly the same.
+
+    Args:
+        obj: given only by the bare form: the function, method or class
+            being decorated.
+
     Returns:
-        a decorator. Applied to a function or method it returns a wrapper that
-        behaves exactly like the original outside tracing; applied to an
-        ``nn.Module`` subclass it marks the class as a leaf and returns it.
+        ``@fxq.fx_wrap()``: a decorator. Applied to a function or method it
+        returns a wrapper that behaves exactly like the original outside
+        tracing; applied to an ``nn.Module`` subclass it marks the class as a
+        leaf and returns it. ``@fxq.fx_wrap``: that decorator's result.
 
     Raises:
         TypeError: when applied to something that is neither callable nor a
@@ -121,7 +140,9 @@ def fx_wrap() -> Callable[[T], T]:
         wrapper._fxq_fx_wrap = True  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
-    return decorator
+    if obj is _NO_ARGUMENT:
+        return decorator
+    return decorator(obj)  # the bare form, @fxq.fx_wrap
 
 
 # Module internals, i.e. everything that is not a user attribute.
