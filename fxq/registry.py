@@ -326,8 +326,11 @@ def _table() -> list[OpRow]:
             )
         )
         rows.append(
-            _weighted(
-                f"batch_norm{d}d", getattr(nn, f"BatchNorm{d}d"), "BatchNorm", "bn", "batchnorm"
+            dataclasses.replace(
+                _weighted(
+                    f"batch_norm{d}d", getattr(nn, f"BatchNorm{d}d"), "BatchNorm", "bn", "batchnorm"
+                ),
+                doc="folded into the conv / linear before it; alone, a per-channel integer affine",
             )
         )
     rows.append(_weighted("linear", nn.Linear, "Linear", "linear"))
@@ -577,7 +580,27 @@ def _table() -> list[OpRow]:
         rows.append(
             _pass("stochastic_depth", (StochasticDepth,), (stochastic_depth,), qtensor=None)
         )
-    return rows
+    return [dataclasses.replace(r, doc=_DOCS.get(r.name, r.doc)) for r in rows]
+
+
+_DOCS = {
+    "add": "inputs rescaled to the output scale by fixed-point multipliers, one shift",
+    "sub": "as add, with the second multiplier negated",
+    "mul": "int32 product at s_a * s_b, requantized",
+    "cat": "every input requantized to the output scale",
+    "matmul": "exact integer accumulation, requantized",
+    "mean": "int32 sum, requantized by scale / count",
+    "sum": "int32 sum, requantized",
+    "relu6": "a clamp in the integer domain",
+    "hardtanh": "a clamp in the integer domain",
+    "clamp": "a clamp in the integer domain (constant bounds)",
+    "interpolate": "bilinear with integer weights; nearest keeps the grid",
+    "upsampling_bilinear2d": "bilinear with integer weights",
+    "relu": "max(q, 0): the grid is kept",
+}
+for _d in (1, 2, 3):
+    _DOCS[f"avg_pool{_d}d"] = "int32 sum, requantized by scale / (kernel size)"
+    _DOCS[f"adaptive_avg_pool{_d}d"] = "int32 sum per window, requantized"
 
 
 #: tensor methods that return Python values (sizes, flags), not tensors
@@ -776,3 +799,36 @@ def _install_qtensor_passthroughs() -> None:
 
 
 _install_qtensor_passthroughs()
+
+
+# -- documentation ----------------------------------------------------------------------
+def _target_label(target: Any) -> str:
+    if isinstance(target, str):
+        return f"`.{target}()`"
+    if isinstance(target, type):
+        module = target.__module__
+        prefix = "nn." if module.startswith("torch.nn") else f"{module}."
+        return f"`{prefix}{target.__name__}`"
+    return f"`{target_name(target).replace('torch.nn.functional.', 'F.')}`"
+
+
+def markdown_table() -> str:
+    """The registry as a Markdown table (``docs/ops.md`` is this text; a test keeps it so)."""
+    lines = [
+        "| op (qconfig key) | kind | matches | QAT / integer class | fusion role | notes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in ROWS:
+        classes = (
+            f"`{row.qat.removeprefix('fxq.')}` / `{row.integer.removeprefix('fxq.')}`"
+            if row.qat and row.integer
+            else ""
+        )
+        notes = row.reason or row.doc
+        if row.refine is not None and row.kind is not Kind.FLOAT:
+            notes = (notes + "; " if notes else "") + "depends on the call's arguments"
+        lines.append(
+            f"| `{row.name}` | {row.kind.value} | {', '.join(map(_target_label, row.targets))} "
+            f"| {classes} | {row.fusion_role or ''} | {notes} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -368,3 +368,12 @@ def test_float_rows_are_listed_with_their_reason(bayes):
 def test_unknown_row_name_suggests_close_matches():
     with pytest.raises(KeyError, match="did you mean 'conv2d'"):
         registry.row_named("conv_2d")
+
+
+def test_docs_ops_md_is_the_registry_table():
+    import pathlib
+
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "ops.md").read_text()
+    assert doc.endswith(registry.markdown_table()), (
+        "regenerate docs/ops.md's table with fxq.registry.markdown_table()"
+    )
