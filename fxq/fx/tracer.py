@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import linecache
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
@@ -211,6 +212,8 @@ def _torchvision_leaves() -> tuple[type, ...]:
 
 _FXQ_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+#: frames in these are not the user's code (the trailing separator keeps torchvision out)
+_INTERNAL_PREFIXES = (_FXQ_DIR + os.sep, _TORCH_DIR + os.sep, "<")
 
 
 class Tracer(torch.fx.Tracer):
@@ -220,6 +223,18 @@ class Tracer(torch.fx.Tracer):
         super().__init__()
         self.extra_leaf_types = extra_leaf_types + _torchvision_leaves()
         self.uses_root_methods = False
+
+    def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        """Record the user's source line of every node (``node.meta["fxq_source"]``)."""
+        node = super().create_node(*args, **kwargs)
+        frame = sys._getframe(1)
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            if not filename.startswith(_INTERNAL_PREFIXES):
+                node.meta["fxq_source"] = f"{filename}:{frame.f_lineno}"
+                break
+            frame = frame.f_back
+        return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if is_fx_wrapped(type(m)) or getattr(m, "_fxq_leaf", False):
