@@ -95,8 +95,8 @@ def yuv_input(
     """Make a converted model take centered YUV444 camera input at stub ``name``.
 
     Inserts ``centered_yuv2rgb`` (``centered_yuv2bgr`` when ``bgr``) after the
-    quantize stub with ``q_scale`` = the stub's current scale, then sets the
-    stub's scale to 1.0.
+    quantize stub with ``q_scale`` = the stub's current scale and the
+    model's march, then sets the stub's scale to 1.0.
 
     Raises:
         KeyError: no such node; TypeError: the node is not a quantize stub of a
@@ -111,6 +111,15 @@ def yuv_input(
         )
     q_scale = float(stub.scale.item())
     fn = centered_yuv2bgr if bgr else centered_yuv2rgb
-    new = insert_after(gm, node.name, fn, swing=swing, mean=mean, std=std, q_scale=q_scale)
+    new = insert_after(
+        gm,
+        node.name,
+        fn,
+        swing=swing,
+        mean=mean,
+        std=std,
+        q_scale=q_scale,
+        march=stub.march.value,
+    )
     stub.scale.fill_(1.0)
     return new

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from fxq.dtypes import qint8
-from fxq.march import get_march, spec_for
+from fxq.march import March, MarchSpec, get_march, spec_for
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 
@@ -130,6 +130,7 @@ def _yuv_to_normalized(
     std: float | Sequence[float] | Tensor,
     q_scale: float | Tensor,
     bgr: bool,
+    march: March | str | None,
 ) -> Tensor | QTensor:
     a, b = _yuv_to_rgb_matrix(swing)
     if bgr:
@@ -138,7 +139,7 @@ def _yuv_to_normalized(
     if (std_t <= 0).any():
         raise ValueError(f"std must be positive, got {std_t.tolist()}")
     q_scale = float(q_scale)
-    spec = spec_for(get_march() or "bayes")
+    spec = _spec(march)
     if isinstance(input, QTensor):
         return _integer_yuv_to_normalized(input, a, b, mean_t, std_t, q_scale, spec)
     rgb = _apply(a, b, input).clamp(0.0, 255.0)
@@ -148,6 +149,17 @@ def _yuv_to_normalized(
     normalized = (rgb - mean_t.reshape(shape).to(rgb.device)) / std_t.reshape(shape).to(rgb.device)
     q = qf.round_float(normalized / q_scale, spec.rounding).clamp(qint8.qmin, qint8.qmax)
     return (q * q_scale).to(torch.float32)
+
+
+def _spec(march: March | str | None) -> MarchSpec:
+    """The march whose rounding and multipliers apply: the argument, else the global one."""
+    march = march if march is not None else get_march()
+    if march is None:
+        raise RuntimeError(
+            "centered_yuv2rgb / centered_yuv2bgr need a march for their rounding and "
+            "multipliers: pass march=... (e.g. the converted model's march) or call fxq.set_march"
+        )
+    return spec_for(march)
 
 
 def _integer_yuv_to_normalized(
@@ -174,6 +186,7 @@ def centered_yuv2rgb(
     mean: float | Sequence[float] | Tensor = (128.0,),
     std: float | Sequence[float] | Tensor = (128.0,),
     q_scale: float | Tensor = 1 / 128,
+    march: March | str | None = None,
 ) -> Tensor | QTensor:
     """Centered YUV444 -> normalised RGB quantized with ``q_scale``.
 
@@ -189,12 +202,16 @@ def centered_yuv2rgb(
         mean, std: the training normalisation of RGB in 0..255, one or three values.
         q_scale: the scale the first quantized layer expects (the training
             quantize stub's scale).
+        march: the march whose rounding and multiplier widths apply; the
+            current one (``fxq.set_march``) when None. ``fxq.deploy.yuv_input``
+            passes the converted model's.
 
     Raises:
         ValueError: for a bad swing, mean/std length, non-positive std, or
             input without 3 channels.
+        RuntimeError: when no march is given and none is set.
     """
-    return _yuv_to_normalized(input, swing, mean, std, q_scale, bgr=False)
+    return _yuv_to_normalized(input, swing, mean, std, q_scale, bgr=False, march=march)
 
 
 def centered_yuv2bgr(
@@ -203,6 +220,7 @@ def centered_yuv2bgr(
     mean: float | Sequence[float] | Tensor = (128.0,),
     std: float | Sequence[float] | Tensor = (128.0,),
     q_scale: float | Tensor = 1 / 128,
+    march: March | str | None = None,
 ) -> Tensor | QTensor:
     """Centered YUV444 -> normalised BGR; see ``centered_yuv2rgb``."""
-    return _yuv_to_normalized(input, swing, mean, std, q_scale, bgr=True)
+    return _yuv_to_normalized(input, swing, mean, std, q_scale, bgr=True, march=march)

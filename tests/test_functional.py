@@ -50,7 +50,7 @@ def test_swing_ranges():
 
 
 @pytest.mark.parametrize("swing", ["studio", "full"])
-def test_yuv_round_trip_recovers_rgb(swing):
+def test_yuv_round_trip_recovers_rgb(bayes, swing):
     rgb = torch.randint(0, 256, (2, 3, 8, 8)).float()
     yuv = rgb2centered_yuv(rgb, swing, round=False)
     back = centered_yuv2rgb(yuv, swing, mean=0.0, std=1.0, q_scale=1.0)  # RGB itself, on a 1.0 grid
@@ -79,7 +79,7 @@ def test_integer_version_within_one_lsb_of_float(swing, bgr, mean, std, q_scale)
     assert (diff < 0.5).float().mean() > 0.99
 
 
-def test_integer_version_honours_the_input_scale():
+def test_integer_version_honours_the_input_scale(bayes):
     yuv = rgb2centered_yuv(torch.rand(2, 3, 8, 8) * 255, "full")
     at_one = centered_yuv2rgb(QTensor(yuv.to(torch.int8), torch.tensor([1.0]), fxq.qint8), "full")
     halved = QTensor(
@@ -89,7 +89,7 @@ def test_integer_version_honours_the_input_scale():
     assert ((at_one.dequantize() - at_two.dequantize()).abs() <= 2 * 2 / 128 + 1e-6).all()
 
 
-def test_bad_normalisation_arguments():
+def test_bad_normalisation_arguments(bayes):
     yuv = torch.zeros(1, 3, 2, 2)
     with pytest.raises(ValueError, match="mean must have one or three values"):
         centered_yuv2rgb(yuv, mean=(1.0, 2.0))
@@ -97,3 +97,12 @@ def test_bad_normalisation_arguments():
         centered_yuv2rgb(yuv, std=0.0)
     with pytest.raises(ValueError, match="3 channels"):
         centered_yuv2rgb(torch.zeros(1, 4, 2, 2))
+
+
+def test_colour_ops_need_a_march():
+    yuv = torch.zeros(1, 3, 2, 2)
+    with pytest.raises(RuntimeError, match="need a march"):
+        centered_yuv2rgb(yuv)
+    bayes = centered_yuv2rgb(yuv, march="bayes")
+    bernoulli2 = centered_yuv2rgb(yuv, march="bernoulli2")
+    assert bayes.shape == bernoulli2.shape == (1, 3, 2, 2)
