@@ -14,6 +14,16 @@ state                   observer            rounding
 Rounding is the march's (``fxq.march.Rounding``), the same function the
 integer kernels use, so a value fake-quantized here equals the value the
 converted model quantizes.
+
+Devices and dtypes: a fake quant's buffers (``scale``, the observer's
+statistics) follow the model's device and stay float32 under ``.half()``,
+``.to(torch.bfloat16)`` or ``.double()``. Inputs of any dtype are quantized
+with that exact float32 scale; see ``fake_quantize_ste`` for the dtype of the
+result.
+
+A scale is never below ``2**-23`` (the float32 machine epsilon): a tensor whose
+values are all smaller than that quantizes to zeros, and the fake quant warns
+once, naming itself and the range it saw.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,7 +41,12 @@ from torch import Tensor, nn
 from fxq.dtypes import QDType, as_qdtype, qint8, qint32
 from fxq.march import March, get_march_spec, spec_for
 from fxq.march.spec import Rounding, ScaleConstraint
-from fxq.observer import FixedScaleObserver, MovingAverageMinMaxObserver, ObserverBase
+from fxq.observer import (
+    FixedScaleObserver,
+    MovingAverageMinMaxObserver,
+    ObserverBase,
+    keep_dtypes,
+)
 from fxq.quantized import functional as qf
 
 __all__ = [
@@ -42,6 +58,7 @@ __all__ = [
     "bypass",
 ]
 
+#: the smallest scale fxq uses (``2**-23``): smaller statistics are clamped up to it
 _EPS = float(torch.finfo(torch.float32).eps)
 
 
@@ -90,8 +107,40 @@ def fake_quantize_ste(
     """Differentiable fake quantization (gradient passes where not clipped).
 
     ``exact=False`` rounds with the faster ``floor(v + 0.5)`` (QAT training).
+
+    Dtypes: the arithmetic never runs in a 16-bit float or an integer dtype,
+    and ``scale`` (float32) is never rounded to ``x``'s dtype:
+
+    * float32 and float64 ``x``: computed in ``x``'s dtype (the division of
+      ``fxq.quantized.functional.quantize``, which the integer model's quantize
+      step also does in its input's dtype); the result has ``x``'s dtype.
+    * float16 and bfloat16 ``x`` (``.half()`` models, ``torch.autocast``):
+      computed in float32, the result is converted back to ``x``'s dtype, so a
+      model in half precision keeps computing in it. The grid values are then
+      rounded to that dtype (float16 keeps 11 significant bits, bfloat16 8): the
+      next quantization recovers every int8 value exactly from float16, but not
+      every int16 value; VALIDATION, which re-quantizes the inputs of every
+      integer op in float32, is exact for int8 activations in float16.
+    * integer ``x`` (``uint8`` camera frames): computed in float32 and returned
+      as float32; no integer dtype holds ``q * scale``.
+
+    Args:
+        x: the tensor to fake-quantize.
+        scale: ``[1]`` or ``[C]`` float32 scale.
+        dtype: the quantized dtype (its ``qmin`` / ``qmax`` clamp).
+        rounding: the march's rounding.
+        ch_axis: the channel axis of a per-channel ``scale``.
+        exact: False for the faster training formula.
+
+    Returns:
+        ``clamp(round(x / scale), qmin, qmax) * scale`` in the dtype above.
     """
-    return _FakeQuantSTE.apply(x, scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact)
+    if x.dtype is torch.float32 or x.dtype is torch.float64:
+        return _FakeQuantSTE.apply(x, scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact)
+    out = _FakeQuantSTE.apply(
+        x.to(torch.float32), scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact
+    )
+    return out.to(x.dtype) if x.is_floating_point() else out
 
 
 class FakeQuantizeFactory:
@@ -198,6 +247,7 @@ class FakeQuantize(nn.Module):
         self.state = FakeQuantState.QAT
         self.name = ""
         self._checked_observed = False
+        self._warned_floor = False
 
     # -- configuration ---------------------------------------------------
     @classmethod
@@ -231,8 +281,11 @@ class FakeQuantize(nn.Module):
         self.activation_post_process.name = name
 
     def set_fake_quant_state(self, state: FakeQuantState | str) -> None:
+        """Switch to ``state`` (pending statistics become the scale first)."""
+        state = _as_state(state)
         self.finalize()
-        self.state = _as_state(state)
+        self.warn_if_scale_at_floor()
+        self.state = state
         self._checked_observed = False
 
     def finalize(self) -> None:
@@ -250,6 +303,65 @@ class FakeQuantize(nn.Module):
         scale = (obs.amax().to(self.scale.device) / self.dtype.qmax).clamp(min=_EPS)
         return qf.constrain_scale(scale, self.spec.scale_constraint)
 
+    def warn_if_scale_at_floor(self) -> bool:
+        """Warn (once per fake quant) when the scale sits at the ``2**-23`` floor
+        although the values seen were not all zero: they quantize to zeros, or
+        to a few levels, whatever the data meant.
+
+        Called when calibration ends, on state switches and on the first
+        VALIDATION forward (never on every training step). Returns whether
+        the scale is at the floor (False on the meta device, where nothing
+        can be checked).
+        """
+        if self.is_fixed_scale or self.is_high_precision or self.scale.device.type == "meta":
+            return False
+        if not bool(self.observed):
+            return False
+        obs = self.activation_post_process
+        if obs.min_val.numel() == 0:
+            return False
+        seen = torch.maximum(-obs.min_val, obs.max_val).to(self.scale.device)
+        if seen.shape != self.scale.shape and seen.numel() != 1:
+            return False
+        at_floor = (self.scale <= _EPS) & (seen > 0) & torch.isfinite(seen)
+        if not bool(at_floor.any()):
+            return False
+        if not self._warned_floor:
+            self._warned_floor = True
+            warnings.warn(self._floor_message(seen, at_floor), stacklevel=3)
+        return True
+
+    def _floor_message(self, seen: Tensor, at_floor: Tensor) -> str:
+        obs = self.activation_post_process
+        where = self.name or "(unnamed)"
+        qmax = self.dtype.qmax
+        largest = float(seen[at_floor].max())
+        levels = min(round(largest / _EPS), qmax)
+        if at_floor.numel() > 1:
+            what = f"{int(at_floor.sum())} of its {at_floor.numel()} channels saw values of magnitude at most {largest:.3g}"
+        else:
+            what = (
+                f"it saw values in [{float(obs.min_val.min()):.3g}, {float(obs.max_val.max()):.3g}]"
+            )
+        if largest / qmax < _EPS:
+            why = (
+                f"the scale they ask for ({largest / qmax:.3g}) is below fxq's smallest scale "
+                f"2**-23 ({_EPS:.3g})"
+            )
+        else:
+            why = f"its observer chose a clipping range smaller than {_EPS * qmax:.3g}"
+        result = (
+            "every value quantizes to 0"
+            if levels == 0
+            else f"values quantize to at most {levels} of the {qmax} levels"
+        )
+        return (
+            f"fxq: fake quant {where}: {what}; {why}, so the scale is clamped there and "
+            f"{result}. This usually means vanishing activations (e.g. a randomly initialised "
+            "model, or a layer whose inputs are nearly zero). Calibrate with trained weights "
+            "and representative data, or keep this layer in float with a qconfig of None."
+        )
+
     @torch.no_grad()
     def update_scale(self) -> None:
         """Recompute ``scale`` from the observer's statistics."""
@@ -264,22 +376,31 @@ class FakeQuantize(nn.Module):
     ):
         saved = state_dict.get(prefix + "scale")
         if saved is not None and saved.shape != self.scale.shape:
-            self.scale = torch.empty_like(saved, device=self.scale.device)
+            self.scale = torch.empty(saved.shape, dtype=self.scale.dtype, device=self.scale.device)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing, unexpected, errors
         )
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
+        # the scale and statistics follow the model's device but stay float32
+        return super()._apply(keep_dtypes(fn), recurse)
 
     # -- forward -----------------------------------------------------------
     #: set by ``bypass``: neither observe nor round (the float model)
     bypassed = False
 
     def forward(self, x: Tensor) -> Tensor:
+        """Observe and / or round ``x`` as the state says (dtypes: see ``fake_quantize_ste``)."""
         if self.is_high_precision or self.bypassed:
             return x
+        if not x.is_floating_point():
+            x = x.to(torch.float32)  # integer data (uint8 frames): quantized with the float scale
         state = self.state
         if state is FakeQuantState.VALIDATION:
             self._require_observed()
             return fake_quantize_ste(x, self.scale, self.dtype, self.rounding, self.ch_axis)
+        if x.numel() == 0:  # an empty tensor carries no statistics (as in torch.ao)
+            return x
         self.activation_post_process(x)
         if state is FakeQuantState.CALIBRATION and self.activation_post_process.deferred:
             self._stale = True  # the search runs once, when calibration ends
@@ -303,6 +424,7 @@ class FakeQuantize(nn.Module):
                 "before VALIDATION"
             )
         self._checked_observed = True
+        self.warn_if_scale_at_floor()
 
     def extra_repr(self) -> str:
         parts = [
@@ -312,7 +434,7 @@ class FakeQuantize(nn.Module):
         ]
         if self.ch_axis is not None:
             parts.append(f"ch_axis={self.ch_axis}")
-        if self.scale.numel() == 1:
+        if self.scale.numel() == 1 and self.scale.device.type != "meta":
             parts.append(f"scale={self.scale.item():.6g}")
         return ", ".join(parts)
 
@@ -347,24 +469,44 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
     return model
 
 
+_UNSET = object()
+
+
+def _restore_attribute(module: nn.Module, name: str, saved: object) -> None:
+    if saved is _UNSET:
+        module.__dict__.pop(name, None)  # back to the class default
+    else:
+        module.__dict__[name] = saved
+
+
 @contextlib.contextmanager
 def bypass(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block the model computes in float: fake quants neither observe
-    nor round, and QAT modules use their float path (statistics are untouched)."""
-    from fxq.qat.base import QATModule
+    nor round, and QAT modules use their float path (statistics are untouched).
 
-    fqs = [m for m in model.modules() if isinstance(m, FakeQuantize)]
-    qats = [(m, m.state) for m in model.modules() if isinstance(m, QATModule)]
-    for m in fqs:
-        m.bypassed = True
-    for m, _ in qats:
-        m.simulate_integer = False
-        m.state = FakeQuantState.CALIBRATION  # no bias rounding either
+    Re-entrant: blocks may nest (on the same model or on parts of it), and each
+    exit restores what its entry found. QAT modules are recognised by their
+    ``simulate_integer`` attribute (``fxq.qat.QATModule``), so this module
+    does not depend on ``fxq.qat``.
+    """
+    fake_quants = [m for m in model.modules() if isinstance(m, FakeQuantize)]
+    qat_modules = [
+        m
+        for m in model.modules()
+        if not isinstance(m, FakeQuantize) and hasattr(m, "simulate_integer")
+    ]
+    saved_fq = [(m, m.__dict__.get("bypassed", _UNSET)) for m in fake_quants]
+    saved_qat = [(m, m.__dict__.get("simulate_integer", _UNSET), m.state) for m in qat_modules]
     try:
+        for m in fake_quants:
+            m.bypassed = True
+        for m in qat_modules:
+            m.simulate_integer = False
+            m.state = FakeQuantState.CALIBRATION  # no bias rounding either
         yield model
     finally:
-        for m in fqs:
-            m.__dict__.pop("bypassed", None)
-        for m, state in qats:
-            m.__dict__.pop("simulate_integer", None)
+        for m, bypassed in saved_fq:
+            _restore_attribute(m, "bypassed", bypassed)
+        for m, simulate, state in saved_qat:
+            _restore_attribute(m, "simulate_integer", simulate)
             m.state = state

@@ -9,10 +9,25 @@ Observers raise ``ValueError`` naming the layer when they see NaN or Inf: a
 non-finite activation would silently poison the scale, and it is almost
 always a training bug worth stopping for.
 
-Per-channel observers reduce over every axis but ``ch_axis``.
+Per-channel observers reduce over every axis but ``ch_axis``. An empty
+tensor carries no statistics and is skipped (as in ``torch.ao``).
+
+Statistics stay float32 whatever the model's dtype: ``.half()`` or
+``.double()`` move an observer's buffers to the model's device but keep
+their dtypes (a scale rounded to half precision would no longer be the scale
+the integer model uses).
+
+Observers are selected by name (``get_default_qconfig(activation_observer=...)``)
+through a registry: the ones here are built in, and other modules add theirs
+with ``register_observer`` (``fxq.calibration.observers`` registers
+``percentile``, ``mse``, ``kl`` and ``mix`` when it is imported, which
+``import fxq.calibration`` does). This module imports nothing from
+``fxq.calibration``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +42,27 @@ __all__ = [
     "OBSERVERS",
     "get_observer_class",
     "observer_registry",
+    "register_observer",
+    "keep_dtypes",
 ]
+
+
+def keep_dtypes(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """Wrap an ``nn.Module._apply`` function so that it moves tensors but keeps their dtypes.
+
+    ``.to(device)`` and ``.cuda()`` still move the tensor; ``.half()``,
+    ``.double()`` or ``.to(torch.bfloat16)`` leave it as it was (on the device
+    ``fn`` chose). Fake quants and observers use it for their buffers:
+    scales and statistics are float32 in every model dtype.
+    """
+
+    def apply(t: Tensor) -> Tensor:
+        out = fn(t)
+        if out.dtype != t.dtype:
+            out = t.to(device=out.device)
+        return out
+
+    return apply
 
 
 class ObserverBase(nn.Module):
@@ -60,10 +95,9 @@ class ObserverBase(nn.Module):
 
     # -- statistics -------------------------------------------------------
     def _batch_minmax(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-tensor ``[1]`` or per-channel ``[C]`` float32 min and max of a non-empty ``x``."""
         x = x.detach()
         if self.ch_axis is None:
-            if x.numel() == 0:
-                return self.min_val, self.max_val
             mn, mx = torch.aminmax(x)
             return mn.reshape(1).float(), mx.reshape(1).float()
         axis = self.ch_axis % x.dim()
@@ -72,6 +106,8 @@ class ObserverBase(nn.Module):
         return mn.float(), mx.float()
 
     def _check_finite(self, mn: Tensor, mx: Tensor) -> None:
+        if mn.is_meta:  # shapes only: nothing to check
+            return
         if not bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):
             where = self.name or type(self).__name__
             raise ValueError(
@@ -89,7 +125,9 @@ class ObserverBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
-        """Record statistics of ``x`` and return it unchanged."""
+        """Record statistics of ``x`` and return it unchanged (an empty ``x`` records nothing)."""
+        if x.numel() == 0:
+            return x
         mn, mx = self._batch_minmax(x)
         self._check_finite(mn, mx)
         self._resize_to(mn)
@@ -103,6 +141,10 @@ class ObserverBase(nn.Module):
     def has_statistics(self) -> bool:
         return bool(self.min_val.numel()) and bool(torch.isfinite(self.min_val).all())
 
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
+        # buffers follow the model's device but keep their dtypes (see ``keep_dtypes``)
+        return super()._apply(keep_dtypes(fn), recurse)
+
     def reset(self) -> None:
         """Forget every statistic."""
         self.min_val.fill_(float("inf"))
@@ -114,15 +156,20 @@ class ObserverBase(nn.Module):
         # per-channel buffers may be sized lazily: adopt the saved shapes
         for key in ("min_val", "max_val"):
             saved = state_dict.get(prefix + key)
-            if saved is not None and getattr(self, key).shape != saved.shape:
-                setattr(self, key, torch.empty_like(saved, device=getattr(self, key).device))
+            current = getattr(self, key)
+            if saved is not None and current.shape != saved.shape:
+                setattr(
+                    self,
+                    key,
+                    torch.empty(saved.shape, dtype=current.dtype, device=current.device),
+                )
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing, unexpected, errors
         )
 
     def extra_repr(self) -> str:
         axis = "" if self.ch_axis is None else f"ch_axis={self.ch_axis}, "
-        if self.min_val.numel() == 1:
+        if self.min_val.numel() == 1 and self.min_val.device.type != "meta":
             return f"{axis}min={self.min_val.item():.6g}, max={self.max_val.item():.6g}"
         return f"{axis}channels={self.min_val.numel()}"
 
@@ -221,13 +268,48 @@ OBSERVERS: dict[str, tuple[type[ObserverBase], type[ObserverBase]]] = {
     "fixed_scale": (FixedScaleObserver, FixedScaleObserver),
 }
 
+_ObserverPair = tuple[type[ObserverBase] | None, type[ObserverBase] | None]
+_REGISTRY: dict[str, _ObserverPair] = dict(OBSERVERS)
 
-def observer_registry() -> dict[str, tuple[type[ObserverBase] | None, type[ObserverBase] | None]]:
-    """Every observer by name: the ones here and the calibration observers
-    (percentile, mse, kl, mix) of ``fxq.calibration.observers``."""
-    from fxq.calibration.observers import CALIBRATION_OBSERVERS
+#: names registered by ``fxq.calibration.observers`` (for the hint in error messages)
+_CALIBRATION_NAMES = ("percentile", "mse", "kl", "mix")
 
-    return {**OBSERVERS, **CALIBRATION_OBSERVERS}
+
+def register_observer(
+    name: str,
+    per_tensor: type[ObserverBase] | None = None,
+    per_channel: type[ObserverBase] | None = None,
+) -> None:
+    """Make observer classes selectable by ``name`` (``get_default_qconfig(activation_observer=name)``).
+
+    Args:
+        name: the name users pass.
+        per_tensor: the class for activations (per tensor), or None if there is none.
+        per_channel: the class for weights (per output channel), or None if there is none.
+
+    Raises:
+        ValueError: when both classes are None, or ``name`` is already taken by
+            other classes.
+    """
+    if per_tensor is None and per_channel is None:
+        raise ValueError(f"register_observer({name!r}): give a per-tensor or a per-channel class")
+    pair = (per_tensor, per_channel)
+    existing = _REGISTRY.get(name)
+    if existing is not None and existing != pair:
+        raise ValueError(
+            f"observer name {name!r} is already registered for "
+            f"{[c.__name__ if c else None for c in existing]}; choose another name"
+        )
+    _REGISTRY[name] = pair
+
+
+def observer_registry() -> dict[str, _ObserverPair]:
+    """Every observer by name: ``(per-tensor class, per-channel class)``, either may be None.
+
+    The built-in ones (``OBSERVERS``) and those added with ``register_observer``
+    (``import fxq.calibration`` adds percentile, mse, kl and mix).
+    """
+    return dict(_REGISTRY)
 
 
 def get_observer_class(name: str, per_channel: bool) -> type[ObserverBase]:
@@ -237,12 +319,15 @@ def get_observer_class(name: str, per_channel: bool) -> type[ObserverBase]:
         ValueError: for an unknown name, or a name without the requested
             version, listing the known ones.
     """
-    registry = observer_registry()
+    registry = _REGISTRY
     try:
         pair = registry[name]
     except KeyError:
+        hint = ""
+        if name in _CALIBRATION_NAMES:
+            hint = f"; {name!r} is a calibration observer: `import fxq.calibration` registers it"
         raise ValueError(
-            f"unknown observer {name!r}; known observers: {', '.join(sorted(registry))}"
+            f"unknown observer {name!r}; known observers: {', '.join(sorted(registry))}{hint}"
         ) from None
     cls = pair[1] if per_channel else pair[0]
     if cls is None:

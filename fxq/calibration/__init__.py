@@ -1,17 +1,46 @@
 """Post-training calibration.
 
 * observers by name: ``get_default_qconfig(activation_observer="percentile" |
-  "mse" | "kl" | "mix")`` and ``weight_observer="mse"`` (``fxq.calibration.observers``);
+  "mse" | "kl" | "mix")`` and ``weight_observer="mse"`` (``fxq.calibration.observers``,
+  registered with ``fxq.observer.register_observer`` when this package is imported);
 * ``calibrate(model, data)``: run calibration batches (progress bar, ``num_batches``,
   tuple / dict batches);
 * ``auto_calibrate(model, data)``: per layer, the observer that minimises the
   model's final output error;
 * ``weight_reconstruction(model, data)``: learned weight rounding (AdaRound-style)
   and bias correction.
+
+Only the observers are imported with the package; the runners (which use the
+QAT modules and the FX passes) are imported on first use (PEP 562), so that
+``import fxq.calibration.observers`` stays in the observers' layer.
 """
 
-from fxq.calibration.auto import auto_calibrate
-from fxq.calibration.reconstruction import weight_reconstruction
-from fxq.calibration.runner import batch_arguments, calibrate
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from fxq.calibration import observers as observers  # registers percentile / mse / kl / mix
 
 __all__ = ["calibrate", "auto_calibrate", "weight_reconstruction", "batch_arguments"]
+
+# public name -> the submodule that defines it
+_LAZY = {
+    "calibrate": "fxq.calibration.runner",
+    "batch_arguments": "fxq.calibration.runner",
+    "auto_calibrate": "fxq.calibration.auto",
+    "weight_reconstruction": "fxq.calibration.reconstruction",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fxq.calibration' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -21,6 +21,11 @@ scale is ``c / qmax``):
 
 The search runs once when calibration ends (``FakeQuantize.finalize``), not
 after every batch.
+
+Importing this module registers the names ``percentile``, ``mse``, ``kl`` and
+``mix`` with ``fxq.observer.register_observer`` (so that
+``get_default_qconfig(activation_observer="mse")`` finds them);
+``import fxq.calibration`` imports it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxq.observer import ObserverBase
+from fxq.observer import ObserverBase, register_observer
 
 __all__ = [
     "HistogramObserver",
@@ -335,6 +340,8 @@ class PerChannelMSEObserver(ObserverBase):
         self._latest: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.numel() == 0:  # no statistics in an empty tensor
+            return x
         mn, mx = self._batch_minmax(x)
         self._check_finite(mn, mx)
         self._resize_to(mn)
@@ -362,10 +369,13 @@ class PerChannelMSEObserver(ObserverBase):
         return best.to(torch.float32)
 
 
-# name: (per-tensor class, per-channel class); merged into fxq.observer's registry
-CALIBRATION_OBSERVERS = {
+# name: (per-tensor class, per-channel class), registered in fxq.observer's registry
+CALIBRATION_OBSERVERS: dict[str, tuple[type[ObserverBase] | None, type[ObserverBase] | None]] = {
     "percentile": (PercentileObserver, None),
     "mse": (MSEObserver, PerChannelMSEObserver),
     "kl": (KLObserver, None),
     "mix": (MixObserver, None),
 }
+
+for _name, (_per_tensor, _per_channel) in CALIBRATION_OBSERVERS.items():
+    register_observer(_name, _per_tensor, _per_channel)

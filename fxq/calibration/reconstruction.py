@@ -104,7 +104,7 @@ class _Stop(Exception):
 def _pre_activation(
     layer: WeightedQAT, inputs: tuple[Tensor, ...], weight_out_major: Tensor, bias: Tensor | None
 ) -> Tensor:
-    y = layer._apply(inputs[0], layer.weight_from_out_major(weight_out_major), bias)
+    y = layer.float_op_forward(inputs[0], layer.weight_from_out_major(weight_out_major), bias)
     if layer.add:
         y = y + inputs[1]
     return y

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
+from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
 
 __all__ = ["calibrate", "batch_arguments", "progress", "run_batches", "call_order"]
 
@@ -92,7 +92,17 @@ def run_batches(
     label: str = "running",
     show_progress: bool | None = None,
 ) -> list[Any]:
-    """Run ``model`` on up to ``num_batches`` batches without gradients; return the outputs."""
+    """Run ``model`` on up to ``num_batches`` batches without gradients; return the outputs.
+
+    Raises:
+        ValueError: when ``num_batches`` is not a positive integer.
+    """
+    if num_batches is not None and (
+        isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1
+    ):
+        raise ValueError(
+            f"num_batches must be a positive integer or None (every batch), got {num_batches!r}"
+        )
     total = num_batches
     if total is None:
         try:
@@ -125,7 +135,14 @@ def calibrate(
 
     Puts the model in eval mode and CALIBRATION state, runs the batches
     without gradients, and computes every scale (searching observers such as
-    ``mse`` or ``kl`` search once, at the end).
+    ``mse`` or ``kl`` search once, at the end). Empty tensors in a batch carry
+    no statistics and are skipped by the observers. Warns for every fake
+    quant whose scale ends at the ``2**-23`` floor (data that would quantize
+    to zeros).
+
+    When it fails (no batch, or a batch the model cannot run), the model is
+    left in the training mode and fake-quant states it had before the call;
+    statistics of the batches that did run are kept.
 
     Args:
         model: the model from ``prepare_qat_fx``.
@@ -139,17 +156,50 @@ def calibrate(
         ``model``, calibrated (still in CALIBRATION state).
 
     Raises:
-        ValueError: when no batch was run.
+        ValueError: when ``model`` has no fake quant, ``num_batches`` is not a
+            positive integer, or ``data`` yielded no batch.
     """
-    set_fake_quantize(model, FakeQuantState.CALIBRATION)
-    model.eval()
-    outputs = run_batches(model, data, num_batches, input_fn, "calibrating", show_progress)
-    if not outputs:
-        raise ValueError("calibrate: the data yielded no batch")
-    for m in model.modules():
-        if isinstance(m, FakeQuantize):
-            m.finalize()
+    saved = _ModelModes(model)
+    try:
+        set_fake_quantize(model, FakeQuantState.CALIBRATION)
+        model.eval()
+        outputs = run_batches(model, data, num_batches, input_fn, "calibrating", show_progress)
+        if not outputs:
+            raise ValueError(
+                f"calibrate: `data` ({type(data).__name__}) yielded no batch, so nothing was "
+                "observed. Pass a non-empty iterable of batches (a DataLoader, or a list of "
+                "tensors); an iterator or generator can only be consumed once. The model was left "
+                "in the mode and fake-quant state it had."
+            )
+    except BaseException:
+        saved.restore()
+        raise
+    fake_quants = [m for m in model.modules() if isinstance(m, FakeQuantize)]
+    for m in fake_quants:
+        m.finalize()
+    for m in fake_quants:
+        m.warn_if_scale_at_floor()
     return model
+
+
+class _ModelModes:
+    """The training flag of every submodule and the fake-quant state of every
+    fxq module, to put back after a failed call."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.training = [(m, m.training) for m in model.modules()]
+        self.states = [
+            (m, m.state)
+            for m in model.modules()
+            if hasattr(m, "set_fake_quant_state")
+            and isinstance(getattr(m, "state", None), FakeQuantState)
+        ]
+
+    def restore(self) -> None:
+        for m, training in self.training:
+            m.training = training
+        for m, state in self.states:
+            m.set_fake_quant_state(state)
 
 
 def call_order(
@@ -160,8 +210,6 @@ def call_order(
 ) -> list[nn.Module]:
     """``modules`` in the order one float forward pass on ``batch`` first calls them
     (modules it never calls are left out)."""
-    from fxq.fake_quantize import bypass
-
     order: list[nn.Module] = []
     seen: set[int] = set()
 

@@ -10,15 +10,24 @@ VALIDATION state, the integer simulation.
 A module reached only from opaque code (inside an ``@fx_wrap()`` method)
 has no graph producer to link; prepare puts it in *standalone* mode, where it
 quantizes its own tensor inputs with ``input_quant`` fake quants.
+
+Devices and dtypes: QAT modules are ordinary modules (``.to(device)``,
+``.half()``, ``.double()``, DDP, ``torch.autocast``); their fake quants keep
+float32 scales. In VALIDATION the integer twin follows the module's device
+(it is rebuilt after a move), runs with autocast off, and its inputs are
+quantized in float32 (float64 for float64 inputs), so a VALIDATION output is
+the converted model's whatever the model's float dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxq.dtypes import qint32
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, _as_state, fake_quantize_ste
@@ -120,7 +129,11 @@ class QATModule(nn.Module):
         return tuple((id(t), t._version) for t in tensors)
 
     def integer_twin(self) -> nn.Module:
-        """The fxq.quantized module this one converts to (cached while nothing changes)."""
+        """The fxq.quantized module this one converts to, on this module's device.
+
+        Cached while nothing changes: a new parameter or buffer value, a new
+        input scale, or a move to another device or dtype builds it again.
+        """
         from fxq.quantized.mapping import to_quantized
 
         key = self._twin_key()
@@ -132,10 +145,16 @@ class QATModule(nn.Module):
             self.__dict__["_twin"] = cached
         return cached[1]
 
-    def _device(self):
+    def _device(self) -> torch.device | None:
         for t in self.buffers():
             return t.device
+        for t in self.parameters():
+            return t.device
         return None
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
+        self.__dict__.pop("_twin", None)  # built for the old device / dtype
+        return super()._apply(fn, recurse)
 
     def validation_forward(self, *args: Any, **kwargs: Any) -> Tensor:
         """Run the integer twin on the (exactly recovered) integer inputs; return float."""
@@ -143,6 +162,7 @@ class QATModule(nn.Module):
         from fxq.quantized.base import quantize_tensors
 
         twin = self.integer_twin()
+        args, kwargs = _exact_float_inputs((args, kwargs), self.standalone)
         if not self.standalone:
             quants = [q for q in self._input_quants if q is not None]
             args, kwargs = quantize_tensors(
@@ -151,7 +171,7 @@ class QATModule(nn.Module):
                 [q.dtype for q in quants],
                 self.spec.rounding,
             )
-        with torch.no_grad():
+        with torch.no_grad(), _autocast_off(self._device()):
             out = twin(*args, **kwargs)
         return out.dequantize() if isinstance(out, QTensor) else out
 
@@ -178,6 +198,37 @@ class QATModule(nn.Module):
         return ", ".join(parts)
 
 
+def _exact_float_inputs(values: Any, integers_too: bool) -> Any:
+    """float16 / bfloat16 tensors as float32 (their values are quantized in float32, not
+    with a scale rounded to 16 bits); integer tensors too when ``integers_too`` (a
+    standalone module's inputs, which its input fake quants quantize in QAT)."""
+    leaves, spec = tree_flatten(values)
+    changed = False
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, Tensor):
+            continue
+        if leaf.dtype in (torch.float16, torch.bfloat16) or (
+            integers_too and not leaf.is_floating_point() and leaf.dtype is not torch.bool
+        ):
+            leaves[i] = leaf.to(torch.float32)
+            changed = True
+    return tree_unflatten(leaves, spec) if changed else values
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except (TypeError, RuntimeError):  # torch < 2.4 takes no argument; unknown device types
+        return device_type == "cuda" and torch.is_autocast_enabled()
+
+
+def _autocast_off(device: torch.device | None) -> contextlib.AbstractContextManager:
+    """A context with autocast off on ``device`` (integer kernels must not run in 16-bit floats)."""
+    if device is None or not _autocast_enabled(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def quantize_bias(
     bias: Tensor,
     input_scale: Tensor | None,
@@ -188,11 +239,14 @@ def quantize_bias(
     """Fake-quantize a bias to int32 at ``input_scale * weight_scale`` (per channel).
 
     Skipped (bias returned as is) in CALIBRATION state and when the input
-    scale is unknown.
+    scale is unknown. The bias scale is computed in float32 (float64 for a
+    float64 bias), never in a 16-bit float; the result has the bias's dtype.
     """
     if state is FakeQuantState.CALIBRATION or input_scale is None:
         return bias
-    scale = (input_scale.reshape(()) * weight_scale).to(bias.dtype)
+    scale = input_scale.reshape(()) * weight_scale
+    if bias.dtype is torch.float64:
+        scale = scale.to(torch.float64)
     return fake_quantize_ste(bias, scale, qint32, spec_for(march).rounding, 0)
 
 

@@ -53,7 +53,7 @@ class WeightedQAT(QATModule):
     """Shared implementation of fxq.qat conv / transposed conv / linear.
 
     Subclasses set ``_FLOAT`` (the float classes they replace) and implement
-    ``_apply`` (the float op), ``_out_axis`` and the out-major weight view.
+    ``float_op_forward`` (the float op), ``_out_axis`` and the out-major weight view.
 
     Args:
         float_op: the float conv / linear module (its parameters are taken over).
@@ -126,7 +126,9 @@ class WeightedQAT(QATModule):
     def out_channels(self) -> int:  # pragma: no cover
         raise NotImplementedError
 
-    def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # pragma: no cover
+    def float_op_forward(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None
+    ) -> Tensor:  # pragma: no cover
         raise NotImplementedError
 
     def weight_to_out_major(self, w: Tensor) -> Tensor:
@@ -200,7 +202,7 @@ class WeightedQAT(QATModule):
             # BatchNorm's affine parameters get their gradient through the BatchNorm alone.
             factor = self.bn_factor().detach()
             w_q = self.weight_from_out_major(self.weight_fake_quant(self._fold_weight(factor)))
-            y = self._apply(x, w_q, None)
+            y = self.float_op_forward(x, w_q, None)
             shape = self._channel_shape(y.dim())
             y = y * (1.0 / factor).reshape(shape)
             if self.bias is not None:
@@ -213,7 +215,7 @@ class WeightedQAT(QATModule):
                 b = quantize_bias(
                     b, self.input_scale(0), self.weight_fake_quant.scale, self.state, self.march
                 )
-            y = self._apply(x, w_q, b)
+            y = self.float_op_forward(x, w_q, b)
         if self.add:
             y = y + residual
         if self.activation is not None:
@@ -305,7 +307,7 @@ _CONVT_FN = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d
 
 
 class _Conv(_ConvBase):
-    def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def float_op_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         fn = _CONV_FN[self._DIM]
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
@@ -317,7 +319,7 @@ class _ConvTranspose(_ConvBase):
     _TRANSPOSED = True
     _PATTERN_ANCHOR = "convtranspose"
 
-    def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def float_op_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         fn = _CONVT_FN[self._DIM]
         return fn(
             x,
@@ -409,7 +411,7 @@ class Linear(WeightedQAT):
             op.bias = self.bias
         return op
 
-    def _apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def float_op_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         return F.linear(x, weight, bias)
 
     def _channel_shape(self, ndim: int) -> list[int]:
