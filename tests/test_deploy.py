@@ -1,7 +1,9 @@
 """Graph surgery for deployment: the seed workflow verbatim, and the helpers."""
 
 import contextlib
+import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -71,6 +73,41 @@ def test_seed_workflow_verbatim():
     assert [r[1] for r in rows] == ["x", "quant", "centered_yuv2rgb", "conv", "dequant", "output"]
     assert "<function centered_yuv2rgb" in table
     assert traced.quant.scale.item() == 1.0
+
+    # ---- run the edited model on camera frames ----------------------------------------------
+    # centered_yuv2rgb hands the conv int8 RGB at its default q_scale, 1/128, while the conv was
+    # converted for the calibrated stub scale (about 1/127): the conv derives its multipliers,
+    # shifts and int32 bias for 1/128 and warns once.
+    calibrated = qat_net.quant.activation_post_process.scale.item()
+    assert calibrated != 1 / 128
+    frames = rgb2centered_yuv(torch.randint(0, 256, (2, 3, 28, 28)), "full")  # camera integers
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            got = traced(frames)
+            again = traced(frames)
+    rescaled = [str(w.message) for w in caught if "was converted for input" in str(w.message)]
+    assert rescaled == [
+        f"fxq: Conv2d 'conv' was converted for input 0 scale {calibrated:.8g} but receives scale "
+        "0.0078125; it computes what a model converted for input scale 0.0078125 computes "
+        "(multipliers, shifts and int32 bias derived again, cached per scale). If that is not "
+        "intended, the op before it must output the scale it was converted for"
+    ]
+    assert torch.equal(got, again)
+
+    # the same QAT model converted with its stub fixed at 1/128, fed the same RGB integers (as
+    # floats on the 1/128 grid, which its stub quantizes back exactly), computes the same numbers
+    at_1_128 = copy.deepcopy(qat_net)
+    at_1_128.quant.activation_post_process.scale.fill_(1 / 128)
+    reference = convert_fx(at_1_128)
+    assert reference.conv.input_scale.item() == 1 / 128
+    camera = QTensor(frames.to(torch.int8), torch.tensor([1.0]), fxq.qint8)
+    rgb = centered_yuv2rgb(camera, swing="full")
+    assert rgb.q_scale() == 1 / 128
+    with torch.no_grad():
+        expected = reference(rgb.dequantize())
+    assert torch.equal(got, expected)
+    assert expected.abs().sum() > 0 and (expected > 0).float().mean() > 0.2  # not all clipped
 
 
 class _YuvNet(torch.nn.Module):
