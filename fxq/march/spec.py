@@ -90,7 +90,7 @@ class MarchSpec:
         fusions: names from ``FUSIONS`` that this march can run as one op.
         int16_lut: non-linear ops on int16 inputs use segmented lookup tables.
         high_precision_output: a final conv / linear may emit its int32
-            accumulator (``default_qat_out_8bit_fake_quant_qconfig``).
+            accumulator (``default_qat_8bit_weight_32bit_out_fake_quant_qconfig``).
     """
 
     march: March
