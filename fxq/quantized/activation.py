@@ -63,7 +63,7 @@ class Clamp(FunctionalQuantized):
     ) -> tuple[Tensor, Tensor, int | None, int | None]:
         """Multiplier, shift and integer bounds for input scale ``s_x``."""
         s_y = self.output_scale.to(torch.float64)
-        m, s = multiplier_for(self, qf.scale_ratio(s_x, s_y), [s_x], s_y)
+        m, s = multiplier_for(self, qf.scale_ratio(s_x, s_y), {"input": s_x, "output": s_y})
 
         def bound(v: float | None) -> int | None:
             if v is None:

@@ -17,7 +17,7 @@ so a converted model computes the same integers whatever dtype it was
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -64,10 +64,10 @@ class QuantizedModule(nn.Module):
 
     _fxq_leaf = True
 
-    def __init__(self, march: March) -> None:
+    def __init__(self, march: March, name: str = "") -> None:
         super().__init__()
         self.march = march
-        self.name = ""
+        self.name = name
 
     @property
     def spec(self):
@@ -191,8 +191,7 @@ def warn_rescaled(
 def multiplier_for(
     module: QuantizedModule,
     real: Tensor,
-    inputs: Sequence[Tensor | float],
-    output: Tensor | float | None,
+    scales: dict[str, Tensor | float],
     left_shift: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``qf.quantize_multiplier(real, module.spec)`` with errors that name the layer.
@@ -200,7 +199,8 @@ def multiplier_for(
     Args:
         module: the layer (named in errors).
         real: the float64 factors.
-        inputs, output: the scales the factors come from (quoted in errors).
+        scales: the scales the factors come from, by role (``{"input": s_x,
+            "weight": s_w, "output": s_y}``), quoted in errors.
         left_shift: as in ``quantize_multiplier``.
 
     Raises:
@@ -209,22 +209,20 @@ def multiplier_for(
     try:
         return qf.quantize_multiplier(real, module.spec, left_shift)
     except qf.MultiplierRangeError as e:
-        scales = ", ".join(_scale_text(s) for s in inputs)
-        out = f", output scale {_scale_text(output)}" if output is not None else ""
+        quoted = ", ".join(f"{role} scale {_scale_text(s)}" for role, s in scales.items())
         raise qf.MultiplierRangeError(
-            f"{_describe(module)}: {e} (input scale(s) {scales}{out}). Its output scale is far "
-            "too small for its inputs, or a scale is not finite: calibrate this layer with data "
-            "that reaches its real output range (or fix the scale of its output), check the "
-            "model for NaN/Inf, or keep the layer in float with a qconfig of None"
+            f"{_describe(module)}: {e} ({quoted}). Calibrate this layer with data that reaches "
+            "its real output range (or fix the scale of its output), check the model for NaN/Inf "
+            "scales, or keep the layer in float with a qconfig of None"
         ) from None
 
 
 def _scale_text(s: Tensor | float) -> str:
     if isinstance(s, Tensor):
         values = s.detach().reshape(-1).tolist()
-        if len(values) > 4:
-            return f"[{min(values):.6g} .. {max(values):.6g}] ({len(values)} channels)"
-        return ", ".join(f"{v:.6g}" for v in values)
+        if len(values) > 1:
+            return f"{min(values):.6g} .. {max(values):.6g} ({len(values)} channels)"
+        return f"{values[0]:.6g}"
     return f"{float(s):.6g}"
 
 
@@ -302,8 +300,9 @@ def warn_if_saturated(
     Args:
         module: the layer (named in the warning).
         acc: the exact accumulator (float or integer tensor of integers).
-        cause: what the accumulator sums, with operand dtypes and worst-case
-            magnitudes (a callable is only called when the warning is issued).
+        cause: what the accumulator sums (operand dtypes and worst-case
+            magnitudes) and what to do about it; a callable is only called when
+            the warning is issued.
     """
     if module.__dict__.get("_warned_saturation"):
         return
@@ -313,9 +312,12 @@ def warn_if_saturated(
         text = cause() if callable(cause) else cause
         warnings.warn(
             f"fxq: the int32 accumulator of {_describe(module)} saturated on {hits} of "
-            f"{acc.numel()} elements; {text or 'its operands are too large for 32 bits'}. The "
-            "layer's results are clipped: use narrower operands (int8) or smaller values, or keep "
-            "the layer in float with a qconfig of None.",
+            f"{acc.numel()} elements, so its results are clipped; "
+            + (
+                text
+                or "its operands are too large for 32 bits. Use narrower operands or smaller "
+                "values, or keep the layer in float with a qconfig of None"
+            ),
             RuntimeWarning,
             stacklevel=3,
         )

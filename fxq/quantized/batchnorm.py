@@ -36,7 +36,7 @@ class BatchNorm(QuantizedModule):
     """
 
     def __init__(self, qat: nn.Module) -> None:
-        super().__init__(qat.march)
+        super().__init__(qat.march, getattr(qat, "name", ""))
         s_x = qat.input_scale(0)
         if s_x is None:
             raise ValueError(
@@ -98,7 +98,9 @@ class BatchNorm(QuantizedModule):
         acc_scale = s_x.double() * self.weight_scale.double()
         bias = qf.quantize(self.float_bias, acc_scale, qint32, self.rounding, ch_axis=0)
         real = acc_scale / self.output_scale.double()
-        m, s = multiplier_for(self, real, [s_x, self.weight_scale], self.output_scale)
+        m, s = multiplier_for(
+            self, real, {"input": s_x, "weight": self.weight_scale, "output": self.output_scale}
+        )
         return bias, m, s
 
     def forward(self, x: QTensor) -> QTensor:

@@ -32,6 +32,10 @@ def _operands(args: tuple, kwargs: dict) -> tuple[Any, Any, float]:
     return a, b, float(alpha)
 
 
+def _roles(scales: list[Tensor]) -> dict[str, Tensor]:
+    return {f"input {i}": s for i, s in enumerate(scales)}
+
+
 class Add(FunctionalQuantized):
     """Integer ``input + alpha * other``."""
 
@@ -68,7 +72,7 @@ class Add(FunctionalQuantized):
             ms, n = qf.common_multipliers(ratios, self.spec)
         except qf.MultiplierRangeError:  # the error names the layer and the scales
             largest = torch.stack([r.abs().max() for r in ratios]).max().reshape(1)
-            multiplier_for(self, largest, scales, s_y)
+            multiplier_for(self, largest, {**_roles(scales), "output": s_y})
             raise
         constant = None
         if scalars:
@@ -112,7 +116,7 @@ class Mul(FunctionalQuantized):
         real = scales[0].to(torch.float64)
         for s in scales[1:]:
             real = real * s.to(torch.float64)
-        return multiplier_for(self, real * factor / s_y, scales, s_y)
+        return multiplier_for(self, real * factor / s_y, {**_roles(scales), "output": s_y})
 
 
 class Cat(FunctionalQuantized):
@@ -136,4 +140,4 @@ class Cat(FunctionalQuantized):
 
     def _derive(self, s_x: Tensor) -> tuple[Tensor, Tensor]:
         s_y = self.output_scale
-        return multiplier_for(self, qf.scale_ratio(s_x, s_y), [s_x], s_y)
+        return multiplier_for(self, qf.scale_ratio(s_x, s_y), {"input": s_x, "output": s_y})

@@ -53,7 +53,7 @@ class Interpolate(FunctionalQuantized):
         """``M * 2**-S ~ s_x / (2**(8 * dims) * s_y)``."""
         s_y = self.output_scale.to(torch.float64)
         real = s_x.to(torch.float64) / (float(1 << (qf.INTERP_FRACTION_BITS * dims)) * s_y)
-        return multiplier_for(self, real, [s_x], s_y)
+        return multiplier_for(self, real, {"input": s_x, "output": s_y})
 
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
         p = self._arguments(args, kwargs)

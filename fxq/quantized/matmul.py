@@ -42,7 +42,7 @@ class MatMul(FunctionalQuantized):
         )
         s_y = self.output_scale.to(torch.float64)
         real = a.scale.to(torch.float64) * b.scale.to(torch.float64) / s_y
-        m, s = multiplier_for(self, real, [a.scale, b.scale], s_y)
+        m, s = multiplier_for(self, real, {"input 0": a.scale, "input 1": b.scale, "output": s_y})
         return plan, m, s
 
     @staticmethod
@@ -50,5 +50,7 @@ class MatMul(FunctionalQuantized):
         worst = k * (1 << (a.qdtype.bits - 1)) * (1 << (b.qdtype.bits - 1))
         return (
             f"it sums {k} products of a {a.qdtype.name} and a {b.qdtype.name} operand (up to "
-            f"{worst:,} = 2^{worst.bit_length() - 1} in magnitude; 32 bits hold 2^31)"
+            f"{worst:,} = 2^{worst.bit_length() - 1} in magnitude; 32 bits hold 2^31). Use int8 "
+            "for one operand (its producer's qconfig), or keep the op in float with a qconfig "
+            "of None"
         )

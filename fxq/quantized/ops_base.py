@@ -32,7 +32,7 @@ class FunctionalQuantized(QuantizedModule):
     """
 
     def __init__(self, qat: nn.Module) -> None:
-        super().__init__(qat.march)
+        super().__init__(qat.march, getattr(qat, "name", ""))
         fq = qat.activation_post_process
         self.register_buffer("output_scale", fq.scale.detach().clone().reshape(1))
         self.out_dtype_name = fq.dtype.name

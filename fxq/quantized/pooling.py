@@ -46,7 +46,7 @@ def _count_factors(module: FunctionalQuantized, s_x: Tensor, counts: Tensor) -> 
     """``M_d * 2**-S_d`` (float64, CPU) for each window element count ``d``."""
     s_y = module.output_scale.to(torch.float64).cpu()
     real = s_x.to(torch.float64).cpu() / (counts * s_y)
-    m, s = multiplier_for(module, real, [s_x], s_y)
+    m, s = multiplier_for(module, real, {"input": s_x, "output": s_y})
     return torch.ldexp(m.to(torch.float64), -s.to(torch.float64))
 
 

@@ -71,7 +71,7 @@ class Requantize(QuantizedModule):
         m, n = self.derived(
             (float(x.scale),),
             lambda: multiplier_for(
-                self, qf.scale_ratio(x.scale, self.scale), [x.scale], self.scale
+                self, qf.scale_ratio(x.scale, self.scale), {"input": x.scale, "output": self.scale}
             ),
         )
         q = qf.requantize_exact(x.values(), m, n, dtype, self.rounding, as_float=True)

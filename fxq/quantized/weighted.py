@@ -142,7 +142,7 @@ class _Weighted(QuantizedModule):
     _channel_axis = 1
 
     def __init__(self, qat: nn.Module) -> None:
-        super().__init__(qat.march)
+        super().__init__(qat.march, getattr(qat, "name", ""))
         params = integer_weight_params(qat)
         out_fq = qat.activation_post_process
         self.register_buffer("weight", params["weight"])
@@ -220,10 +220,14 @@ class _Weighted(QuantizedModule):
         m = s = mr = kr = None
         if not self.high_precision:
             real = acc_scale / self.output_scale.to(torch.float64)
-            m, s = multiplier_for(self, real, [s_x, s_w], self.output_scale)
+            m, s = multiplier_for(
+                self, real, {"input": s_x, "weight": s_w, "output": self.output_scale}
+            )
         if self.add:
             real = s_r.to(torch.float64) / acc_scale
-            mr, kr = multiplier_for(self, real, [s_r, s_x, s_w], None, left_shift=True)
+            mr, kr = multiplier_for(
+                self, real, {"residual": s_r, "input": s_x, "weight": s_w}, left_shift=True
+            )
         plan, may_saturate = self._plan(bias, mr, kr)
         return Requantization(bias, acc_scale, m, s, mr, kr, plan, may_saturate)
 
@@ -321,22 +325,38 @@ class _Weighted(QuantizedModule):
         return QTensor(q, self.output_scale, self.out_dtype)
 
     def _saturation_cause(self, p: _Weighted | Requantization, x: QTensor) -> str:
-        """What the accumulator sums, with operand dtypes and worst-case magnitudes."""
+        """What the accumulator sums (operand dtypes, worst cases) and what to do."""
         products = (1 << (self.input_bits - 1)) * self.weight_l1
-        parts = [
+        bias = float(p.bias.abs().max()) if p.bias is not None and p.bias.numel() else 0.0
+        residual = self._residual_bound(p.residual_multiplier, p.residual_shift) if self.add else 0
+        text = (
             f"it sums {x.qdtype.name} inputs times int8 weights (|X| * sum|W| up to "
             f"{_magnitude(products)})"
-        ]
-        if p.bias is not None and p.bias.numel():
-            bias = float(p.bias.abs().max())
-            parts.append(
-                f"plus an int32 bias of up to {_magnitude(bias)} (the float bias divided by input "
-                f"scale {float(x.scale):.6g} times the weight scale)"
+        )
+        if bias:
+            text += (
+                f", plus an int32 bias of up to {_magnitude(bias)} (the float bias divided by "
+                f"input scale {float(x.scale):.6g} times the weight scale)"
             )
-        if self.add:
-            term = self._residual_bound(p.residual_multiplier, p.residual_shift)
-            parts.append(f"plus the rescaled residual (up to {_magnitude(term)})")
-        return ", ".join(parts) + "; 32 bits hold 2^31"
+        if residual:
+            text += (
+                f", plus the residual rescaled to the accumulator (up to {_magnitude(residual)})"
+            )
+        text += "; 32 bits hold 2^31. "
+        largest = max(products, bias, residual)
+        if largest == bias:
+            text += (
+                "The bias is what overflows: the input scale is too small for it (calibrate the "
+                "input on its real range, or fix a larger input scale)"
+            )
+        elif largest == residual:
+            text += (
+                "The residual is what overflows: its scale is too large next to the input and "
+                "weight scales (calibrate both inputs on their real ranges)"
+            )
+        else:
+            text += "Use int8 inputs (the producer's qconfig) or smaller weights"
+        return text + ", or keep the layer in float with a qconfig of None"
 
     @classmethod
     def from_qat(cls, qat: nn.Module) -> _Weighted:
