@@ -1,9 +1,15 @@
+import ast
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 
 import fxq
-from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
-from fxq.observer import MinMaxObserver
+import fxq.debug
+from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
+from fxq.observer import MinMaxObserver, PerChannelMinMaxObserver
+from fxq.qconfig import default_qat_8bit_fake_quant_qconfig
 
 
 def _fq(**kw):
@@ -94,3 +100,195 @@ def test_set_fake_quantize_needs_a_prepared_model():
         set_fake_quantize(torch.nn.Linear(2, 2), "qat")
     with pytest.raises(ValueError, match="unknown fake-quant state"):
         set_fake_quantize(torch.nn.Linear(2, 2), "training")
+
+
+# -- dtypes and devices ----------------------------------------------------------------------
+def _observed(bayes_scale: float = 1 / 127, **kw) -> FakeQuantize:
+    fq = _fq(**kw)
+    fq.set_fake_quant_state("calibration")
+    fq(torch.tensor([-127 * bayes_scale, 127 * bayes_scale]))
+    return fq
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda m: m.half(),
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.double(),
+        lambda m: m.to(torch.float64),
+        lambda m: m.half().float(),
+    ],
+    ids=["half", "bfloat16", "double", "to_float64", "half_then_float"],
+)
+def test_scale_and_statistics_stay_float32_under_dtype_conversions(bayes, convert):
+    fq = _observed(0.0123)
+    before = {name: t.clone() for name, t in fq.named_buffers()}
+    convert(fq)
+    for name, t in fq.named_buffers():
+        assert t.dtype == before[name].dtype and torch.equal(t, before[name]), name
+    assert fq.scale.dtype is torch.float32 and fq.scale.item() == pytest.approx(0.0123)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_inputs_are_quantized_in_float32_with_the_exact_scale(bayes, dtype):
+    fq = _observed(0.0123)  # not a float16 / bfloat16 number
+    fq.set_fake_quant_state("validation")
+    x = torch.linspace(-1.5, 1.5, 1001).to(dtype)
+    out = fq(x)
+    assert out.dtype is dtype
+    # the same as quantizing the float32 values with the float32 scale, then converting
+    assert torch.equal(out, fq(x.float()).to(dtype))
+    # and not what a scale rounded to the input's dtype would give
+    rounded = fq.scale.to(dtype).float()
+    assert not torch.equal(out, (torch.floor(x.float() / rounded + 0.5) * rounded).to(dtype))
+    if dtype is torch.float16:  # float16 holds every int8 grid value closely enough
+        q = torch.floor(x.float() / fq.scale + 0.5).clamp(-128, 127)
+        assert torch.equal(torch.floor(out.float() / fq.scale + 0.5), q)
+
+
+def test_float64_inputs_divide_in_float64(bayes):
+    fq = _observed(0.0123)
+    fq.set_fake_quant_state("validation")
+    x = torch.linspace(-1.5, 1.5, 1001, dtype=torch.float64)
+    out = fq(x)
+    assert out.dtype is torch.float64
+    q = torch.floor(x / fq.scale.double() + 0.5).clamp(-128, 127)
+    assert torch.equal(out, q * fq.scale.double())
+
+
+def test_integer_inputs_are_quantized_with_the_exact_float_scale(bayes):
+    frames = torch.arange(256, dtype=torch.uint8)
+    for state in ("qat", "validation"):
+        a, b = _fq(), _fq()
+        a.set_fake_quant_state("calibration")
+        b.set_fake_quant_state("calibration")
+        assert torch.equal(a(frames), b(frames.float()))  # observes the same range
+        assert a.scale.item() == pytest.approx(255 / 127)
+        a.set_fake_quant_state(state)
+        b.set_fake_quant_state(state)
+        out = a(frames)
+        assert out.dtype is torch.float32
+        assert torch.equal(out, b(frames.float()))
+
+
+def test_empty_tensors_carry_no_statistics(bayes):
+    fq = _fq()
+    fq.set_fake_quant_state("calibration")
+    empty = torch.empty(0, 3)
+    assert fq(empty).shape == (0, 3)
+    assert not bool(fq.observed)  # nothing seen yet: VALIDATION would still refuse
+    fq(torch.tensor([-1.0, 2.54]))
+    assert fq.scale.item() == pytest.approx(2.54 / 127)
+    fq.set_fake_quant_state("qat")
+    assert fq(empty).shape == (0, 3)
+    assert fq.scale.item() == pytest.approx(2.54 / 127)
+
+
+# -- the scale floor -------------------------------------------------------------------------
+def test_a_range_below_the_scale_floor_warns_once_with_the_name_and_range(bayes):
+    fq = _fq()
+    fq.set_name("the output of 'blocks.3.conv'")
+    fq.set_fake_quant_state("calibration")
+    x = torch.tensor([-2e-9, 1e-9, 3e-9])
+    fq(x)
+    with pytest.warns(UserWarning) as record:
+        fq.set_fake_quant_state("validation")
+    message = str(record[0].message)
+    assert "fake quant the output of 'blocks.3.conv'" in message
+    assert "[-2e-09, 3e-09]" in message
+    assert "below fxq's smallest scale 2**-23" in message
+    assert "every value quantizes to 0" in message
+    assert "randomly initialised" in message and "qconfig of None" in message
+    assert torch.equal(fq(x), torch.zeros(3))  # what the warning announced
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per fake quant
+        fq.set_fake_quant_state("qat")
+        fq.set_fake_quant_state("validation")
+        fq(x)
+
+
+def test_ranges_above_the_floor_and_all_zero_tensors_do_not_warn(bayes):
+    for x in (torch.zeros(4), torch.tensor([-1e-3, 2e-3]), torch.tensor([1e-4])):
+        fq = _fq()
+        fq.set_fake_quant_state("calibration")
+        fq(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            fq.set_fake_quant_state("validation")
+            fq(x)
+
+
+def test_per_channel_ranges_below_the_floor_name_the_channels(bayes):
+    fq = FakeQuantize(observer=PerChannelMinMaxObserver, ch_axis=0, num_channels=3)
+    fq.set_name("the weight of 'fc'")
+    w = torch.tensor([[1.0, -0.5], [1e-10, -2e-10], [0.25, 0.0]])
+    fq(w)
+    with pytest.warns(UserWarning, match=r"the weight of 'fc': 1 of its 3 channels saw values"):
+        fq.set_fake_quant_state("validation")
+
+
+# -- bypass --------------------------------------------------------------------------------
+def _prepared_validating():
+    from tests.helpers import ResidualNet
+
+    model = fxq.prepare_qat_fx(ResidualNet(), {"": default_qat_8bit_fake_quant_qconfig})
+    x = torch.randn(2, 3, 8, 8)
+    fxq.set_fake_quantize(model, "calibration")
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    fxq.set_fake_quantize(model, "validation")
+    return model, x
+
+
+def test_bypass_is_reentrant(bayes):
+    model, x = _prepared_validating()
+    with torch.no_grad():
+        quantized = model(x)
+        with bypass(model):
+            reference = model(x)  # the float computation
+            with bypass(model):
+                assert torch.equal(model(x), reference)
+            # the inner exit must not undo the outer block
+            assert model.stem.state is FakeQuantState.CALIBRATION
+            assert not model.stem.simulate_integer
+            assert model.stem.activation_post_process.bypassed
+            assert torch.equal(model(x), reference)
+            with bypass(model.conv1):  # a part of the model
+                assert torch.equal(model(x), reference)
+            assert torch.equal(model(x), reference)
+        assert not torch.equal(quantized, reference)
+        assert model.stem.state is FakeQuantState.VALIDATION
+        assert model.stem.simulate_integer and "simulate_integer" not in model.stem.__dict__
+        assert not model.stem.activation_post_process.bypassed
+        assert torch.equal(model(x), quantized)
+
+
+def test_bypass_inside_float_fake_quant_restores_it(bayes):
+    model, x = _prepared_validating()
+    with fxq.debug.float_fake_quant(model):
+        with bypass(model):
+            pass
+        assert not model.stem.simulate_integer
+        assert model.stem.state is FakeQuantState.VALIDATION
+    assert model.stem.simulate_integer
+
+
+# -- layering ------------------------------------------------------------------------------
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a source file imports, at the top or inside functions."""
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_fake_quantize_does_not_import_the_qat_modules():
+    imported = _imported_modules(Path(fxq.fake_quantize.__file__))
+    assert not {m for m in imported if m == "fxq.qat" or m.startswith("fxq.qat.")}
+    assert not {m for m in imported if m.startswith(("fxq.fx", "fxq.calibration"))}
