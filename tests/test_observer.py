@@ -1,11 +1,19 @@
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
+import fxq.observer
+from fxq.calibration.observers import HistogramObserver, MSEObserver, PerChannelMSEObserver
 from fxq.observer import (
     FixedScaleObserver,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
     PerChannelMinMaxObserver,
+    get_observer_class,
+    observer_registry,
+    register_observer,
 )
 
 
@@ -62,3 +70,89 @@ def test_lazily_sized_per_channel_buffers_load_from_state_dict():
     assert dst.min_val.shape == (0,)
     dst.load_state_dict(src.state_dict())
     assert torch.equal(dst.min_val, src.min_val) and torch.equal(dst.max_val, src.max_val)
+
+
+# -- empty tensors ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make",
+    [
+        MinMaxObserver,
+        MovingAverageMinMaxObserver,
+        lambda: PerChannelMinMaxObserver(ch_axis=0),
+        lambda: PerChannelMinMaxObserver(ch_axis=1, num_channels=2),
+        lambda: HistogramObserver(),
+        lambda: PerChannelMSEObserver(ch_axis=0),
+    ],
+    ids=["min_max", "moving_average", "per_channel", "per_channel_sized", "histogram", "mse_w"],
+)
+def test_an_empty_first_tensor_is_skipped_not_reported_as_nan(make):
+    """torch.ao's observers skip empty tensors too: there are no statistics in them."""
+    obs = make()
+    empty = torch.empty(0, 2)
+    assert obs(empty) is empty
+    assert not obs.has_statistics()
+    x = torch.tensor([[-1.0, 2.0], [0.5, -3.0]])
+    obs(x)
+    reference = make()
+    reference(x)
+    assert torch.equal(obs.min_val, reference.min_val)
+    assert torch.equal(obs.max_val, reference.max_val)
+
+
+# -- dtypes ----------------------------------------------------------------------------------
+def test_statistics_keep_their_dtypes_and_follow_the_device():
+    obs = MinMaxObserver()
+    obs(torch.tensor([-1.0, 0.1]))
+    hist = HistogramObserver()
+    hist(torch.tensor([0.5, -0.25, 3.0]))
+    for module in (obs, hist):
+        before = {n: (t.dtype, t.clone()) for n, t in module.named_buffers()}
+        module.half().float().double().to("cpu")
+        for name, t in module.named_buffers():
+            assert t.dtype == before[name][0] and torch.equal(t, before[name][1]), name
+    assert hist.histogram.dtype is torch.float64  # .float() does not truncate the counts
+    meta = MinMaxObserver().to("meta")
+    assert meta.min_val.is_meta and meta.min_val.dtype is torch.float32
+    repr(meta)
+
+
+def test_lazily_sized_buffers_keep_their_dtype_when_loading():
+    src = PerChannelMinMaxObserver(ch_axis=0)
+    src(torch.randn(4, 3))
+    dst = PerChannelMinMaxObserver(ch_axis=0)
+    dst.load_state_dict({k: v.double() for k, v in src.state_dict().items()})
+    assert dst.min_val.dtype is torch.float32 and torch.equal(dst.min_val, src.min_val)
+
+
+# -- the registry ------------------------------------------------------------------------------
+def test_registered_observers_are_found_by_name():
+    class Halved(MinMaxObserver):
+        pass
+
+    register_observer("halved_test", Halved)
+    assert get_observer_class("halved_test", per_channel=False) is Halved
+    with pytest.raises(ValueError, match="'halved_test' has no version for weights"):
+        get_observer_class("halved_test", per_channel=True)
+    register_observer("halved_test", Halved)  # the same classes again: fine
+    with pytest.raises(ValueError, match="'halved_test' is already registered"):
+        register_observer("halved_test", MinMaxObserver)
+    with pytest.raises(ValueError, match="give a per-tensor or a per-channel class"):
+        register_observer("nothing")
+    assert observer_registry()["mse"] == (MSEObserver, PerChannelMSEObserver)
+
+
+def test_unknown_observer_names_are_listed():
+    with pytest.raises(ValueError, match=r"unknown observer 'median'; known observers: .*min_max"):
+        get_observer_class("median", per_channel=False)
+
+
+def test_observer_module_imports_nothing_from_calibration():
+    """fxq.observer is below fxq.calibration: the calibration observers register themselves."""
+    tree = ast.parse(Path(fxq.observer.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+    assert {m for m in imported if m.startswith("fxq")} == set()

@@ -113,9 +113,13 @@ class HistogramObserver(ObserverBase):
         return 2048 if self.qmax <= 127 else 32768
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x.detach()
+        """Add ``|x|`` to the histogram and return ``x`` (an empty ``x`` adds nothing)."""
+        self._observe(x.detach())
+        return x
+
+    def _observe(self, x: Tensor) -> None:
         if x.numel() == 0:
-            return x
+            return
         mn, mx = torch.aminmax(x)
         mn, mx = mn.reshape(1).float(), mx.reshape(1).float()
         self._check_finite(mn, mx)
@@ -127,7 +131,7 @@ class HistogramObserver(ObserverBase):
                 self.histogram = torch.zeros(self._num_bins(), dtype=torch.float64, device=x.device)
             self.histogram[0] += x.numel()
             self.zeros += x.numel()
-            return x
+            return
         if self.histogram.numel() == 0 or float(self.upper) == 0.0:
             bins = self._num_bins()
             old = self.histogram.sum() if self.histogram.numel() else 0.0
@@ -139,7 +143,6 @@ class HistogramObserver(ObserverBase):
         counts = torch.histc(x.abs().float(), self.histogram.numel(), 0.0, float(self.upper))
         self.histogram += counts.to(torch.float64)
         self.zeros += (x == 0).sum()
-        return x
 
     def _grow(self, amax: float) -> None:
         bins = self.histogram.numel()
