@@ -2,6 +2,7 @@
 
 import copy
 import io
+import warnings
 from contextlib import redirect_stderr
 
 import pytest
@@ -258,3 +259,102 @@ def test_failures_part_way_leave_the_model_as_it_was(setup):
         prepared.c3.bias is not None
         and prepared.fc.weight_fake_quant.state is fxq.FakeQuantState.CALIBRATION
     )
+
+
+# -- failures leave the model as it was; clear messages ---------------------------------------
+def _modes(model):
+    return (
+        {n: m.training for n, m in model.named_modules()},
+        {
+            n: m.state
+            for n, m in model.named_modules()
+            if isinstance(getattr(m, "state", None), fxq.FakeQuantState)
+        },
+    )
+
+
+def _training_qat_model():
+    prepared = fxq.prepare_qat_fx(OutlierNet(), {"": get_default_qconfig()})
+    prepared.train()
+    prepared.c2.eval()  # a submodule in another mode than its parent: restored too
+    fxq.set_fake_quantize(prepared, "qat")
+    prepared.c1.activation_post_process.set_fake_quant_state("validation")
+    return prepared
+
+
+def test_calibrate_with_no_batch_names_the_argument_and_restores_the_model(bayes):
+    prepared = _training_qat_model()
+    before = _modes(prepared)
+    for data in ([], iter([]), (b for b in [])):
+        with pytest.raises(ValueError) as info:
+            calibrate(prepared, data, show_progress=False)
+        message = str(info.value)
+        assert "calibrate: `data` (" in message and "yielded no batch" in message
+        assert "Pass a non-empty iterable of batches" in message
+        assert "left in the mode and fake-quant state it had" in message
+        assert _modes(prepared) == before
+    with pytest.raises(ValueError, match=r"num_batches must be a positive integer or None.* 0"):
+        calibrate(prepared, [torch.randn(1, 3, 12, 12)], num_batches=0, show_progress=False)
+    assert _modes(prepared) == before
+
+
+def test_a_failing_batch_restores_modes_and_states(bayes):
+    prepared = _training_qat_model()
+    before = _modes(prepared)
+    with pytest.raises(RuntimeError):
+        calibrate(prepared, [torch.randn(1, 3, 12, 12), torch.randn(1, 5, 12, 12)])
+    assert _modes(prepared) == before
+
+
+def test_an_empty_first_batch_is_skipped(bayes):
+    """An empty batch carries no statistics: the scales are those of the other batches."""
+    model = OutlierNet().eval()
+    x = _data(8, 0)
+    with_empty = fxq.prepare_qat_fx(model, {"": get_default_qconfig()})
+    reference = copy.deepcopy(with_empty)
+    calibrate(with_empty, [x[:0], x], show_progress=False)
+    calibrate(reference, [x], show_progress=False)
+    assert with_empty.state_dict().keys() == reference.state_dict().keys()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(with_empty.state_dict()[key], value), key
+
+
+class _Vanishing(nn.Module):
+    """Activations around 1e-9, as in a randomly initialised deep network."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.head(self.conv(x) * 1e-9)
+
+
+def test_calibrating_vanishing_activations_warns_with_the_layer_and_its_range(bayes):
+    prepared = fxq.prepare_qat_fx(
+        _Vanishing(), {"": get_default_qconfig()}, example_inputs=(torch.randn(1, 3, 4, 4),)
+    )
+    x = torch.randn(2, 3, 4, 4)
+    with pytest.warns(UserWarning) as record:
+        calibrate(prepared, [x], show_progress=False)
+    messages = [str(w.message) for w in record if "smallest scale 2**-23" in str(w.message)]
+    assert len(messages) == 1, messages
+    (message,) = messages
+    names = {n: m.name for n, m in prepared.named_modules() if isinstance(m, fxq.FakeQuantize)}
+    floored = [
+        n
+        for n, m in prepared.named_modules()
+        if isinstance(m, fxq.FakeQuantize) and m.name in message
+    ]
+    assert floored, (message, names)
+    fq = dict(prepared.named_modules())[floored[0]]
+    low, high = float(fq.observer.min_val), float(fq.observer.max_val)
+    assert abs(high) < 1e-7 and f"[{low:.3g}, {high:.3g}]" in message
+    assert "quantizes to 0" in message or "levels" in message
+    # the warning comes once per fake quant, not at every state switch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxq.set_fake_quantize(prepared, "validation")
+        with torch.no_grad():
+            prepared(x)
