@@ -102,6 +102,12 @@ class QuantizedModule(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
         self.__dict__.pop("_derived", None)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state = dict(state)
+        state.pop("_derived", None)  # a cache: not saved, not copied
+        return state
+
     # -- parameters derived per input scale ------------------------------------------
     def derived(self, key: tuple, build: Callable[[], _T]) -> _T:
         """``build()``, cached under ``key`` (input scales as floats and other constants).
