@@ -39,6 +39,7 @@ __all__ = [
     "quantize_multiplier",
     "requantize",
     "MultiplierRangeError",
+    "swap_group_axes",
 ]
 
 
@@ -280,6 +281,19 @@ def requantize(
             reshaped by the caller).
     """
     return shift_round(acc * multiplier, shift, rounding).clamp_(qmin, qmax)
+
+
+def swap_group_axes(w: Tensor, groups: int) -> Tensor:
+    """Swap a grouped weight's first two axes within each group.
+
+    A transposed conv's weight is ``[in, out / groups, *k]`` with output
+    channel ``o = g * (out / groups) + j``; this gives the out-major
+    ``[out, in / groups, *k]`` layout (per-output-channel scales on axis 0),
+    and applied again gives it back.
+    """
+    k = w.shape[2:]
+    w = w.reshape(groups, w.shape[0] // groups, w.shape[1], *k).transpose(1, 2)
+    return w.reshape(groups * w.shape[1], w.shape[2], *k)
 
 
 # =============================================================================

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fxq.dtypes import QDType, as_qdtype, qint8, qint32
-from fxq.qat.weighted import swap_group_axes
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import (
@@ -423,7 +422,7 @@ class _Conv(_Weighted):
         return _CONV[self._DIM](x, w, b, self.stride, self.padding, self.dilation, self.groups)
 
     def weight_out_major(self) -> Tensor:
-        return swap_group_axes(self.weight, self.groups) if self._TRANSPOSED else self.weight
+        return qf.swap_group_axes(self.weight, self.groups) if self._TRANSPOSED else self.weight
 
     def _hyper(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, kernel_size={tuple(self.weight.shape[2:])}, stride={self.stride}, groups={self.groups}"
