@@ -18,7 +18,13 @@ class Quantize(QuantizedModule):
     """float -> QTensor with ``clamp(round(x / scale))``.
 
     ``scale`` is a buffer: deployment code may change it (e.g. to 1.0 for
-    integer camera input followed by ``centered_yuv2rgb``).
+    integer camera input followed by ``centered_yuv2rgb``); the modules after
+    it then compute for the new scale (``fxq.quantized.base``).
+
+    Inputs of any real dtype quantize exactly: float16 / bfloat16 and integer
+    frames of up to 16 bits (``uint8``) as the same values in float32 would,
+    with the float32 scale (``fxq.quantized.functional.quantize``). The scale
+    stays float32 under ``.half()`` / ``.double()`` of the model.
     """
 
     def __init__(self, scale: Tensor, dtype: QDType, march: March) -> None:
