@@ -27,20 +27,9 @@ from fxq.fake_quantize import FakeQuantState
 from fxq.fused import ACTIVATIONS, Fused
 from fxq.qat.base import QATModule, quantize_bias
 from fxq.qconfig import QConfig
+from fxq.quantized.functional import swap_group_axes
 
 __all__ = ["WeightedQAT", "swap_group_axes", "batchnorm_factor"]
-
-
-def swap_group_axes(w: Tensor, groups: int) -> Tensor:
-    """Swap a grouped weight's first two axes within each group.
-
-    A transposed conv's weight is ``[in, out / groups, *k]`` with output
-    channel ``o = g * (out / groups) + j``; this gives the out-major
-    ``[out, in / groups, *k]`` layout, and applied again gives it back.
-    """
-    k = w.shape[2:]
-    w = w.reshape(groups, w.shape[0] // groups, w.shape[1], *k).transpose(1, 2)
-    return w.reshape(groups * w.shape[1], w.shape[2], *k)
 
 
 def batchnorm_factor(bn: nn.Module) -> Tensor:
