@@ -22,7 +22,7 @@ from fxq.calibration import calibrate
 from fxq.fake_quantize import fake_quantize_ste
 from fxq.qat import QATModule
 from fxq.qconfig import default_qat_8bit_fake_quant_qconfig
-from tests.helpers import ResidualNet, recalibrate_bn
+from tests.helpers import ResidualNet, recalibrate_bn, run_in_fresh_process
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -195,6 +195,28 @@ def test_state_dict_round_trip(calibrated):
     fresh = fxq.prepare_qat_fx(ResidualNet(), {"": default_qat_8bit_fake_quant_qconfig})
     fresh.load_state_dict(state)
     assert torch.equal(_validation(fresh, x), expected)
+
+
+def test_state_dict_loads_in_a_fresh_process(calibrated, tmp_path):
+    qat, x = calibrated
+    expected = _validation(copy.deepcopy(qat), x)
+    torch.save(qat.state_dict(), tmp_path / "qat.pt")
+    torch.save(x, tmp_path / "x.pt")
+    run_in_fresh_process(
+        f"""
+        import torch, fxq
+        from fxq.qconfig import default_qat_8bit_fake_quant_qconfig
+        from tests.helpers import ResidualNet
+        fxq.set_march("bayes")
+        qat = fxq.prepare_qat_fx(ResidualNet(), {{"": default_qat_8bit_fake_quant_qconfig}})
+        qat.load_state_dict(torch.load({str(tmp_path / "qat.pt")!r}, weights_only=True))
+        fxq.set_fake_quantize(qat, "validation")
+        with torch.no_grad():
+            out = qat.eval()(torch.load({str(tmp_path / "x.pt")!r}, weights_only=True))
+        torch.save(out, {str(tmp_path / "out.pt")!r})
+        """
+    )
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True), expected)
 
 
 # -- converted models ------------------------------------------------------------------------
