@@ -338,7 +338,10 @@ class FakeQuantize(nn.Module):
         largest = float(seen[at_floor].max())
         levels = min(round(largest / _EPS), qmax)
         if at_floor.numel() > 1:
-            what = f"{int(at_floor.sum())} of its {at_floor.numel()} channels saw values of magnitude at most {largest:.3g}"
+            what = (
+                f"{int(at_floor.sum())} of its {at_floor.numel()} channels saw values of "
+                f"magnitude at most {largest:.3g}"
+            )
         else:
             what = (
                 f"it saw values in [{float(obs.min_val.min()):.3g}, {float(obs.max_val.max()):.3g}]"

@@ -239,14 +239,12 @@ def quantize_bias(
     """Fake-quantize a bias to int32 at ``input_scale * weight_scale`` (per channel).
 
     Skipped (bias returned as is) in CALIBRATION state and when the input
-    scale is unknown. The bias scale is computed in float32 (float64 for a
-    float64 bias), never in a 16-bit float; the result has the bias's dtype.
+    scale is unknown. The bias scale is the float32 product of the scales,
+    never rounded to a 16-bit float; the result has the bias's dtype.
     """
     if state is FakeQuantState.CALIBRATION or input_scale is None:
         return bias
-    scale = input_scale.reshape(()) * weight_scale
-    if bias.dtype is torch.float64:
-        scale = scale.to(torch.float64)
+    scale = input_scale.reshape(()) * weight_scale  # float32, whatever the bias's dtype
     return fake_quantize_ste(bias, scale, qint32, spec_for(march).rounding, 0)
 
 
