@@ -206,7 +206,6 @@ class QTensor:
                 f"{op} on a per-channel QTensor would lose track of its channel axis; dequantize() it first"
             )
 
-
     def contiguous(self, *args: Any, **kwargs: Any) -> QTensor:
         return QTensor(
             self._primary().contiguous(*args, **kwargs), self.scale, self.qdtype, self.axis

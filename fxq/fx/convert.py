@@ -99,7 +99,7 @@ class _Converter:
         self.dequantize_outputs = dequantize_outputs
         self.modules = dict(gm.named_modules())
         self.quantized: dict[Node, bool] = {}
-        self.dequant_nodes: dict[Node, Node] = {}
+        self.dequant_nodes: dict[tuple[Node, bool], Node] = {}
 
     def run(self) -> None:
         graph = self.gm.graph
@@ -107,7 +107,7 @@ class _Converter:
             self.quantized[node] = False
             if node.op == "output":
                 if self.dequantize_outputs:
-                    self._dequantize_inputs(node)
+                    self._dequantize_inputs(node, for_float_layer=False)
                 continue
             if node.op in ("placeholder", "get_attr"):
                 continue
@@ -142,17 +142,25 @@ class _Converter:
         graph.lint()
         self.gm.recompile()
 
-    def _dequantize_inputs(self, node: Node) -> None:
+    def _dequantize_inputs(self, node: Node, for_float_layer: bool = True) -> None:
+        """Insert a ``DeQuantize`` before every quantized input of ``node``.
+
+        Before float layers it follows the model's dtype (``.half()`` runs the
+        float region in half); before the model's outputs it gives the exact
+        float32 value.
+        """
+
         def swap(arg: Node) -> Node:
             if not self.quantized.get(arg, False):
                 return arg
-            dq = self.dequant_nodes.get(arg)
+            key = (arg, for_float_layer)
+            dq = self.dequant_nodes.get(key)
             if dq is None:
                 path = unique_name(self.gm, "", f"{arg.name}_dequant")
-                self.gm.add_module(path, DeQuantize())
+                self.gm.add_module(path, DeQuantize(follow_model_dtype=for_float_layer))
                 with self.gm.graph.inserting_after(arg):
                     dq = self.gm.graph.call_module(path, (arg,))
-                self.dequant_nodes[arg] = dq
+                self.dequant_nodes[key] = dq
             return dq
 
         node.args = map_arg(node.args, swap)

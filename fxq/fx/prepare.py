@@ -43,7 +43,7 @@ from fxq.fx.graph_utils import (
     tensor_inputs,
     unique_name,
 )
-from fxq.fx.tracer import is_fx_wrapped, symbolic_trace
+from fxq.fx.tracer import call_wrapped_method, is_fx_wrapped, symbolic_trace
 from fxq.march import MarchSpec, get_march_spec
 from fxq.qat.base import QATModule
 from fxq.qat.stubs import QuantStub
@@ -223,7 +223,11 @@ class _Preparer:
             node.meta["fxq_qconfig"] = f"{choice.source}: {choice.key}"
             if rule.kind is Kind.FLOAT:
                 node.meta["fxq_status"] = "float fallback" if qconfig is not None else "float"
-                if qconfig is not None and tensor_inputs(node, self.is_tensor):
+                if (
+                    qconfig is not None
+                    and tensor_inputs(node, self.is_tensor)
+                    and not _is_opaque(node, module)
+                ):
                     node.meta["fxq_float_reason"] = rule.reason
                     self.float_ops.append(_describe_float_op(node, rule))
                 continue
@@ -370,6 +374,13 @@ def _opaque_container(module: nn.Module) -> bool:
 
 def _is_torch_builtin(module: nn.Module) -> bool:
     return type(module).__module__.startswith(("torch.", "torchvision."))
+
+
+def _is_opaque(node: Node, module: nn.Module | None) -> bool:
+    """``@fx_wrap()`` code: float by the user's choice (its modules are quantized standalone)."""
+    if module is not None:
+        return is_fx_wrapped(type(module))
+    return node.target is call_wrapped_method or is_fx_wrapped(node.target)
 
 
 def _describe_float_op(node: Node, row: OpRow) -> str:

@@ -53,12 +53,41 @@ class Quantize(QuantizedModule):
 
 
 class DeQuantize(nn.Module):
-    """QTensor -> float (floats pass through unchanged)."""
+    """QTensor -> float; floats and other values pass through unchanged.
+
+    Lists, tuples and dicts (an op that returns several tensors, e.g.
+    ``max_pool2d(..., return_indices=True)`` or ``chunk``) are dequantized
+    element by element.
+
+    Args:
+        follow_model_dtype: convert places these before float layers: the
+            result takes the model's floating dtype (a non-persistent buffer
+            follows ``.half()`` / ``.double()``), so a float region runs in
+            the dtype the user chose. Otherwise (the model's outputs) the
+            result is the exact ``float32`` value of the integers.
+    """
 
     _fxq_leaf = True
 
+    def __init__(self, follow_model_dtype: bool = False) -> None:
+        super().__init__()
+        if follow_model_dtype:
+            self.register_buffer("dtype_of_model", torch.empty(0), persistent=False)
+
     def forward(self, x):
-        return x.dequantize() if isinstance(x, QTensor) else x
+        dtype = getattr(self, "dtype_of_model", None)
+        return _dequantize(x, None if dtype is None else dtype.dtype)
+
+
+def _dequantize(x, dtype):
+    if isinstance(x, QTensor):
+        out = x.dequantize()
+        return out if dtype is None or dtype is out.dtype else out.to(dtype)
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_dequantize(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _dequantize(v, dtype) for k, v in x.items()}
+    return x
 
 
 class Requantize(QuantizedModule):

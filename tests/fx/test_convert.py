@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import fxq
 from fxq import quantized
@@ -246,13 +247,56 @@ def test_convert_needs_calibration_and_a_prepared_model(bayes):
         fxq.convert_fx(fxq.symbolic_trace(ResidualNet()))
 
 
-def test_a_graph_edit_that_breaks_scales_is_reported(bayes):
+def test_a_graph_edit_that_changes_scales_is_reported(bayes):
     converted = fxq.convert_fx(_calibrated(ResidualNet(), {"": q8}, [torch.randn(4, 3, 8, 8)]))
     converted.x_quant.scale.mul_(2)
-    with pytest.raises(
-        ValueError, match=r"Conv2d 'stem': input 0 has scale .* converted for scale"
-    ):
+    with pytest.warns(RuntimeWarning, match=r"Conv2d 'stem' was converted for input 0 scale"):
         converted(torch.randn(1, 3, 8, 8))
+
+
+class _FloatMiddle(nn.Module):
+    """A quantized conv, a float region (qconfig None), a quantized conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 1)
+        self.mid = nn.Conv2d(4, 4, 1)
+        self.b = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.b(self.mid(self.a(x)))
+
+
+def test_float_region_follows_the_model_dtype(bayes):
+    qconfig = {"": q8, "module_name": {"mid": None}}
+    converted = fxq.convert_fx(_calibrated(_FloatMiddle(), qconfig, [torch.randn(4, 3, 8, 8)]))
+    x = torch.randn(2, 3, 8, 8)
+    expected = converted(x)
+    assert expected.dtype is torch.float32
+    converted.double()  # the float conv runs in float64 on the dequantized values
+    got = converted(x)
+    assert got.dtype is torch.float32  # the model's output: the exact value of the integers
+    assert (got - expected).abs().max() <= converted.b.output_scale.item()
+    converted.float()
+    assert torch.equal(converted(x), expected)
+
+
+def test_several_outputs_of_one_op_are_dequantized(bayes):
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            return torch.nn.functional.max_pool2d(self.conv(x), 2, return_indices=True)
+
+    prepared = _calibrated(M(), {"": q8}, [torch.randn(4, 3, 8, 8)])
+    converted = fxq.convert_fx(prepared)
+    x = torch.randn(2, 3, 8, 8)
+    values, indices = converted(x)
+    ref_values, ref_indices = _validation(prepared, x)
+    assert isinstance(values, torch.Tensor) and torch.equal(values, ref_values)
+    assert torch.equal(indices, ref_indices)
 
 
 def test_compare_qat_quantized(bayes, capsys):
