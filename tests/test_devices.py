@@ -258,7 +258,9 @@ def test_uint8_inputs_are_quantized_with_the_exact_scale(bayes):
     _assert_same_buffers(a, _fake_quant_buffers(b))
     out = _validation(a, frames)
     assert torch.equal(out, _validation(b, frames.float()))
-    assert torch.equal(out, fxq.convert_fx(a)(frames.float()))
+    integer = fxq.convert_fx(a)
+    assert torch.equal(out, integer(frames.float()))
+    assert torch.equal(out, integer(frames))  # the integer model takes the frames as they are
 
 
 # -- autocast --------------------------------------------------------------------------------
