@@ -220,7 +220,7 @@ def test_state_dict_loads_in_a_fresh_process(calibrated, tmp_path):
 
 
 # -- converted models ------------------------------------------------------------------------
-def test_converted_model_to_float64_and_back(calibrated):
+def test_converted_model_changes_dtype_and_stays_exact(calibrated):
     qat, x = calibrated
     fxq.set_fake_quantize(qat, "validation")
     integer = fxq.convert_fx(qat)
@@ -229,6 +229,10 @@ def test_converted_model_to_float64_and_back(calibrated):
         assert torch.equal(copy.deepcopy(integer).to(torch.float64)(x), expected)
         assert torch.equal(copy.deepcopy(integer).double().float()(x), expected)
         assert torch.equal(copy.deepcopy(integer).cpu()(x), expected)
+        # integer parameters, scales, multipliers and shifts keep their dtypes
+        assert torch.equal(copy.deepcopy(integer).half()(x), expected)
+        assert torch.equal(copy.deepcopy(integer).to(torch.bfloat16)(x), expected)
+        assert torch.equal(copy.deepcopy(integer).half().float()(x), expected)
 
 
 # -- integer inputs --------------------------------------------------------------------------
