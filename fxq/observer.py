@@ -191,6 +191,9 @@ class MovingAverageMinMaxObserver(ObserverBase):
     The first batch initialises the averages; afterwards
     ``stat = stat + averaging_constant * (batch_stat - stat)``.
     A state_dict loaded from a calibrated model is the starting point.
+    ``averaging_constant=0`` freezes the statistics (the vendor plugin's
+    "fixed activation" QAT): the first batch, or a loaded calibrated
+    state_dict, fixes them and the scale never moves.
     """
 
     def __init__(
@@ -200,13 +203,18 @@ class MovingAverageMinMaxObserver(ObserverBase):
         num_channels: int | None = None,
     ) -> None:
         super().__init__(ch_axis, num_channels)
-        if not 0.0 < averaging_constant <= 1.0:
-            raise ValueError(f"averaging_constant must be in (0, 1], got {averaging_constant}")
+        if not 0.0 <= averaging_constant <= 1.0:
+            raise ValueError(
+                f"averaging_constant must be in [0, 1] (0 freezes the statistics), got "
+                f"{averaging_constant}"
+            )
         self.averaging_constant = averaging_constant
 
     def _update(self, mn: Tensor, mx: Tensor) -> None:
         fresh = torch.isinf(self.min_val)
         c = self.averaging_constant
+        if c == 0 and not bool(fresh.any()):
+            return  # frozen
         self.min_val.copy_(torch.where(fresh, mn, self.min_val + c * (mn - self.min_val)))
         self.max_val.copy_(torch.where(fresh, mx, self.max_val + c * (mx - self.max_val)))
 

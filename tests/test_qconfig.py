@@ -340,12 +340,6 @@ def _qat_steps(qconfig, calibrated, net, steps=3):
     return qat, start
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="needs fxq/observer.py: MovingAverageMinMaxObserver must accept averaging_constant=0 "
-    "(it requires (0, 1] today)",
-)
 @pytest.mark.parametrize("frozen", ["qkwargs", "named"])
 def test_averaging_constant_0_keeps_the_calibrated_activation_scales_in_qat(bayes, frozen):
     from fxq.qconfig import default_qat_8bit_fixed_act_fake_quant_qconfig
