@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxq.dtypes import QDType, as_qdtype
 from fxq.march import March, spec_for
+from fxq.observer import keep_dtypes
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 
@@ -89,14 +90,8 @@ class QuantizedModule(nn.Module):
         to the device ``fn`` chose instead (its values are never cast).
         """
 
-        def keep_dtype(t: Tensor) -> Tensor:
-            out = fn(t)
-            if out is None or out.dtype == t.dtype:
-                return out
-            return t.to(out.device)
-
         self.__dict__.pop("_derived", None)  # cached tensors live on the old device
-        return super()._apply(keep_dtype, recurse)
+        return super()._apply(keep_dtypes(fn), recurse)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
