@@ -1,4 +1,4 @@
-"""Debugging tools: where do two versions of a model part ways, and by how much.
+"""``compare_qat_quantized``: the QAT model against its integer model, layer by layer.
 
 ``compare_qat_quantized`` runs the QAT model and the converted integer model
 on the same inputs and reports, per layer, how many output elements agree

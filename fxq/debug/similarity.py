@@ -1,0 +1,256 @@
+"""``featuremap_similarity``: where do two versions of a model part ways, layer by layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from fxq.debug.capture import (
+    Recorder,
+    as_graph,
+    as_inputs,
+    eval_no_grad,
+    node_type,
+    output_scale,
+)
+from fxq.debug.metrics import Similarity, cosine, flat, l1, max_abs, mse, similarity_for, sqnr
+from fxq.debug.report import HtmlPage, figure, text_table, write_text
+
+__all__ = ["featuremap_similarity", "SIMILARITY_COLUMNS"]
+
+#: the columns of ``similarity.txt`` (``similarity`` / ``op_similarity`` use ``similarity_func``)
+SIMILARITY_COLUMNS = (
+    "index",
+    "layer",
+    "module",
+    "type",
+    "similarity",
+    "sqnr",
+    "cosine",
+    "l1",
+    "mse",
+    "max_abs",
+    "max_lsb",
+    "scale",
+    "op_similarity",
+    "op_sqnr",
+    "op_max_lsb",
+)
+
+_COMPUTING = ("call_module", "call_function", "call_method")
+
+
+def featuremap_similarity(
+    model1: nn.Module,
+    model2: nn.Module,
+    inputs: Any,
+    similarity_func: str | Callable[[Any, Any], float] = "cosine",
+    out_dir: str | Path | None = None,
+    show: bool = False,
+    worst: int = 5,
+) -> list[dict[str, Any]]:
+    """Run two versions of a model on the same inputs and compare every layer's output.
+
+    The layers are matched by node name (see ``fxq.debug.capture``), so any two of
+    the float model, the calibrated / QAT model and the integer model can be
+    compared, in either order; ``model1`` is the reference. A float model is
+    compared through its fused graph (``conv+bn+relu`` is one layer, as in the
+    quantized models). Each model runs as it is: put a QAT model in the state you
+    want first (``fxq.set_fake_quantize(model, "validation")``); to compare one
+    model in two states, compare it with a ``copy.deepcopy`` of itself. Both run
+    in eval mode without gradients (their modes are restored).
+
+    A module called at several places gives one row per call (``head.conv``,
+    ``head.conv_1``...); ops inserted by prepare (the quantize at the model input,
+    the dequantize at its output, quantize / dequantize around float regions) are
+    compared with their input's reference; an ``@fx_wrap()`` function is one row.
+
+    Args:
+        model1: the reference model (usually the float model).
+        model2: the model to check.
+        inputs: one input or a tuple of positional inputs (a few samples are
+            enough; every layer's output of ``model1`` is held in memory).
+        similarity_func: the measure of the ``similarity`` and ``op_similarity``
+            columns and of the ordering: ``"cosine"`` (vendor default), ``"sqnr"``,
+            ``"mse"``, ``"l1"``, ``"max_abs"``, or a callable ``(reference, test) ->
+            float`` where higher means more similar.
+        out_dir: when given, writes ``similarity.txt`` (in run order),
+            ``ordered_op_error_similarity.txt`` (worst own error first) and
+            ``similarity.html`` (the SQNR along the depth of the network with the
+            worst layers marked, and the table).
+        show: print the table.
+        worst: how many layers the HTML marks as worst.
+
+    Returns:
+        one dict per layer of ``model2``, in run order: ``index``, ``layer`` (node
+        name), ``module`` (module path, or the function's name), ``type``,
+        ``similarity``, ``sqnr`` (dB), ``cosine``, ``l1`` (mean absolute error),
+        ``mse``, ``max_abs``, ``max_lsb`` (``max_abs`` in steps of the output
+        scale), ``scale`` (``model2``'s output scale, else ``model1``'s), and the
+        layer's own error, with ``model1``'s inputs fed to ``model2``'s layer
+        (rounded as ``model2`` rounds them): ``op_similarity``, ``op_sqnr``,
+        ``op_max_lsb``.
+
+    Raises:
+        TypeError: a model is no ``nn.Module`` or an fxq model that is not a GraphModule.
+        ValueError: an unknown ``similarity_func``, or no layer in common.
+    """
+    sim = similarity_for(similarity_func)
+    inputs = as_inputs(inputs)
+    g1, g2 = as_graph(model1, "model1"), as_graph(model2, "model2")
+    with eval_no_grad(g1, g2):
+        first = Recorder(g1)
+        first.run(*inputs)
+        second = Recorder(g2, reference=first)
+        second.run(*inputs)
+    rows = _rows(g1, g2, first, second, sim)
+    if not rows:
+        raise ValueError(
+            "featuremap_similarity: the models have no layer in common (layers are matched by "
+            "node name); pass a float model and a model prepared or converted from it"
+        )
+    if show:
+        print(text_table(_renamed(rows, sim), _columns(sim)))
+    if out_dir is not None:
+        write_similarity_files(rows, Path(out_dir), sim, worst)
+    return rows
+
+
+def _reference(first: Recorder, second: Recorder, node: Node) -> Any:
+    try:
+        return second._reference_for(node)
+    except KeyError:
+        return None
+
+
+def _rows(
+    g1: GraphModule, g2: GraphModule, first: Recorder, second: Recorder, sim: Similarity
+) -> list[dict[str, Any]]:
+    g1_nodes = {n.name: n for n in g1.graph.nodes}
+    rows = []
+    for node in g2.graph.nodes:
+        if node.op not in _COMPUTING or node.name not in second.values:
+            continue
+        out = second.values[node.name]
+        ref = _reference(first, second, node)
+        a, b = flat(ref), flat(out)
+        if a is None or b is None or a.shape != b.shape:
+            continue
+        scale = output_scale(g2, node, out)
+        if scale is None and node.name in g1_nodes:
+            scale = output_scale(g1, g1_nodes[node.name], ref)
+        worst_abs = max_abs(a, b)
+        row = {
+            "layer": node.name,
+            "module": node.target if node.op == "call_module" else node_type(g2, node),
+            "type": node_type(g2, node),
+            "similarity": sim.fn(ref, out),
+            "sqnr": sqnr(a, b),
+            "cosine": cosine(a, b),
+            "l1": l1(a, b),
+            "mse": mse(a, b),
+            "max_abs": worst_abs,
+            "max_lsb": worst_abs / scale if scale else None,
+            "scale": scale,
+            "op_similarity": None,
+            "op_sqnr": None,
+            "op_max_lsb": None,
+        }
+        same = second.same_input.get(node.name)
+        if same is not None:
+            theirs, mine = flat(same[0]), flat(same[1])
+            if theirs is not None and mine is not None and theirs.shape == mine.shape:
+                row["op_similarity"] = sim.fn(same[0], same[1])
+                row["op_sqnr"] = sqnr(theirs, mine)
+                row["op_max_lsb"] = max_abs(theirs, mine) / scale if scale else None
+        row["index"] = len(rows)
+        rows.append(row)
+    return rows
+
+
+def _columns(sim: Similarity) -> list[str]:
+    names = {"similarity": sim.name, "op_similarity": f"op_{sim.name}"}
+    return [names.get(c, c) for c in SIMILARITY_COLUMNS if c not in (sim.name, f"op_{sim.name}")]
+
+
+def _renamed(rows: list[dict[str, Any]], sim: Similarity) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        r = dict(r)
+        r[sim.name] = r["similarity"]
+        r[f"op_{sim.name}"] = r["op_similarity"]
+        out.append(r)
+    return out
+
+
+def ordered_by_op_error(rows: list[dict[str, Any]], sim: Similarity) -> list[dict[str, Any]]:
+    """Rows sorted by the layer's own error, worst first (rows without one last)."""
+
+    def key(r: dict[str, Any]) -> tuple[int, float]:
+        value = r["op_similarity"]
+        if value is None:
+            return (1, 0.0)
+        return (0, sim.worst_first_key(value))
+
+    return sorted(rows, key=key)
+
+
+def write_similarity_files(
+    rows: list[dict[str, Any]], out_dir: Path, sim: Similarity, worst: int = 5
+) -> dict[str, Path]:
+    """Write ``similarity.txt``, ``ordered_op_error_similarity.txt`` and ``similarity.html``."""
+    columns = _columns(sim)
+    shown = _renamed(rows, sim)
+    ordered = _renamed(ordered_by_op_error(rows, sim), sim)
+    files = {
+        "similarity.txt": write_text(out_dir / "similarity.txt", text_table(shown, columns)),
+        "ordered_op_error_similarity.txt": write_text(
+            out_dir / "ordered_op_error_similarity.txt", text_table(ordered, columns)
+        ),
+    }
+    worst_layers = [r["layer"] for r in ordered[:worst] if r["op_similarity"] is not None]
+    page = HtmlPage("featuremap similarity")
+    page.paragraph(
+        f"{len(rows)} layers. The curve is the SQNR of each layer's output along the depth of the "
+        "network (the error accumulated so far) and the SQNR of the layer alone, fed the "
+        f"reference's inputs; the {len(worst_layers)} layers with the largest own error are marked."
+    )
+    page.figure(similarity_plot(rows, worst_layers), "SQNR (dB) per layer", "similarity-curve")
+    page.heading("Layers by their own error (worst first)")
+    page.table("ordered", columns, ordered, marked=set(range(len(worst_layers))))
+    page.heading("Layers in run order")
+    marked = {i for i, r in enumerate(rows) if r["layer"] in worst_layers}
+    page.table("similarity", columns, shown, marked=marked)
+    files["similarity.html"] = page.write(out_dir / "similarity.html")
+    return files
+
+
+def _finite(v: Any, cap: float = 150.0) -> float:
+    if v is None:
+        return float("nan")
+    return max(min(float(v), cap), -cap)
+
+
+def similarity_plot(rows: list[dict[str, Any]], worst_layers: list[str]) -> Any:
+    """SQNR along the depth of the network; the worst layers marked and named."""
+    fig = figure(9.0, 3.6)
+    ax = fig.add_subplot()
+    x = [r["index"] for r in rows]
+    ax.plot(x, [_finite(r["sqnr"]) for r in rows], "-o", ms=2.5, label="output SQNR (accumulated)")
+    ax.plot(
+        x, [_finite(r["op_sqnr"]) for r in rows], "-", alpha=0.6, label="layer alone (same input)"
+    )
+    for r in rows:
+        if r["layer"] in worst_layers:
+            y = _finite(r["op_sqnr"])
+            ax.plot([r["index"]], [y], "rv", ms=7)
+            ax.annotate(r["layer"], (r["index"], y), fontsize=7, rotation=30, color="red")
+    ax.set_xlabel("layer index (run order)")
+    ax.set_ylabel("SQNR (dB)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
