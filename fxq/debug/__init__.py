@@ -20,9 +20,11 @@ self-contained HTML page (matplotlib, imported only then).
 
 from fxq.debug.compare import compare_qat_quantized, float_fake_quant
 from fxq.debug.similarity import featuremap_similarity
+from fxq.debug.weights import compare_weights
 
 __all__ = [
     "featuremap_similarity",
+    "compare_weights",
     "compare_qat_quantized",
     "float_fake_quant",
 ]

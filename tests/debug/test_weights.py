@@ -1,0 +1,58 @@
+"""compare_weights: per-channel weight error, the worst layer and channel named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxq
+from fxq.debug import compare_weights
+from tests.debug.models import SharedConvNet, batches, calibrated, float_chain
+from tests.debug.test_similarity import parse_html
+
+
+def test_an_outlier_weight_names_its_layer_and_channel(bayes, tmp_path):
+    data = batches()
+    model = float_chain(data)
+    with torch.no_grad():
+        model.convs[2].weight[5, 0, 1, 1] = 40.0  # channel 5's other weights round to zero
+    prepared = calibrated(model, data)
+    rows = compare_weights(model, prepared, out_dir=tmp_path)
+    assert [r["layer"] for r in rows][0] == "convs.2"
+    assert rows[0]["worst_channels"].startswith("5:")
+    # measured: 36.6 dB for channel 5, every other channel of every layer above 45 dB
+    assert rows[0]["min_channel_sqnr"] < min(r["min_channel_sqnr"] for r in rows[1:]) - 6
+    # calibrated weights are the float weights rounded: at most half a step off
+    assert all(r["max_lsb"] <= 0.5 + 1e-4 for r in rows)
+    assert {r["layer"] for r in rows} == {"convs.0", "convs.1", "convs.2", "convs.3", "fc"}
+    # the integer model holds the same integers
+    integer = fxq.convert_fx(prepared)
+    same = {r["layer"]: r["sqnr"] for r in compare_weights(model, integer)}
+    for r in rows:
+        assert same[r["layer"]] == pytest.approx(r["sqnr"], abs=1e-3)
+    page = parse_html(tmp_path / "weight_comparison.html")
+    assert page.svgs == 1 and len(page.rows["weights"]) == 5
+    assert "convs.2" in (tmp_path / "weight_comparison.txt").read_text().splitlines()[2]
+
+
+def test_trained_weights_are_compared_with_where_they_started(bayes):
+    data = batches()
+    model = float_chain(data)
+    prepared = calibrated(model, data)
+    with torch.no_grad():
+        prepared.get_submodule("convs.1").weight.mul_(1.1)
+    rows = {r["layer"]: r for r in compare_weights(model, prepared)}
+    assert rows["convs.1"]["sqnr"] < 25 < rows["convs.0"]["sqnr"]
+
+
+def test_a_shared_conv_has_one_row(bayes):
+    data = batches()
+    model = SharedConvNet().eval()
+    rows = compare_weights(model, calibrated(model, data))
+    assert sorted(r["layer"] for r in rows) == ["conv", "stem"]
+
+
+def test_a_float_second_model_is_refused(bayes):
+    model = SharedConvNet()
+    with pytest.raises(TypeError, match="prepare_qat_fx"):
+        compare_weights(model, model)
