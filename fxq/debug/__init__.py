@@ -20,11 +20,14 @@ self-contained HTML page (matplotlib, imported only then).
 
 from fxq.debug.compare import compare_qat_quantized, float_fake_quant
 from fxq.debug.similarity import featuremap_similarity
+from fxq.debug.statistics import get_raw_features, profile_featuremap
 from fxq.debug.weights import compare_weights
 
 __all__ = [
     "featuremap_similarity",
     "compare_weights",
+    "get_raw_features",
+    "profile_featuremap",
     "compare_qat_quantized",
     "float_fake_quant",
 ]
