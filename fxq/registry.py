@@ -55,6 +55,7 @@ __all__ = [
     "NONTENSOR_METHODS",
     "row_for",
     "row_for_module",
+    "registry_class",
     "row_for_function",
     "row_for_method",
     "row_named",
@@ -103,7 +104,8 @@ class OpRow:
         name: the op's qconfig key (``"add"``, ``"conv2d"``, ``"sigmoid"``);
             also names the QAT module prepare inserts for a functional op.
         kind: see ``Kind``.
-        modules: float module classes matched exactly (``type(m) is cls``).
+        modules: float module classes; a subclass that keeps the class's
+            ``forward`` matches too (see ``registry_class``).
         functions: functions matched as ``call_function`` targets.
         methods: ``Tensor`` method names matched as ``call_method`` targets.
         qat: dotted path of the ``fxq.qat`` class (WEIGHTED / COMPUTE / stubs).
@@ -690,9 +692,43 @@ def row_named(name: str) -> OpRow:
         raise KeyError(f"no registry row named {name!r}{hint}") from None
 
 
+#: methods that decide what a registry module computes: a subclass overriding one of them
+#: computes something else, so it is not its base (it is traced through instead)
+_COMPUTING_METHODS = ("forward", "_conv_forward")
+
+
+@functools.cache
+def registry_class(cls: type) -> type | None:
+    """The registry module class that ``cls`` behaves as, or None.
+
+    ``cls`` itself when a row names it; otherwise the nearest base class that a
+    row names, provided no class between them overrides ``forward`` (or
+    ``_conv_forward``): ``class MyConv(nn.Conv2d): pass`` and torchvision's
+    ``Conv3DSimple`` are ``nn.Conv2d`` / ``nn.Conv3d`` for tracing, fusion,
+    QAT and convert. A subclass with its own ``forward`` computes something
+    else and gets None (the tracer traces through it).
+
+    >>> class MyConv(torch.nn.Conv2d):
+    ...     pass
+    >>> registry_class(MyConv) is torch.nn.Conv2d, registry_class(torch.nn.Module)
+    (True, None)
+    """
+    if cls in _BY_MODULE:
+        return cls
+    for i, base in enumerate(cls.__mro__[1:], start=1):
+        if base in _BY_MODULE:
+            between = cls.__mro__[:i]
+            if any(name in klass.__dict__ for klass in between for name in _COMPUTING_METHODS):
+                return None
+            return base
+    return None
+
+
 def row_for_module(cls: type) -> OpRow:
-    """The row of a float module class (exact class match); a FLOAT row when unknown."""
-    return _BY_MODULE.get(cls) or _unknown(cls)
+    """The row of a float module class (or of the registry class it subclasses without
+    changing ``forward``, see ``registry_class``); a FLOAT row when unknown."""
+    base = registry_class(cls)
+    return _BY_MODULE[base] if base is not None else _unknown(cls)
 
 
 def row_for_function(fn: Any) -> OpRow:

@@ -25,7 +25,7 @@ from fxq.fused import Fused
 from fxq.fx.graph_utils import take_name
 from fxq.fx.tracer import symbolic_trace
 from fxq.march import MarchSpec, get_march_spec
-from fxq.registry import fusion_members
+from fxq.registry import fusion_members, registry_class
 
 __all__ = ["FusionPattern", "PATTERNS", "fuse_fx", "fuse_graph_module"]
 
@@ -89,11 +89,16 @@ def _module(node: Node, modules: dict[str, nn.Module]) -> nn.Module | None:
     return modules.get(node.target) if node.op == "call_module" else None
 
 
+def _kind(module: nn.Module | None) -> type | None:
+    """The registry class a module acts as (a subclass keeping ``forward`` is its base)."""
+    return None if module is None else registry_class(type(module))
+
+
 def _is_relu(node: Node, modules: dict[str, nn.Module], prev: Node) -> bool:
     if node.args[:1] != (prev,):
         return False
     if node.op == "call_module":
-        return type(modules[node.target]) in _RELU_MODULES
+        return _kind(modules[node.target]) in _RELU_MODULES
     if node.op == "call_function":
         return node.target in _RELU_FUNCTIONS
     return node.op == "call_method" and node.target in _RELU_METHODS
@@ -104,9 +109,9 @@ def _is_relu6(node: Node, modules: dict[str, nn.Module], prev: Node) -> bool:
         return False
     if node.op == "call_module":
         m = modules[node.target]
-        if type(m) is nn.ReLU6:
+        if _kind(m) is nn.ReLU6:
             return True
-        return type(m) is nn.Hardtanh and (m.min_val, m.max_val) == (0.0, 6.0)
+        return _kind(m) is nn.Hardtanh and (m.min_val, m.max_val) == (0.0, 6.0)
     if node.op == "call_function":
         if node.target is F.relu6:
             return True
@@ -159,7 +164,7 @@ def _match(anchor: Node, pattern: FusionPattern, modules: dict[str, nn.Module]) 
             m = _module(nxt, modules)
             if (
                 m is None
-                or type(m) is not _BN_FOR.get(type(anchor_mod))
+                or _kind(m) is not _BN_FOR.get(_kind(anchor_mod))
                 or nxt.args[:1] != (cur,)
                 or not m.track_running_stats
             ):
@@ -212,7 +217,7 @@ def fuse_graph_module(gm: GraphModule, spec: MarchSpec) -> list[tuple[str, str]]
         if mod is None or node in claimed:
             continue
         for pattern in PATTERNS:
-            if not allowed(pattern) or type(mod) not in _ANCHOR_TYPES[pattern.anchor]:
+            if not allowed(pattern) or _kind(mod) not in _ANCHOR_TYPES[pattern.anchor]:
                 continue
             m = _match(node, pattern, modules)
             if m is not None and not (set(m.nodes) & claimed):

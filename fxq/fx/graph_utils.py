@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ __all__ = [
     "unique_name",
     "call_sites",
     "take_name",
+    "positional_inputs",
 ]
 
 # attributes of a tensor that are Python values; any other attribute of a tensor (or of
@@ -74,13 +75,14 @@ def _is_torch_function(target: Any) -> bool:
 
 
 def infer_tensor_nodes(
-    gm: GraphModule, example_inputs: Sequence[Any] | None = None
+    gm: GraphModule, example_inputs: Sequence[Any] | Mapping[str, Any] | None = None
 ) -> dict[Node, bool]:
     """Which nodes hold tensors (or containers of tensors) rather than Python values.
 
     Static rules cover the common cases (``x.size()``, ``x.shape[0] * 2``,
-    annotated int arguments). With ``example_inputs`` the float graph is also
-    run once (in eval mode, without gradients) and the observed types win.
+    annotated int arguments, ``concrete_args``). With ``example_inputs``
+    (positional, or a dict of keyword inputs) the float graph is also run once
+    (in eval mode, without gradients) and the observed types win.
     """
     is_tensor: dict[Node, bool] = {}
     for node in gm.graph.nodes:
@@ -88,7 +90,9 @@ def infer_tensor_nodes(
         any_tensor_input = any(is_tensor.get(n, False) for n in inputs)
         if node.op == "placeholder":
             ann = node.type
-            is_tensor[node] = not (isinstance(ann, type) and issubclass(ann, _SCALAR_ANNOTATIONS))
+            is_tensor[node] = not node.meta.get("fxq_concrete") and not (
+                isinstance(ann, type) and issubclass(ann, _SCALAR_ANNOTATIONS)
+            )
         elif node.op == "get_attr":
             try:
                 value = _get_attr(gm, node.target)
@@ -112,6 +116,7 @@ def infer_tensor_nodes(
                 math.sqrt,
                 builtins.int,
                 builtins.float,
+                torch._assert,
             ):
                 is_tensor[node] = False
             elif getattr(target, "__module__", None) in ("_operator", "operator"):
@@ -144,8 +149,29 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
-def _observed_tensor_nodes(gm: GraphModule, example_inputs: Sequence[Any]) -> dict[Node, bool]:
+def positional_inputs(gm: GraphModule, example_inputs: Mapping[str, Any]) -> list[Any]:
+    """Keyword inputs in the graph's placeholder order (defaults fill the rest)."""
+    values = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        if node.target in example_inputs:
+            values.append(example_inputs[node.target])
+        elif str(node.target).startswith("*"):
+            break
+        elif node.args:
+            values.append(node.args[0])
+        else:
+            raise ValueError(f"example_inputs gives no value for the model input {node.target!r}")
+    return values
+
+
+def _observed_tensor_nodes(
+    gm: GraphModule, example_inputs: Sequence[Any] | Mapping[str, Any]
+) -> dict[Node, bool]:
     seen: dict[Node, bool] = {}
+    if isinstance(example_inputs, Mapping):
+        example_inputs = positional_inputs(gm, example_inputs)
 
     class _Recorder(Interpreter):
         def run_node(self, n: Node) -> Any:

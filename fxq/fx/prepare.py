@@ -43,7 +43,12 @@ from fxq.fx.graph_utils import (
     tensor_inputs,
     unique_name,
 )
-from fxq.fx.tracer import call_wrapped_method, is_fx_wrapped, symbolic_trace
+from fxq.fx.tracer import (
+    call_wrapped_method,
+    concrete_args_for,
+    is_fx_wrapped,
+    symbolic_trace,
+)
 from fxq.march import MarchSpec, get_march_spec
 from fxq.qat.base import QATModule
 from fxq.qat.stubs import QuantStub
@@ -64,8 +69,9 @@ __all__ = ["prepare_qat_fx", "FloatOpWarning"]
 def prepare_qat_fx(
     model: nn.Module,
     qconfig_dict: Mapping[str, Any] | None = None,
-    example_inputs: Sequence[Any] | None = None,
+    example_inputs: Sequence[Any] | Mapping[str, Any] | None = None,
     float_ops: str = "warn",
+    concrete_args: dict[str, Any] | None = None,
 ) -> GraphModule:
     """Turn a float model into a QAT model for the current march.
 
@@ -73,9 +79,12 @@ def prepare_qat_fx(
         model: the float model (not modified).
         qconfig_dict: see ``fxq.qconfig``; may be None when modules carry
             ``qconfig`` attributes (e.g. ``model.qconfig = ...``).
-        example_inputs: optional positional inputs; when given, the float
-            graph runs once so that tensors and Python values are told apart
-            exactly (otherwise static rules decide).
+        example_inputs: optional inputs, positional (a sequence) or keyword
+            (a dict: ``{"input_ids": ids}``); when given, the float graph runs
+            once so that tensors and Python values are told apart exactly
+            (otherwise static rules decide). With a dict, the arguments of
+            ``forward`` it leaves out are traced at their defaults (made
+            concrete), unless ``concrete_args`` says otherwise.
         float_ops: what to do about ops that have a qconfig but no integer
             implementation (they run in float, i.e. off the accelerator):
             ``"warn"`` (one warning listing every such op, its location and
@@ -83,6 +92,8 @@ def prepare_qat_fx(
             models that must deploy entirely in integers) or ``"ignore"``.
             An op given a qconfig of ``None`` is float on purpose and never
             listed.
+        concrete_args: arguments of ``forward`` to trace at a fixed Python
+            value, as in ``torch.fx.symbolic_trace`` (``{"attention_mask": None}``).
 
     Returns:
         a GraphModule in ``FakeQuantState.QAT``, on the model's device.
@@ -109,7 +120,9 @@ def prepare_qat_fx(
             "prepare_qat_fx: nothing to quantize. Pass a qconfig_dict, e.g. "
             "{'': fxq.qconfig.default_qat_8bit_fake_quant_qconfig}, or set model.qconfig"
         )
-    gm = work if isinstance(work, GraphModule) else symbolic_trace(work)
+    if isinstance(example_inputs, Mapping) and not isinstance(work, GraphModule):
+        concrete_args = {**concrete_args_for(work, dict(example_inputs)), **(concrete_args or {})}
+    gm = work if isinstance(work, GraphModule) else symbolic_trace(work, concrete_args)
     fuse_graph_module(gm, spec)
     preparer = _Preparer(gm, resolver, spec, example_inputs)
     preparer.run()

@@ -30,8 +30,10 @@ names the source line and says which code to wrap.
 from __future__ import annotations
 
 import functools
+import inspect
 import linecache
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -43,6 +45,8 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.fx.proxy import TraceError
 
+from fxq.registry import registry_class
+
 __all__ = [
     "fx_wrap",
     "Tracer",
@@ -50,6 +54,7 @@ __all__ = [
     "FxqTraceError",
     "call_wrapped_method",
     "is_fx_wrapped",
+    "concrete_args_for",
 ]
 
 T = TypeVar("T")
@@ -216,6 +221,11 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _INTERNAL_PREFIXES = (_FXQ_DIR + os.sep, _TORCH_DIR + os.sep, "<")
 
 
+def _is_internal(filename: str) -> bool:
+    """True for frames of fxq, of torch itself (not torchvision, timm...) and of ``<string>``."""
+    return filename.startswith(_INTERNAL_PREFIXES)
+
+
 class Tracer(torch.fx.Tracer):
     """torch.fx tracer that honours ``@fxq.fx_wrap()`` and fxq's leaf modules."""
 
@@ -230,7 +240,7 @@ class Tracer(torch.fx.Tracer):
         frame = sys._getframe(1)
         while frame is not None:
             filename = frame.f_code.co_filename
-            if not filename.startswith(_INTERNAL_PREFIXES):
+            if not _is_internal(filename):
                 node.meta["fxq_source"] = f"{filename}:{frame.f_lineno}"
                 break
             frame = frame.f_back
@@ -241,6 +251,8 @@ class Tracer(torch.fx.Tracer):
             return True
         if isinstance(m, self.extra_leaf_types):
             return True
+        if registry_class(type(m)) is not None:
+            return True  # a registry op, or a subclass of one that keeps its forward
         from torch.ao.quantization import DeQuantStub, QuantStub
 
         if isinstance(m, (QuantStub, DeQuantStub)):
@@ -297,7 +309,7 @@ class Tracer(torch.fx.Tracer):
         user_frame = None
         for frame, lineno in traceback.walk_tb(error.__traceback__):
             filename = os.path.abspath(frame.f_code.co_filename)
-            if filename.startswith((_FXQ_DIR, _TORCH_DIR)) or filename.startswith("<"):
+            if _is_internal(frame.f_code.co_filename) or _is_internal(filename):
                 continue
             user_frame = (frame, lineno)
         if user_frame is None:
@@ -317,21 +329,90 @@ class Tracer(torch.fx.Tracer):
                 if m is self_obj:
                     module_note = f" (module '{path or '<root>'}', {type(m).__name__})"
                     break
-        control_flow = isinstance(error, TraceError) or "Proxy" in str(error)
-        advice = (
-            "This code depends on tensor values (an `if`/`while` on a tensor, len(), iterating a "
-            "tensor or other data-dependent Python), which a graph cannot record. "
-            if control_flow
-            else ""
-        )
+        cause = _cause(frame, line, error)
         return (
             f"fxq.symbolic_trace failed: {type(error).__name__}: {error}\n"
             f"  at {filename}:{lineno}, in {func}{module_note}:\n"
-            f"      {line}\n"
-            f"{advice}Wrap the function or method containing this line with @fxq.fx_wrap() so it "
-            "runs at call time as one graph node (or put @fxq.fx_wrap() on its module class to "
-            "keep the whole module as a leaf)."
+            f"      {line}\n{cause}{_package_note(filename)}"
         )
+
+
+_WRAP_ADVICE = (
+    "Wrap the function or method containing this line with @fxq.fx_wrap() so it runs at call "
+    "time as one graph node (or put @fxq.fx_wrap() on its module class to keep the whole module "
+    "as a leaf)."
+)
+
+
+def _argument_proxies(frame: Any) -> dict[str, torch.fx.Proxy]:
+    """Local variables of ``frame`` that are the traced model's own arguments."""
+    found = {}
+    for name, value in frame.f_locals.items():
+        if isinstance(value, torch.fx.Proxy) and value.node.op == "placeholder":
+            found[name] = value
+    return found
+
+
+def _is_optional_argument(proxy: torch.fx.Proxy) -> bool:
+    """An argument with a default value (``mask=None``) or a ``*args`` / ``**kwargs``."""
+    return bool(proxy.node.args) or str(proxy.node.target).startswith("*")
+
+
+def _cause(frame: Any, line: str, error: BaseException) -> str:
+    """Why tracing failed here: an argument that should be concrete, or tensor control flow."""
+    arguments = _argument_proxies(frame)
+    mentioned = {n: p for n, p in arguments.items() if re.search(rf"\b{re.escape(n)}\b", line)}
+    optional = {n: p for n, p in (mentioned or arguments).items() if _is_optional_argument(p)}
+    if optional and (mentioned or not isinstance(error, TraceError)):
+        shown = ", ".join(
+            f"{p.node.target!r}" + (f" (default {p.node.args[0]!r})" if p.node.args else "")
+            for p in optional.values()
+        )
+        example = ", ".join(
+            f"{str(p.node.target).lstrip('*')!r}: {p.node.args[0] if p.node.args else '{}'!r}"
+            for p in optional.values()
+        )
+        return (
+            f"The model argument(s) {shown} became graph inputs (proxies), but this code needs "
+            "their Python value (an `is None` check, a dict of options, ...). This is an "
+            "argument that should be concrete, not control flow on tensor values: pass "
+            f"concrete_args={{{example}}} to fxq.symbolic_trace / fxq.prepare_qat_fx (as in "
+            "torch.fx.symbolic_trace), or give prepare_qat_fx example_inputs as a dict of the "
+            "keyword inputs you use (the arguments not given are made concrete)."
+        )
+    structured = {
+        n: p for n, p in mentioned.items() if not _is_optional_argument(p) and "iter" in str(error)
+    }
+    if structured:
+        names = ", ".join(repr(p.node.target) for p in structured.values())
+        return (
+            f"The model input(s) {names} are used as Python containers (a list or dict of "
+            "tensors that this code iterates), which a graph cannot record. Trace the part of "
+            "the model that takes plain tensors (e.g. its backbone and heads), or "
+            + _WRAP_ADVICE[0].lower()
+            + _WRAP_ADVICE[1:]
+        )
+    if isinstance(error, TraceError) or "Proxy" in str(error):
+        return (
+            "This code depends on tensor values (an `if`/`while` on a tensor, len(), iterating "
+            "a tensor or other data-dependent Python), which a graph cannot record. " + _WRAP_ADVICE
+        )
+    return _WRAP_ADVICE
+
+
+def _package_note(filename: str) -> str:
+    """Advice for a line in an installed package (torchvision, timm...) the user cannot edit."""
+    parts = os.path.abspath(filename).split(os.sep)
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts and parts.index(marker) + 1 < len(parts):
+            package = parts[parts.index(marker) + 1].removesuffix(".py")
+            return (
+                f"\nThis line is in the installed package {package!r}, which you cannot edit: "
+                "wrap without editing, e.g. `fxq.fx_wrap()(SomeClass)` to make a module class a "
+                "leaf, or a subclass whose overriding method carries @fxq.fx_wrap() (see "
+                "'Quantizing models you cannot edit' in docs/guide.md)."
+            )
+    return ""
 
 
 def symbolic_trace(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> GraphModule:
@@ -342,19 +423,111 @@ def symbolic_trace(model: nn.Module, concrete_args: dict[str, Any] | None = None
 
     Args:
         model: the float module.
-        concrete_args: inputs to specialise, as in ``torch.fx``.
+        concrete_args: arguments of ``model.forward`` to specialise, as in
+            ``torch.fx.symbolic_trace``: ``{"attention_mask": None}`` traces the
+            branch for that value. The graph module takes the argument as
+            before (calling it with another value fails its check) and its
+            default becomes the traced value, so it may be left out.
 
     Raises:
-        FxqTraceError: when tracing fails, with the source line and advice.
+        FxqTraceError: when tracing fails, with the source line and advice
+            (an argument that should be in ``concrete_args``, or control flow
+            on tensor values to wrap with ``@fxq.fx_wrap()``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxq.symbolic_trace expects an nn.Module, got {type(model).__name__}")
+    if concrete_args is not None:
+        _check_concrete_args(model, concrete_args)
     tracer = Tracer()
     graph = tracer.trace(model, concrete_args)
+    _mark_concrete_placeholders(graph, model, concrete_args or {})
     gm = GraphModule(model, graph, type(model).__name__)
     if tracer.uses_root_methods:
         _attach_root_state(gm, model)
     return gm
+
+
+def _check_concrete_args(model: nn.Module, concrete_args: dict[str, Any]) -> None:
+    if not isinstance(concrete_args, dict):
+        raise TypeError(
+            f"concrete_args must be a dict of argument name -> value, got {type(concrete_args).__name__}"
+        )
+    params = inspect.signature(model.forward).parameters
+    variadic = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in concrete_args if k not in params]
+    if unknown and not variadic:
+        raise ValueError(
+            f"concrete_args names {unknown}, which {type(model).__name__}.forward does not take "
+            f"(its arguments: {list(params)})"
+        )
+
+
+def _mark_concrete_placeholders(
+    graph: torch.fx.Graph, model: nn.Module, concrete_args: dict[str, Any]
+) -> None:
+    """Concrete arguments are Python values: mark them, keep their names, default to the value.
+
+    torch.fx renames a concrete argument's placeholder (``mask_1``); the
+    graph module keeps the argument's own name so keyword calls still work.
+    """
+    params = [
+        p
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, param in zip(placeholders, params):
+        if param.name not in concrete_args:
+            continue
+        value = concrete_args[param.name]
+        if _holds_placeholder_marker(value):
+            continue  # a structure of PH: its leaves are real inputs
+        node.meta["fxq_concrete"] = True
+        node.target = param.name
+        node.args = (value,)
+
+
+def _holds_placeholder_marker(value: Any) -> bool:
+    from torch.fx._symbolic_trace import PH
+
+    if value is PH:
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_placeholder_marker(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_placeholder_marker(v) for v in value.values())
+    return False
+
+
+def concrete_args_for(model: nn.Module, keyword_inputs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of ``model.forward`` that ``keyword_inputs`` leaves out, at their defaults.
+
+    ``prepare_qat_fx(example_inputs={"input_ids": ids})`` traces with every
+    other argument concrete (``attention_mask=None``, ...).
+
+    Raises:
+        ValueError: for a keyword that ``forward`` does not take, or an
+            argument without a default that is not given.
+    """
+    params = inspect.signature(model.forward).parameters
+    variadic = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in keyword_inputs if k not in params]
+    if unknown and not variadic:
+        raise ValueError(
+            f"example_inputs names {unknown}, which {type(model).__name__}.forward does not take "
+            f"(its arguments: {list(params)})"
+        )
+    concrete: dict[str, Any] = {}
+    for name, p in params.items():
+        if name in keyword_inputs or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"example_inputs gives no value for {name!r}, which "
+                f"{type(model).__name__}.forward needs (it has no default)"
+            )
+        concrete[name] = p.default
+    return concrete
 
 
 def _attach_root_state(gm: GraphModule, root: nn.Module) -> None:
