@@ -19,6 +19,7 @@ self-contained HTML page (matplotlib, imported only then).
 """
 
 from fxq.debug.compare import compare_qat_quantized, float_fake_quant
+from fxq.debug.sensitivity import sensitivity
 from fxq.debug.similarity import featuremap_similarity
 from fxq.debug.statistics import get_raw_features, profile_featuremap
 from fxq.debug.weights import compare_weights
@@ -28,6 +29,7 @@ __all__ = [
     "compare_weights",
     "get_raw_features",
     "profile_featuremap",
+    "sensitivity",
     "compare_qat_quantized",
     "float_fake_quant",
 ]

@@ -1,0 +1,334 @@
+"""``sensitivity``: how much the model output suffers from each quantized value alone."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.fx import GraphModule, Interpreter, Node
+
+from fxq.debug.capture import as_inputs, eval_no_grad, is_fxq_model
+from fxq.debug.compare import float_fake_quant
+from fxq.debug.metrics import Similarity, flat, similarity_for
+from fxq.debug.report import HtmlPage, figure, text_table, write_text
+from fxq.dtypes import QDType, as_qdtype
+from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
+from fxq.qat.base import QATModule
+
+__all__ = ["sensitivity", "SENSITIVITY_MODES", "QuantizedValue", "quantized_values"]
+
+#: ``"quantize_one"``: only this value quantized, the rest float;
+#: ``"float_one"``: every value quantized but this one.
+SENSITIVITY_MODES = ("quantize_one", "float_one")
+
+
+@dataclass
+class QuantizedValue:
+    """One quantized value of a QAT model: an activation or a weight.
+
+    Attributes:
+        name: the owning module's path (``"convs.1"``); a weight shared by several
+            call sites is named after the first.
+        kind: ``"activation"`` (the module's output), ``"weight"`` or ``"input<i>"``
+            (a standalone module's own input quantization).
+        fake_quant: the ``FakeQuantize`` that quantizes it.
+        node: the first graph node it affects (None: before the graph can tell).
+        type: the owning module's class name.
+    """
+
+    name: str
+    kind: str
+    fake_quant: FakeQuantize
+    node: Node | None
+    type: str
+
+
+def quantized_values(gm: GraphModule) -> list[QuantizedValue]:
+    """Every activation and weight fake quant of a QAT model, in run order."""
+    found: list[QuantizedValue] = []
+    seen: set[int] = set()
+
+    def add(name: str, kind: str, fq: Any, node: Node | None, module: nn.Module) -> None:
+        if isinstance(fq, FakeQuantize) and id(fq) not in seen and not fq.is_high_precision:
+            seen.add(id(fq))
+            found.append(QuantizedValue(name, kind, fq, node, type(module).__name__))
+
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if not isinstance(module, QATModule):
+            continue
+        add(node.target, "weight", getattr(module, "weight_fake_quant", None), node, module)
+        if module.has_output_quant:
+            add(node.target, "activation", module.activation_post_process, node, module)
+    for path, module in gm.named_modules():  # standalone modules, called from opaque code
+        if isinstance(module, QATModule) and module.standalone:
+            for i, fq in enumerate(module.input_quant):
+                add(path, f"input{i}", fq, None, module)
+            add(path, "weight", getattr(module, "weight_fake_quant", None), None, module)
+            if module.has_output_quant:
+                add(path, "activation", module.activation_post_process, None, module)
+    return found
+
+
+class _SuffixRunner(Interpreter):
+    """Runs a graph once keeping every value, then re-runs it from any node on."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.nodes = list(gm.graph.nodes)
+        self.position = {n: i for i, n in enumerate(self.nodes)}
+        self.base: dict[Node, Any] = {}
+
+    def run_base(self, *args: Any) -> Any:
+        self.env = {}
+        out = self.run(*args)
+        self.base = dict(self.env)
+        return out
+
+    def run_from(self, node: Node | None, *args: Any) -> Any:
+        """The output when the nodes from ``node`` on run again (everything before reused)."""
+        if node is None:
+            return self.run(*args)
+        start = self.position[node]
+        env = dict(self.base)
+        for n in self.nodes[start:]:
+            for inp in n.all_input_nodes:
+                if self.position[inp] < start and env[inp] is self.base[inp]:
+                    env[inp] = _clone(self.base[inp])  # a later in-place op must not touch it
+        self.env = env
+        for n in self.nodes[start:]:
+            if n.op == "output":
+                args_, _ = self.fetch_args_kwargs_from_env(n)
+                return args_[0]
+            env[n] = self.run_node(n)
+        raise RuntimeError("the graph has no output node")
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+@contextlib.contextmanager
+def _state(gm: GraphModule, mode: str) -> Iterator[None]:
+    """The baseline every value is toggled against: all float, or all fake-quantized."""
+    saved = {m: m.state for m in gm.modules() if hasattr(m, "set_fake_quant_state")}
+    try:
+        set_fake_quantize(gm, FakeQuantState.VALIDATION)
+        context = bypass(gm) if mode == "quantize_one" else float_fake_quant(gm)
+        with context:
+            yield
+    finally:
+        for m, s in saved.items():
+            if isinstance(m, FakeQuantize):
+                m.state = s
+            else:
+                m.set_fake_quant_state(s)
+
+
+@contextlib.contextmanager
+def _toggled(value: QuantizedValue, mode: str, dtype: QDType | None) -> Iterator[None]:
+    fq = value.fake_quant
+    saved_bypass = fq.__dict__.get("bypassed")
+    saved = (fq.dtype, fq.scale.clone())
+    try:
+        if dtype is not None:
+            with torch.no_grad():
+                fq.scale.mul_(fq.dtype.qmax / dtype.qmax)  # the same range on a finer grid
+            fq.dtype = dtype
+        elif mode == "quantize_one":
+            fq.bypassed = False
+        else:
+            fq.bypassed = True
+        yield
+    finally:
+        if saved_bypass is None:
+            fq.__dict__.pop("bypassed", None)
+        else:
+            fq.bypassed = saved_bypass
+        fq.dtype = saved[0]
+        with torch.no_grad():
+            fq.scale.copy_(saved[1])
+
+
+def _batches(inputs: Any) -> list[tuple]:
+    if isinstance(inputs, list):
+        return [as_inputs(b) for b in inputs]
+    return [as_inputs(inputs)]
+
+
+def sensitivity(
+    float_model: nn.Module,
+    calib_model: GraphModule,
+    inputs: Any,
+    metric: str | Callable[[Tensor, Tensor], float] | None = None,
+    dtype: QDType | str | None = None,
+    mode: str = "quantize_one",
+    out_dir: str | Path | None = None,
+    show: bool = False,
+    top: int = 30,
+) -> list[dict[str, Any]]:
+    """The model-output error caused by each quantized value alone, worst first.
+
+    For every quantized value of ``calib_model`` (each activation fake quant and
+    each weight fake quant), the model runs with only that value changed against
+    a baseline, and its output is compared with ``float_model``'s:
+
+    * ``mode="quantize_one"`` (default): baseline all float, only this value quantized;
+      the lowest SQNR is the most sensitive value;
+    * ``mode="float_one"``: baseline all quantized, only this value left float; the
+      highest SQNR is the value whose quantization costs most;
+    * ``dtype=fxq.qint16``: baseline all quantized, only this value raised to
+      ``dtype`` (its range kept, its step ``qmax8 / qmax16`` finer): the highest SQNR
+      is where a wider type helps most (the base of mixed precision).
+
+    The quantized computation is the training-time float fake-quant arithmetic
+    (``float_fake_quant``), which the integer model matches closely; it is fast.
+
+    Cost: one full forward of the baseline per batch, then for every value a
+    forward of the part of the graph from that value's layer to the output (the
+    values before it are cached): about ``1 + V/2`` forwards per batch for ``V``
+    quantized values, and the cached activations of one batch in memory. Pass a
+    list of batches to bound memory (e.g. 96 crops as 6 batches of 16).
+
+    Args:
+        float_model: the float model (its outputs are the reference).
+        calib_model: the calibrated (or QAT) model from ``prepare_qat_fx``; its
+            fake-quant states and scales are restored after.
+        inputs: one input, a tuple of positional inputs, or a list of such batches.
+        metric: ``"sqnr"`` (default), ``"cosine"``, ``"mse"``, ``"l1"``, or a callable
+            ``(reference, output) -> float`` (higher means better) on the model outputs
+            of all batches concatenated (flattened, float64).
+        dtype: raise each value to this dtype instead (see above).
+        mode: ``"quantize_one"`` or ``"float_one"``.
+        out_dir: when given, writes ``sensitivity.txt`` and ``sensitivity.html`` (a bar
+            chart of the ``top`` most sensitive values and the table).
+        show: print the table.
+        top: how many values the bar chart shows.
+
+    Returns:
+        one dict per quantized value, most harmful first: ``rank``, ``name``, ``kind``
+        (``"activation"``, ``"weight"``, ``"input0"``...), ``type``, ``dtype``, the metric
+        (key ``metric``, e.g. ``"sqnr"``: the model-output measure with only this value
+        changed), ``baseline`` (the measure of the baseline), ``seconds`` (total run time,
+        on the first row).
+
+    Raises:
+        TypeError: ``calib_model`` is not a model from ``prepare_qat_fx``.
+        ValueError: an unknown mode or metric, or no quantized value.
+    """
+    if mode not in SENSITIVITY_MODES:
+        raise ValueError(f"sensitivity: mode must be one of {SENSITIVITY_MODES}, got {mode!r}")
+    if not isinstance(calib_model, GraphModule) or not is_fxq_model(calib_model):
+        raise TypeError(
+            "sensitivity: calib_model must be the calibrated or QAT model returned by "
+            f"fxq.prepare_qat_fx, got {type(calib_model).__name__}"
+        )
+    sim = similarity_for(metric or "sqnr")
+    target_dtype = as_qdtype(dtype) if dtype is not None else None
+    if target_dtype is not None:
+        mode = "float_one"  # the baseline is all quantized
+    values = quantized_values(calib_model)
+    if not values:
+        raise ValueError("sensitivity: calib_model has no quantized value")
+    start = time.perf_counter()
+    batches = _batches(inputs)
+    reference: list[Tensor] = []
+    outputs: list[list[Tensor]] = [[] for _ in values]
+    baseline: list[Tensor] = []
+    runner = _SuffixRunner(calib_model)
+    with eval_no_grad(float_model, calib_model), _state(calib_model, mode):
+        for args in batches:
+            reference.append(_flat(float_model(*args)))
+            baseline.append(_flat(runner.run_base(*args)))
+            for i, value in enumerate(values):
+                if target_dtype is not None and value.fake_quant.dtype.bits >= target_dtype.bits:
+                    outputs[i].append(baseline[-1])
+                    continue
+                with _toggled(value, mode, target_dtype):
+                    outputs[i].append(_flat(runner.run_from(value.node, *args)))
+    ref = torch.cat(reference)
+    rows = []
+    for value, outs in zip(values, outputs):
+        rows.append(
+            {
+                "name": value.name,
+                "kind": value.kind,
+                "type": value.type,
+                "dtype": value.fake_quant.dtype.name,
+                sim.name: sim.fn(ref, torch.cat(outs)),
+            }
+        )
+    base = sim.fn(ref, torch.cat(baseline))
+    harmful_first = mode == "quantize_one"
+
+    def key(r: dict[str, Any]) -> float:
+        k = sim.worst_first_key(r[sim.name])
+        return k if harmful_first else -k
+
+    rows.sort(key=key)
+    for i, r in enumerate(rows):
+        r["rank"] = i
+        r["baseline"] = base
+    rows[0]["seconds"] = time.perf_counter() - start
+    columns = ["rank", "name", "kind", "type", "dtype", sim.name, "baseline"]
+    if show:
+        print(text_table(rows, columns))
+    if out_dir is not None:
+        _write(rows, columns, Path(out_dir), sim, mode, target_dtype, top)
+    return rows
+
+
+def _flat(out: Any) -> Tensor:
+    value = flat(out)
+    if value is None:
+        raise ValueError("sensitivity: the model output holds no floating-point tensor")
+    return value.cpu()
+
+
+def _write(
+    rows: list[dict[str, Any]],
+    columns: Sequence[str],
+    out: Path,
+    sim: Similarity,
+    mode: str,
+    dtype: QDType | None,
+    top: int,
+) -> None:
+    what = {
+        "quantize_one": "only this value quantized (the rest float)",
+        "float_one": "every value quantized but this one (left float)",
+    }[mode]
+    if dtype is not None:
+        what = f"every value quantized, this one raised to {dtype.name}"
+    write_text(
+        out / "sensitivity.txt", f"model output {sim.name}: {what}\n" + text_table(rows, columns)
+    )
+    page = HtmlPage("sensitivity")
+    page.paragraph(
+        f"Model-output {sim.name} against the float model with {what}; "
+        f"baseline {rows[0]['baseline']:.4g}. Most harmful first."
+    )
+    shown = rows[:top]
+    fig = figure(9.0, max(2.5, 0.22 * len(shown) + 1.0))
+    ax = fig.add_subplot()
+    labels = [f"{r['name']} ({r['kind']})" for r in shown][::-1]
+    values = [max(min(float(r[sim.name]), 300.0), -300.0) for r in shown][::-1]
+    ax.barh(range(len(shown)), values, color="#cc4444")
+    ax.set_yticks(range(len(shown)), labels, fontsize=7)
+    ax.set_xlabel(f"model output {sim.name}")
+    ax.grid(axis="x", alpha=0.3)
+    page.figure(fig, f"the {len(shown)} most harmful values", "sensitivity-bars")
+    page.table("sensitivity", columns, rows, marked=set(range(min(5, len(rows)))))
+    page.write(out / "sensitivity.html")
