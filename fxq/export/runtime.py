@@ -1,0 +1,476 @@
+"""The numpy reference kernels of the integer graph (``docs/integer_graph.md``).
+
+This module imports numpy and the standard library only: no torch, no other
+fxq module. Every kernel computes in exact integer arithmetic: int64 values,
+explicit rounding shifts and saturation; float64 matrix products are used
+only where every partial sum is an integer below ``2**53`` (so every float
+operation is exact whatever the summation order), which the kernels check.
+
+A kernel is ``kernel(node, inputs) -> outputs``: ``node`` is the graph node
+(``op``, ``attrs``, ``params``), ``inputs`` the numpy arrays of its inputs,
+the result a list of arrays, one per output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["KERNELS", "shift_round", "quantize", "DTYPES"]
+
+#: IR dtype name -> numpy dtype
+DTYPES: dict[str, Any] = {
+    "int8": np.int8,
+    "int16": np.int16,
+    "int32": np.int32,
+    "int64": np.int64,
+    "float32": np.float32,
+    "float64": np.float64,
+}
+
+_RANGES = {"int8": (-128, 127), "int16": (-32768, 32767), "int32": (-(1 << 31), (1 << 31) - 1)}
+_F64_EXACT = 1 << 53
+
+
+def _bounds(dtype: str, lo: int | None, hi: int | None) -> tuple[int, int]:
+    qmin, qmax = _RANGES[dtype]
+    return (qmin if lo is None else max(lo, qmin)), (qmax if hi is None else min(hi, qmax))
+
+
+def shift_round(v: np.ndarray, shift: np.ndarray | int, rounding: str = "half_up") -> np.ndarray:
+    """Arithmetic shift of int64 ``v`` by ``shift`` bits with rounding.
+
+    ``shift > 0``: ``(v + (1 << (shift - 1))) >> shift`` (``half_up``), ties to
+    even for ``half_even``; ``shift == 0``: ``v``; ``shift < 0``: ``v << -shift``
+    (exact). ``shift`` broadcasts against ``v``.
+    """
+    v = np.asarray(v, dtype=np.int64)
+    s = np.asarray(shift, dtype=np.int64)
+    right = np.maximum(s, 0)
+    if (s < 0).any():
+        v = v << np.maximum(-s, 0)
+    half = np.where(right > 0, np.left_shift(1, np.maximum(right - 1, 0)), 0)
+    out = (v + half) >> right
+    if rounding == "half_up":
+        return out
+    if rounding == "half_even":
+        mask = np.left_shift(1, right) - 1
+        tie = (right > 0) & ((v & mask) == half)
+        return out - (tie & ((out & 1) == 1))
+    raise ValueError(f"unknown rounding {rounding!r}")
+
+
+def _round_float(v: np.ndarray, rounding: str) -> np.ndarray:
+    """``half_up``: floor(v + 1/2) of the exact value of ``v``; ``half_even``: ties to even."""
+    if rounding == "half_up":
+        low = np.floor(v)
+        return low + ((v - low) >= 0.5)
+    if rounding == "half_even":
+        return np.round(v)
+    raise ValueError(f"unknown rounding {rounding!r}")
+
+
+def quantize(x: np.ndarray, scale: float, dtype: str, rounding: str = "half_up") -> np.ndarray:
+    """``clamp(round(x / scale))``: the IEEE division in float32 (float64 for float64 and
+    integers wider than 16 bits), as ``fxq.quantized.functional.quantize``."""
+    x = np.asarray(x)
+    wide = x.dtype == np.float64 or (x.dtype.kind in "iu" and x.dtype.itemsize > 2)
+    ft = np.float64 if wide else np.float32
+    v = x.astype(ft) / ft(scale)
+    if dtype == "int32":
+        v = v.astype(np.float64)
+    lo, hi = _RANGES[dtype]
+    return np.clip(_round_float(v, rounding), lo, hi).astype(DTYPES[dtype])
+
+
+def _requant(
+    acc: np.ndarray,
+    multiplier: np.ndarray,
+    shift: np.ndarray,
+    dtype: str,
+    rounding: str,
+    lo: int | None = None,
+    hi: int | None = None,
+) -> np.ndarray:
+    lo, hi = _bounds(dtype, lo, hi)
+    v = shift_round(acc.astype(np.int64) * np.asarray(multiplier, np.int64), shift, rounding)
+    return np.clip(v, lo, hi).astype(DTYPES[dtype])
+
+
+def _sat32(v: np.ndarray) -> np.ndarray:
+    return np.clip(v, -(1 << 31), (1 << 31) - 1)
+
+
+def _channel_shape(ndim: int, axis: int, n: int) -> tuple[int, ...]:
+    shape = [1] * ndim
+    shape[axis] = n
+    return tuple(shape)
+
+
+def _exact_dot(a: np.ndarray, b: np.ndarray, bound: int, spec: str) -> np.ndarray:
+    """``einsum(spec, a, b)`` of int64 operands, exact: float64 (BLAS) when ``bound``
+    (a bound on every partial sum) is below 2**53, else int64."""
+    if bound < _F64_EXACT:
+        out = np.einsum(spec, a.astype(np.float64), b.astype(np.float64), optimize=True)
+        return out.astype(np.int64)
+    return np.einsum(spec, a.astype(np.int64), b.astype(np.int64), optimize=True)
+
+
+def _bound(x: np.ndarray, w: np.ndarray, k: int) -> int:
+    mx = int(np.abs(x.astype(np.int64)).max()) if x.size else 0
+    mw = int(np.abs(w.astype(np.int64)).max()) if w.size else 0
+    return mx * mw * max(k, 1)
+
+
+# -- quantize / dequantize / requantize ---------------------------------------------------
+def _k_quantize(node, inputs):
+    a = node.attrs
+    return [quantize(inputs[0], a["scale"], a["dtype"], a["rounding"])]
+
+
+def _k_dequantize(node, inputs):
+    return [inputs[0].astype(np.float32) * np.float32(node.attrs["scale"])]
+
+
+def _k_requantize(node, inputs):
+    a, p = node.attrs, node.params
+    return [
+        _requant(
+            inputs[0], p["multiplier"], p["shift"], a["dtype"], a["rounding"], a["lo"], a["hi"]
+        )
+    ]
+
+
+# -- conv / linear / affine ---------------------------------------------------------------
+_PAD_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+
+
+def _pad(x: np.ndarray, pads: Sequence[Sequence[int]], mode: str = "zeros") -> np.ndarray:
+    """Pad (or crop, for negative amounts) the trailing ``len(pads)`` axes."""
+    lead = x.ndim - len(pads)
+    grow = [(0, 0)] * lead + [(max(lo, 0), max(hi, 0)) for lo, hi in pads]
+    if any(g != (0, 0) for g in grow):
+        x = np.pad(x, grow, mode=_PAD_MODES[mode])
+    crop = [slice(None)] * lead + [
+        slice(max(-lo, 0), x.shape[lead + i] - max(-hi, 0)) for i, (lo, hi) in enumerate(pads)
+    ]
+    return x[tuple(crop)]
+
+
+def conv_accumulate(
+    x: np.ndarray,
+    w: np.ndarray,
+    stride: Sequence[int],
+    pads: Sequence[Sequence[int]],
+    dilation: Sequence[int],
+    groups: int,
+    pad_mode: str = "zeros",
+) -> np.ndarray:
+    """Exact ``sum X * W`` of an N-d convolution, int64 ``[N, O, *out]``.
+
+    ``x``: ``[N, C, *spatial]``; ``w``: ``[O, C / groups, *k]`` (out-major).
+    """
+    d = w.ndim - 2
+    x = _pad(x.astype(np.int64), pads, pad_mode)
+    k = w.shape[2:]
+    span = [(ki - 1) * di + 1 for ki, di in zip(k, dilation)]
+    win = np.lib.stride_tricks.sliding_window_view(x, span, axis=tuple(range(2, 2 + d)))
+    sel = (
+        [slice(None)] * 2
+        + [slice(None, None, s) for s in stride]
+        + [slice(None, None, di) for di in dilation]
+    )
+    win = win[tuple(sel)]  # [N, C, *out, *k]
+    n, c = x.shape[:2]
+    out_sp = win.shape[2 : 2 + d]
+    o = w.shape[0]
+    win = win.reshape(n, groups, c // groups, *out_sp, *k)
+    wg = w.reshape(groups, o // groups, c // groups, *k)
+    letters = "defhijlm"[:d]
+    kl = "rstuvw"[:d]
+    spec = f"ngc{letters}{kl},gpc{kl}->ngp{letters}"
+    acc = _exact_dot(win, wg, _bound(x, w, (c // groups) * int(np.prod(k))), spec)
+    return acc.reshape(n, o, *out_sp)
+
+
+def conv_transpose_accumulate(
+    x: np.ndarray,
+    w: np.ndarray,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    output_padding: Sequence[int],
+    dilation: Sequence[int],
+    groups: int,
+) -> np.ndarray:
+    """Exact accumulation of a transposed convolution (out-major ``w``: ``[O, C / g, *k]``),
+    as the equivalent convolution of the zero-stuffed input with the flipped kernel."""
+    d = w.ndim - 2
+    n, c = x.shape[:2]
+    sp = x.shape[2:]
+    up = np.zeros((n, c, *[(s - 1) * st + 1 for s, st in zip(sp, stride)]), dtype=np.int64)
+    up[(slice(None), slice(None), *[slice(None, None, st) for st in stride])] = x
+    k = w.shape[2:]
+    pads = [
+        (di * (ki - 1) - p, di * (ki - 1) - p + op)
+        for ki, di, p, op in zip(k, dilation, padding, output_padding)
+    ]
+    flipped = np.flip(w, axis=tuple(range(2, 2 + d)))
+    return conv_accumulate(up, flipped, [1] * d, pads, dilation, groups)
+
+
+def _finish_weighted(node, acc: np.ndarray, residual: np.ndarray | None, axis: int):
+    """Bias, residual, saturation and requantization shared by conv / linear / affine."""
+    a, p = node.attrs, node.params
+    shape = _channel_shape(acc.ndim, axis % acc.ndim, acc.shape[axis])
+    if "bias" in p:
+        acc = acc + p["bias"].astype(np.int64).reshape(shape)
+    acc = _sat32(acc)
+    if residual is not None:
+        term = shift_round(
+            residual.astype(np.int64) * p["residual_multiplier"].astype(np.int64).reshape(shape),
+            p["residual_shift"].astype(np.int64).reshape(shape),
+            a["rounding"],
+        )
+        acc = _sat32(acc + term)
+    if a["out_dtype"] == "float32":  # high precision: float32(acc * s_x * s_w)
+        if a["lo"] is not None:
+            acc = np.maximum(acc, 0)
+        y = acc.astype(np.float64) * p["accumulator_scale"].reshape(shape)
+        if a.get("float_max") is not None:
+            y = np.minimum(y, a["float_max"])
+        return [y.astype(np.float32)]
+    m = p["multiplier"].astype(np.int64).reshape(shape)
+    s = p["shift"].astype(np.int64).reshape(shape)
+    return [_requant(acc, m, s, a["out_dtype"], a["rounding"], a["lo"], a["hi"])]
+
+
+def _k_conv(node, inputs):
+    a, w = node.attrs, node.params["weight"]
+    x = inputs[0]
+    if a["transposed"]:
+        acc = conv_transpose_accumulate(
+            x, w, a["stride"], a["padding"], a["output_padding"], a["dilation"], a["groups"]
+        )
+    else:
+        acc = conv_accumulate(
+            x, w, a["stride"], a["pads"], a["dilation"], a["groups"], a["pad_mode"]
+        )
+    return _finish_weighted(node, acc, inputs[1] if len(inputs) > 1 else None, 1)
+
+
+def _k_linear(node, inputs):
+    x, w = inputs[0], node.params["weight"]
+    acc = _exact_dot(x, w, _bound(x, w, w.shape[1]), "...k,ok->...o")
+    return _finish_weighted(node, acc, inputs[1] if len(inputs) > 1 else None, -1)
+
+
+def _k_channel_affine(node, inputs):
+    x = inputs[0].astype(np.int64)
+    w = node.params["weight"].astype(np.int64)
+    acc = x * w.reshape(_channel_shape(x.ndim, 1, w.shape[0]))
+    return _finish_weighted(node, acc, None, 1)
+
+
+# -- elementwise -----------------------------------------------------------------------------
+def _k_add(node, inputs):
+    a = node.attrs
+    total = np.zeros((), dtype=np.int64)
+    for x, m in zip(inputs, a["multipliers"]):
+        total = total + x.astype(np.int64) * np.int64(m)
+    if a["constant"] is not None:
+        total = total + np.int64(a["constant"])
+    return [_requant(total, 1, a["shift"], a["dtype"], a["rounding"])]
+
+
+def _k_mul(node, inputs):
+    a = node.attrs
+    if len(inputs) == 2:
+        prod = inputs[0].astype(np.int64) * inputs[1].astype(np.int64)
+    else:
+        prod = inputs[0].astype(np.int64) * np.int64(a["sign"])
+    return [_requant(prod, a["multiplier"], a["shift"], a["dtype"], a["rounding"])]
+
+
+def _k_matmul(node, inputs):
+    a = node.attrs
+    x, y = inputs
+    acc = _exact_dot(x, y, _bound(x, y, x.shape[-1]), "...ik,...kj->...ij")
+    return [_requant(_sat32(acc), a["multiplier"], a["shift"], a["dtype"], a["rounding"])]
+
+
+def _k_clip(node, inputs):
+    a = node.attrs
+    x = inputs[0]
+    return [np.clip(x, a["lo"], a["hi"]).astype(x.dtype)]
+
+
+def _k_float(node, inputs):
+    fn = node.attrs["fn"]
+    xs = [np.asarray(x, np.float32) for x in inputs]
+    if node.attrs.get("scalar") is not None:
+        s = np.float32(node.attrs["scalar"])
+        xs = [xs[0], s] if not node.attrs.get("scalar_first") else [s, xs[0]]
+    if fn == "neg":
+        return [np.negative(xs[0])]
+    ops = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+    return [ops[fn](xs[0], xs[1]).astype(np.float32)]
+
+
+# -- tables ------------------------------------------------------------------------------------
+def _k_lut(node, inputs):
+    table = node.params["table"]
+    return [table[inputs[0].astype(np.int64) + 128]]
+
+
+def _segment(q, knots, start, bits, rounding):
+    offset = q - start
+    k = np.clip(offset >> bits, 0, 63)
+    r = offset - (k << bits)
+    y0 = knots[k]
+    return y0 + shift_round((knots[k + 1] - y0) * r, bits, rounding)
+
+
+def _k_segment_lut(node, inputs):
+    a, p = node.attrs, node.params
+    q = inputs[0].astype(np.int64)
+    bits = a["dense_bits"]
+    half = 32 << bits
+    dense = _segment(
+        np.clip(q, -half, half - 1), p["dense"].astype(np.int64), -half, bits, a["rounding"]
+    )
+    sparse = _segment(q, p["sparse"].astype(np.int64), -32768, a["sparse_bits"], a["rounding"])
+    y = np.where((q >= -half) & (q < half), dense, sparse)
+    lo, hi = _RANGES[a["dtype"]]
+    return [np.clip(y, lo, hi).astype(DTYPES[a["dtype"]])]
+
+
+# -- pooling and resampling ---------------------------------------------------------------------
+def _k_axis_matmul(node, inputs):
+    """``y = x`` contracted with an integer matrix ``A_i [n_in, n_out]`` along each axis."""
+    x = inputs[0].astype(np.int64)
+    for i, axis in enumerate(node.attrs["axes"]):
+        m = node.params[f"matrix_{i}"].astype(np.int64)
+        moved = np.moveaxis(x, axis, -1)
+        bound = int(np.abs(moved).max() if moved.size else 0) * int(np.abs(m).sum(0).max())
+        out = _exact_dot(moved, m, bound, "...k,kj->...j")
+        x = np.moveaxis(out, -1, axis)
+    return [x]
+
+
+def _pool_windows(n: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    eff = d * (k - 1) + 1
+    num = n + 2 * p - eff
+    out = (-(-num // s) if ceil_mode else num // s) + 1
+    if ceil_mode and (out - 1) * s >= n + p:
+        out -= 1
+    return out
+
+
+def _k_max_pool(node, inputs):
+    a = node.attrs
+    x = inputs[0]
+    kernel, stride, padding, dilation = a["kernel"], a["stride"], a["padding"], a["dilation"]
+    dims = len(kernel)
+    lead = x.ndim - dims
+    outs = [
+        _pool_windows(
+            x.shape[lead + i], kernel[i], stride[i], padding[i], dilation[i], a["ceil_mode"]
+        )
+        for i in range(dims)
+    ]
+    low = np.iinfo(x.dtype).min
+    pads = []
+    for i in range(dims):
+        need = (outs[i] - 1) * stride[i] + dilation[i] * (kernel[i] - 1) + 1
+        right = max(need - x.shape[lead + i] - padding[i], 0)
+        pads.append((padding[i], right))
+    xp = np.pad(x, [(0, 0)] * lead + pads, constant_values=low)
+    y = None
+    for offs in np.ndindex(*kernel):
+        sel = [slice(None)] * lead + [
+            slice(o * dilation[i], o * dilation[i] + (outs[i] - 1) * stride[i] + 1, stride[i])
+            for i, o in enumerate(offs)
+        ]
+        v = xp[tuple(sel)]
+        y = v if y is None else np.maximum(y, v)
+    return [y]
+
+
+def adaptive_windows(n: int, o: int) -> list[tuple[int, int]]:
+    """torch's adaptive pooling windows ``[floor(i n / o), ceil((i + 1) n / o))``."""
+    return [((i * n) // o, -((-(i + 1) * n) // o)) for i in range(o)]
+
+
+def _k_adaptive_max_pool(node, inputs):
+    x = inputs[0]
+    size = node.attrs["output_size"]
+    for i, o in enumerate(size):
+        axis = x.ndim - len(size) + i
+        parts = [
+            np.take(x, range(s, e), axis=axis).max(axis=axis, keepdims=True)
+            for s, e in adaptive_windows(x.shape[axis], o)
+        ]
+        x = np.concatenate(parts, axis=axis)
+    return [x]
+
+
+# -- data movement ------------------------------------------------------------------------------
+def _target_shape(x: np.ndarray, shape: Sequence[int]) -> list[int]:
+    return [x.shape[i] if s == 0 else s for i, s in enumerate(shape)]
+
+
+def _k_reshape(node, inputs):
+    x = inputs[0]
+    return [x.reshape(_target_shape(x, node.attrs["shape"]))]
+
+
+def _k_transpose(node, inputs):
+    return [np.ascontiguousarray(np.transpose(inputs[0], node.attrs["perm"]))]
+
+
+def _k_gather(node, inputs):
+    """Per sample (``per_sample``) or over the whole tensor: ``y.flat[i] = x.flat[index[i]]``,
+    0 where ``index[i] == -1``."""
+    x = inputs[0]
+    idx = node.params["index"].astype(np.int64)
+    shape = list(node.attrs["shape"])
+    if node.attrs["per_sample"]:
+        flat = x.reshape(x.shape[0], -1)
+        shape = [x.shape[0], *shape]
+    else:
+        flat = x.reshape(1, -1)
+    if (idx < 0).any():
+        flat = np.concatenate([flat, np.zeros((flat.shape[0], 1), flat.dtype)], axis=1)
+        idx = np.where(idx < 0, flat.shape[1] - 1, idx)
+    return [flat[:, idx].reshape(shape)]
+
+
+def _k_concat(node, inputs):
+    return [np.concatenate(inputs, axis=node.attrs["axis"])]
+
+
+#: op name -> kernel
+KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
+    "quantize": _k_quantize,
+    "dequantize": _k_dequantize,
+    "requantize": _k_requantize,
+    "conv": _k_conv,
+    "linear": _k_linear,
+    "channel_affine": _k_channel_affine,
+    "add": _k_add,
+    "mul": _k_mul,
+    "matmul": _k_matmul,
+    "clip": _k_clip,
+    "lut": _k_lut,
+    "segment_lut": _k_segment_lut,
+    "axis_matmul": _k_axis_matmul,
+    "max_pool": _k_max_pool,
+    "adaptive_max_pool": _k_adaptive_max_pool,
+    "reshape": _k_reshape,
+    "transpose": _k_transpose,
+    "gather": _k_gather,
+    "concat": _k_concat,
+    "float": _k_float,
+}

@@ -1,0 +1,62 @@
+"""Shared pieces of the export tests: converted registry-op models and torchvision models."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import fxq
+from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
+from tests.helpers import recalibrate_bn
+from tests.test_registry import _calibrate, _inputs, _prepare
+
+
+def registry_model(row_name: str, target: Any) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The registry suite's one-op model for ``target``, calibrated and converted, and an input."""
+    qat = _prepare(row_name, target)
+    _calibrate(qat, row_name, target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fxq.convert_fx(qat), _inputs(row_name, target, 7)
+
+
+def torchvision_model(name: str, size: int = 64, batch: int = 2) -> tuple[nn.Module, torch.Tensor]:
+    """A randomly initialised torchvision model, calibrated on random data and converted."""
+    import torchvision
+
+    torch.manual_seed(0)
+    kwargs = {"aux_logits": False, "init_weights": False} if name == "googlenet" else {}
+    model = getattr(torchvision.models, name)(num_classes=10, **kwargs)
+    data = [torch.randn(batch, 3, size, size) for _ in range(2)]
+    recalibrate_bn(model, data)  # random init: give BatchNorm real statistics
+    model.eval()
+    prepared = fxq.prepare_qat_fx(model, {"": q8})
+    fxq.set_fake_quantize(prepared, fxq.FakeQuantState.CALIBRATION)
+    with torch.no_grad():
+        for x in data:
+            prepared(x)
+    fxq.set_fake_quantize(prepared, fxq.FakeQuantState.VALIDATION)
+    return fxq.convert_fx(prepared), torch.randn(batch, 3, size, size)
+
+
+def outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+    """The integer model's outputs as numpy arrays (flattened, in output order)."""
+    with torch.no_grad():
+        out = model(*inputs)
+    leaves = torch.utils._pytree.tree_flatten(out)[0]
+    return [
+        (v.dequantize() if isinstance(v, fxq.QTensor) else v).numpy()
+        for v in leaves
+        if isinstance(v, (torch.Tensor, fxq.QTensor))
+    ]
+
+
+def assert_equal_outputs(expected: list[np.ndarray], got: list[np.ndarray]) -> None:
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got):
+        assert e.dtype == g.dtype and e.shape == g.shape, (e.dtype, g.dtype, e.shape, g.shape)
+        assert np.array_equal(e, g), f"max difference {np.abs(e.astype(float) - g).max()}"

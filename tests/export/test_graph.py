@@ -1,0 +1,239 @@
+"""The integer graph and its numpy runtime equal fxq's integer model bit for bit:
+on every registry op, the op zoo, torchvision models, on every march."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fxq
+import fxq.export
+from fxq import registry
+from fxq.export import build
+from fxq.registry import Kind
+from tests.export.helpers import assert_equal_outputs, outputs, registry_model, torchvision_model
+from tests.helpers import ROOT
+from tests.test_registry import _cases
+
+
+@pytest.mark.parametrize(("row_name", "target"), _cases())
+def test_registry_op_exports_bit_exact(bayes, row_name, target, tmp_path):
+    integer, x = registry_model(row_name, target)
+    expected = outputs(integer, x)
+    graph = fxq.export.to_graph(integer, x)
+    assert_equal_outputs(expected, graph.run(*[t.numpy() for t in x]))
+    if row_name in ("conv2d", "add", "sigmoid", "avg_pool2d"):  # the file round trip
+        graph.save(tmp_path / "g.fxq")
+        assert_equal_outputs(
+            expected, fxq.export.load(tmp_path / "g.fxq").run(*[t.numpy() for t in x])
+        )
+
+
+def test_every_integer_class_and_passthrough_row_has_an_export_rule():
+    for row in registry.ROWS:
+        if row.integer is not None:
+            assert row.integer_class in build.RULES, row.name
+        if row.kind is Kind.PASSTHROUGH:  # value ops have their rule, the others move integers
+            assert (
+                row.name.rstrip("123d") in build.VALUE_RULES
+                or row.qtensor != "custom"
+                or (
+                    row.name
+                    in (
+                        "dropout",
+                        "pad",
+                        "pixel_shuffle",
+                        "pixel_unshuffle",
+                        "channel_shuffle",
+                        "contiguous",
+                        "interpolate",
+                    )
+                )
+            ), row.name
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    from tests.zoo import Zoo
+
+    fxq.set_march("bayes")
+    model = Zoo().eval()
+    qat = fxq.prepare_qat_fx(
+        model, {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig}, float_ops="ignore"
+    )
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    with torch.no_grad():
+        for _ in range(2):
+            qat(torch.randn(2, 3, 16, 16))
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
+    return fxq.convert_fx(qat)
+
+
+def test_zoo_with_a_float_region_and_another_batch_size(zoo, tmp_path):
+    x = torch.randn(2, 3, 16, 16)
+    graph = fxq.export.to_graph(zoo, x)
+    assert graph.dynamic_batch and graph.tensors[graph.inputs[0]].shape == ["N", 3, 16, 16]
+    assert "float" in {n.op for n in graph.nodes}  # the float region (neg) stays float
+    graph.save(tmp_path / "zoo.fxq")
+    loaded = fxq.export.load(tmp_path / "zoo.fxq")
+    for batch in (2, 5):
+        x = torch.randn(batch, 3, 16, 16) * 2
+        assert_equal_outputs(outputs(zoo, (x,)), loaded.run(x.numpy()))
+
+
+def test_print_tabular_lists_dtypes_shapes_and_scales(zoo, capsys):
+    graph = fxq.export.to_graph(zoo, torch.randn(2, 3, 16, 16))
+    text = graph.print_tabular()
+    assert text == capsys.readouterr().out.rstrip("\n")
+    assert "march bayes" in text and "int8[Nx8x16x16] @ " in text and "float32[Nx5]" in text
+
+
+def test_file_is_json_and_npy_without_pickle(zoo, tmp_path):
+    graph = fxq.export.to_graph(zoo, torch.randn(2, 3, 16, 16))
+    graph.save(tmp_path / "zoo.fxq")
+    with zipfile.ZipFile(tmp_path / "zoo.fxq") as z:
+        meta = json.loads(z.read("graph.json"))
+        assert meta["format"] == "fxq.integer_graph" and meta["version"] == 1
+        names = z.namelist()
+        assert all(n == "graph.json" or n.endswith(".npy") for n in names)
+    conv = next(n for n in meta["nodes"] if n["op"] == "conv")
+    assert set(conv["params"]) >= {"weight", "bias", "multiplier", "shift"}
+
+
+def test_runtime_runs_without_torch(zoo, tmp_path):
+    x = torch.randn(3, 3, 16, 16)
+    graph = fxq.export.to_graph(zoo, x)
+    graph.save(tmp_path / "zoo.fxq")
+    np.save(tmp_path / "x.npy", x.numpy())
+    expected = outputs(zoo, (x,))
+    code = f"""
+        import importlib.util, sys, types, numpy as np
+        sys.modules["torch"] = None  # any import of torch fails
+        root = {str(ROOT / "fxq")!r}
+        for name, path in (("fxq", root), ("fxq.export", root + "/export")):
+            pkg = types.ModuleType(name); pkg.__path__ = [path]; sys.modules[name] = pkg
+        from fxq.export import graph
+        g = graph.load({str(tmp_path / "zoo.fxq")!r})
+        outs = g.run(np.load({str(tmp_path / "x.npy")!r}))
+        for i, y in enumerate(outs):
+            np.save({str(tmp_path)!r} + f"/y{{i}}.npy", y)
+        assert not [m for m in sys.modules if m.startswith("torch") and sys.modules[m] is not None]
+    """
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    assert_equal_outputs(expected, [np.load(tmp_path / f"y{i}.npy") for i in range(len(expected))])
+
+
+def test_command_line_runner(zoo, tmp_path):
+    x = torch.randn(2, 3, 16, 16)
+    fxq.export.to_graph(zoo, x).save(tmp_path / "zoo.fxq")
+    np.save(tmp_path / "x.npy", x.numpy())
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fxq.export.run",
+            str(tmp_path / "zoo.fxq"),
+            str(tmp_path / "x.npy"),
+            "-o",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+    )
+    assert r.returncode == 0, r.stderr
+    assert "output 0" in r.stdout
+    assert_equal_outputs(outputs(zoo, (x,)), [np.load(tmp_path / f"out{i}.npy") for i in range(2)])
+
+
+def test_unsupported_float_op_names_node_op_and_source_line(bayes):
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            return torch.softmax(self.conv(x), 1)
+
+    qat = fxq.prepare_qat_fx(
+        M(), {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig}, float_ops="ignore"
+    )
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    qat(torch.randn(2, 3, 4, 4))
+    integer = fxq.convert_fx(qat)
+    line = M.forward.__code__.co_firstlineno + 1
+    with pytest.raises(fxq.export.ExportError, match=rf"'softmax'.*{__file__}:{line}.*float op"):
+        fxq.export.to_graph(integer, torch.randn(2, 3, 4, 4))
+
+
+@pytest.mark.parametrize("march", ["bernoulli2", "bayes-e"])
+def test_other_marches(march):
+    fxq.set_march(march)
+    integer, x = torchvision_model("resnet18", size=32)
+    graph = fxq.export.to_graph(integer, x)
+    assert graph.march == march
+    assert_equal_outputs(outputs(integer, (x,)), graph.run(x.numpy()))
+
+
+def test_int16_activations(bayes):
+    from fxq.qconfig import default_qat_8bit_weight_16bit_act_fake_quant_qconfig as q16
+
+    model = nn.Sequential(
+        fxq.QuantStub(),
+        nn.Conv2d(3, 8, 3),
+        nn.ReLU(),
+        nn.Sigmoid(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+        fxq.DeQuantStub(),
+    ).eval()
+    qat = fxq.prepare_qat_fx(model, {"": q16})
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    qat(torch.randn(2, 3, 8, 8))
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
+    integer = fxq.convert_fx(qat)
+    x = torch.randn(2, 3, 8, 8)
+    graph = fxq.export.to_graph(integer, x)
+    assert "segment_lut" in {n.op for n in graph.nodes}
+    assert_equal_outputs(outputs(integer, (x,)), graph.run(x.numpy()))
+
+
+#: the models of tests/test_models.py; FXQ_EXPORT_ALL_MODELS=1 runs all of them (about 3
+#: minutes on two cores), otherwise three that cover their op families (about 15 s)
+TORCHVISION = [
+    "resnet18",
+    "resnet50",
+    "mobilenet_v2",
+    "mobilenet_v3_large",
+    "shufflenet_v2_x1_0",
+    "efficientnet_b0",
+    "regnet_x_400mf",
+    "squeezenet1_1",
+    "densenet121",
+    "googlenet",
+    "mnasnet1_0",
+    "resnext50_32x4d",
+]
+
+
+FAST = ("resnet18", "mobilenet_v2", "shufflenet_v2_x1_0")
+
+
+@pytest.mark.parametrize("name", TORCHVISION if os.environ.get("FXQ_EXPORT_ALL_MODELS") else FAST)
+def test_torchvision_model(bayes, name):
+    integer, x = torchvision_model(name, size=32)
+    graph = fxq.export.to_graph(integer, x)
+    assert_equal_outputs(outputs(integer, (x,)), graph.run(x.numpy()))
