@@ -12,6 +12,7 @@ from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 
+from fxq.fx.tracer import bind_root
 from fxq.registry import NONTENSOR_METHODS
 
 __all__ = [
@@ -174,6 +175,9 @@ def _observed_tensor_nodes(
         example_inputs = positional_inputs(gm, example_inputs)
 
     class _Recorder(Interpreter):
+        def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+            return super().call_function(target, bind_root(self.module, args), kwargs)
+
         def run_node(self, n: Node) -> Any:
             out = super().run_node(n)
             seen[n] = _holds_tensor(out)

@@ -58,6 +58,7 @@ from fxq.registry import (
     OpRow,
     canonical_key,
     functional_target,
+    registry_class,
     row_for,
     row_for_module,
     target_name,
@@ -337,36 +338,81 @@ class _Preparer:
         return new
 
     def _swap_opaque_modules(self) -> None:
-        """Standalone QAT modules for modules that only opaque code calls."""
+        """Standalone QAT modules for modules that only opaque code calls.
+
+        Opaque code (``@fx_wrap()`` methods and functions, wrapped classes)
+        reaches modules the graph does not call: at any depth, inside
+        containers (``nn.Sequential``, torchvision blocks) and inside wrapped
+        classes. Each weighted or compute module there becomes a standalone
+        QAT module (it quantizes its own inputs). Registry ops are not entered
+        (their forward uses their children's weights directly); when the graph
+        holds opaque code, those that stay float are added to the float-op
+        list.
+        """
         in_graph = {n.target for n in self.gm.graph.nodes if n.op == "call_module"}
+        has_opaque = any(
+            _is_opaque(n, self.modules.get(n.target) if n.op == "call_module" else None)
+            for n in self.gm.graph.nodes
+            if n.op in ("call_module", "call_function")
+        )
 
         def visit(module: nn.Module, prefix: str) -> None:
             for name, child in list(module.named_children()):
                 path = f"{prefix}.{name}" if prefix else name
-                if isinstance(child, (QATModule, FakeQuantize)) or path in in_graph:
-                    if path in in_graph and _opaque_container(child):
+                if isinstance(child, (QATModule, FakeQuantize)) or name == "_fxq_self":
+                    continue
+                if path in in_graph:
+                    if _opaque_container(child):
                         visit(child, path)
                     continue
-                rule = row_for_module(type(child))
-                if rule.kind in (Kind.WEIGHTED, Kind.COMPUTE):
-                    choice = self.resolver.resolve(
-                        path, type(child.op) if isinstance(child, Fused) else type(child)
-                    )
-                    if choice.qconfig is not None:
-                        resolved = rule.resolve(None, child)
-                        if (
-                            resolved.kind in (Kind.WEIGHTED, Kind.COMPUTE)
-                            and resolved.qat is not None
-                        ):
-                            qat = self._make_standalone(resolved, child, choice)
-                            _name_fake_quants(qat, path)
-                            setattr(module, name, qat)
-                            continue
-                if isinstance(child, Fused) or _is_torch_builtin(child):
+                if registry_class(type(child)) is not None or isinstance(child, Fused):
+                    qat = self._standalone_for(child, path)
+                    if qat is not None:
+                        setattr(module, name, qat)
+                    elif has_opaque:
+                        self._list_opaque_float(child, path)
+                    continue
+                if _is_torch_nn_layer(child):
+                    if has_opaque and self._has_weights(child):
+                        self._list_opaque_float(child, path)
                     continue
                 visit(child, path)
 
         visit(self.gm, "")
+
+    def _standalone_for(self, child: nn.Module, path: str) -> QATModule | None:
+        """The standalone QAT module for a registry module, or None when it stays float."""
+        rule = row_for_module(type(child))
+        if rule.kind not in (Kind.WEIGHTED, Kind.COMPUTE):
+            return None
+        choice = self.resolver.resolve(
+            path, type(child.op) if isinstance(child, Fused) else type(child)
+        )
+        if choice.qconfig is None:
+            return None
+        resolved = rule.resolve(None, child)
+        if resolved.kind not in (Kind.WEIGHTED, Kind.COMPUTE) or resolved.qat is None:
+            return None
+        qat = self._make_standalone(resolved, child, choice)
+        _name_fake_quants(qat, path)
+        return qat
+
+    @staticmethod
+    def _has_weights(module: nn.Module) -> bool:
+        return any(True for _ in module.parameters())
+
+    def _list_opaque_float(self, child: nn.Module, path: str) -> None:
+        """A module opaque code may call that stays float: list it (unless float on purpose)."""
+        rule = row_for_module(type(child)).resolve(None, child)
+        if rule.kind is not Kind.FLOAT:
+            return
+        if self.resolver.resolve(path, type(child)).qconfig is None:
+            return
+        reason = rule.reason or "no integer implementation"
+        self.float_ops.append(
+            f"{path} ({target_name(type(child))}, not in the traced graph; runs in float "
+            f"wherever @fx_wrap() code calls it): {reason}"
+        )
 
     def _make_standalone(self, rule, child: nn.Module, choice: QConfigChoice) -> QATModule:
         if rule.kind is Kind.WEIGHTED:
@@ -382,11 +428,21 @@ class _Preparer:
 
 def _opaque_container(module: nn.Module) -> bool:
     """A leaf in the graph whose forward is user code (so its children are opaque)."""
-    return is_fx_wrapped(type(module)) and not _is_torch_builtin(module)
+    return is_fx_wrapped(type(module)) and registry_class(type(module)) is None
 
 
-def _is_torch_builtin(module: nn.Module) -> bool:
-    return type(module).__module__.startswith(("torch.", "torchvision."))
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _is_torch_nn_layer(module: nn.Module) -> bool:
+    """A torch.nn layer that is not a container (its forward may use its children's weights).
+
+    Bare ``nn.Module``s are containers: GraphModule builds them for the paths
+    of traced-through modules.
+    """
+    if type(module) is nn.Module or isinstance(module, _CONTAINERS):
+        return False
+    return type(module).__module__.startswith("torch.")
 
 
 def _is_opaque(node: Node, module: nn.Module | None) -> bool:

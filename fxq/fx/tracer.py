@@ -55,6 +55,8 @@ __all__ = [
     "call_wrapped_method",
     "is_fx_wrapped",
     "concrete_args_for",
+    "bind_root",
+    "SELF",
 ]
 
 T = TypeVar("T")
@@ -191,6 +193,15 @@ def _root_view(gm: nn.Module, state: _RootState) -> nn.Module:
             d[key] = gm.__dict__[key]
     object.__setattr__(view, "__dict__", d)
     return view
+
+
+def bind_root(gm: nn.Module, args: tuple) -> tuple:
+    """Replace the root placeholder in a ``call_wrapped_method`` node's arguments by ``gm``.
+
+    Generated code passes ``self`` (the graph module); a ``torch.fx.Interpreter``
+    sees the graph's ``SELF`` marker instead and must bind it with this.
+    """
+    return tuple(gm if a is SELF else a for a in args)
 
 
 @fx_wrap()
@@ -533,7 +544,10 @@ def concrete_args_for(model: nn.Module, keyword_inputs: dict[str, Any]) -> dict[
 def _attach_root_state(gm: GraphModule, root: nn.Module) -> None:
     """Give ``gm`` everything the root's wrapped methods may reach through ``self``."""
     for name, child in root.named_children():
-        if name not in gm._modules:
+        held = gm._modules.get(name)
+        # GraphModule holds a traced-through child as a bare nn.Module with only the parts the
+        # graph calls; wrapped methods need the real one (``self.inner.decode(...)``)
+        if held is None or (type(held) is nn.Module and type(child) is not nn.Module):
             gm.add_module(name, child)
     for name, p in root.named_parameters(recurse=False):
         if name not in gm._parameters:
