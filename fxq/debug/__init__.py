@@ -18,6 +18,7 @@ Each returns its rows; with ``out_dir`` it also writes text tables and one
 self-contained HTML page (matplotlib, imported only then).
 """
 
+from fxq.debug.analysis import QuantAnalysis
 from fxq.debug.compare import compare_qat_quantized, float_fake_quant
 from fxq.debug.sensitivity import sensitivity
 from fxq.debug.similarity import featuremap_similarity
@@ -30,6 +31,7 @@ __all__ = [
     "get_raw_features",
     "profile_featuremap",
     "sensitivity",
+    "QuantAnalysis",
     "compare_qat_quantized",
     "float_fake_quant",
 ]
