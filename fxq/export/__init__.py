@@ -1,11 +1,53 @@
-"""Export a converted fxq model: fxq's integer graph (with a numpy reference runtime)
-and ONNX (``docs/integer_graph.md``).
+"""Export a converted fxq model (``docs/integer_graph.md``).
 
->>> # graph = fxq.export.to_graph(integer_model, example_inputs)
->>> # graph.save("model.fxq"); fxq.export.load("model.fxq").run(x_numpy)
+* ``to_graph(quantized, example_inputs) -> IntegerGraph``: fxq's integer IR;
+  ``IntegerGraph.run`` is the numpy reference runtime (no torch), ``.save`` writes
+  one file (JSON + ``.npy`` in a zip) that ``load`` reads without torch or pickle.
+* ``to_onnx(quantized, example_inputs, path, mode="integer")``: standard ONNX that
+  onnxruntime runs bit for bit like the integer model.
+
+Both equal ``quantized(*example_inputs)`` bit for bit.
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 from fxq.export.build import ExportError, to_graph
 from fxq.export.graph import IntegerGraph, Node, TensorInfo, load
 
-__all__ = ["to_graph", "load", "IntegerGraph", "Node", "TensorInfo", "ExportError"]
+__all__ = ["to_graph", "to_onnx", "load", "IntegerGraph", "Node", "TensorInfo", "ExportError"]
+
+
+def to_onnx(
+    quantized: Any,
+    example_inputs: Any,
+    path: str | Path | None = None,
+    mode: str = "integer",
+    input_names: list[str] | None = None,
+    output_names: list[str] | None = None,
+) -> Any:
+    """Export a converted fxq model to ONNX (opset 19, dynamic batch axis ``"N"``).
+
+    Args:
+        quantized: the model returned by ``fxq.convert_fx``.
+        example_inputs: a tensor or a tuple of tensors (batch of 2 or more).
+        path: the ``.onnx`` file to write (None: only return the model).
+        mode: ``"integer"``: integer tensors and exact integer arithmetic, equal to
+            the integer model bit for bit in onnxruntime.
+        input_names, output_names: names of the ONNX graph's inputs and outputs.
+
+    Returns:
+        the ``onnx.ModelProto`` (checked with ``onnx.checker`` full checking).
+
+    Raises:
+        ValueError: an unknown ``mode``.
+        ExportError: a node of the model has no export rule (naming it and its source line).
+    """
+    if mode != "integer":
+        raise ValueError(f"fxq.export.to_onnx: unknown mode {mode!r}; use 'integer'")
+    from fxq.export.onnx import graph_to_onnx
+
+    graph = to_graph(quantized, example_inputs)
+    return graph_to_onnx(graph, path, input_names, output_names)
