@@ -135,6 +135,33 @@ def available() -> bool:
     return _library() is not None
 
 
+class ExporterError(RuntimeError):
+    """torch's own ONNX exporter was asked to export an fxq integer model."""
+
+
+def _capturing(acc: Tensor) -> bool:
+    """Whether a graph capture is running, in which the C kernel (opaque to torch) must not run.
+
+    ``torch.jit.trace``, ``torch.export`` and ``torch.compile`` then record the torch path
+    (identical results). ``torch.onnx.export`` raises ``ExporterError``: fxq's integer
+    arithmetic (``frexp`` / ``ldexp``, float64 rounding) has no faithful ONNX translation
+    there; ``fxq.export.to_onnx`` writes one that onnxruntime runs bit for bit.
+    """
+    if torch.onnx.is_in_onnx_export():
+        raise ExporterError(
+            "torch.onnx.export cannot export an fxq integer model faithfully (its integer "
+            "arithmetic would be lost or the graph left empty). Use "
+            "fxq.export.to_onnx(model, example_inputs, 'model.onnx'), which writes integer ONNX "
+            "that onnxruntime runs bit for bit, or fxq.export.to_graph for fxq's integer graph"
+        )
+    return (
+        torch.jit.is_tracing()
+        or torch.compiler.is_compiling()
+        or type(acc) is not Tensor  # fake / meta / subclass tensors: no data to read
+        or acc.device.type == "meta"
+    )
+
+
 def requantize(
     acc: Tensor,
     r: Tensor,
@@ -153,7 +180,7 @@ def requantize(
         out_dtype: int8 / int16 storage, or float32 for exact integers in float32.
     """
     func = _FUNCS.get((acc.dtype, out_dtype))
-    if func is None or acc.device.type != "cpu" or r.device.type != "cpu":
+    if func is None or acc.device.type != "cpu" or r.device.type != "cpu" or _capturing(acc):
         return None
     lib = _library()
     if lib is None:
@@ -197,6 +224,7 @@ def requantize_add(
         or residual.shape != acc.shape
         or acc.device.type != "cpu"
         or residual.device.type != "cpu"
+        or _capturing(acc)
     ):
         return None
     lib = _library()
