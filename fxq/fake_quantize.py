@@ -300,8 +300,34 @@ class FakeQuantize(nn.Module):
         obs = self.activation_post_process
         if isinstance(obs, FixedScaleObserver):
             return obs.fixed_scale.expand(self.scale.shape).clone()
-        scale = (obs.amax().to(self.scale.device) / self.dtype.qmax).clamp(min=_EPS)
+        amax = obs.amax().to(self.scale.device)
+        scale = (amax / self.dtype.qmax).clamp(min=_EPS)
+        fallback = self._zero_range_scale()
+        if fallback is not None:
+            scale = torch.where(amax > 0, scale, fallback.to(scale.dtype))
         return qf.constrain_scale(scale, self.spec.scale_constraint)
+
+    #: per-tensor fake quants of the producing op's inputs (set by ``fxq.qat``): a value whose
+    #: calibrated range is zero (a constant 0, e.g. an attention mask of an unpadded batch)
+    #: takes the largest of their scales, so requantizing to it stays representable
+    zero_range_inputs: tuple[FakeQuantize | None, ...] = ()
+
+    def _zero_range_scale(self) -> Tensor | None:
+        """The scale for an all-zero value: the largest input scale (None without inputs)."""
+        if self.scale.numel() != 1:
+            return None
+        scales = [
+            fq.scale.reshape(())
+            for fq in self.zero_range_inputs
+            if fq is not None
+            and fq is not self
+            and not fq.is_high_precision
+            and fq.scale.numel() == 1
+            and bool(fq.observed)
+        ]
+        if not scales:
+            return None
+        return torch.stack([s.to(self.scale.device) for s in scales]).amax()
 
     def warn_if_scale_at_floor(self) -> bool:
         """Warn (once per fake quant) when the scale sits at the ``2**-23`` floor

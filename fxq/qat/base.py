@@ -85,6 +85,12 @@ class QATModule(nn.Module):
         their producers.
         """
         self._input_quants = tuple(quants)
+        self._link_zero_range_inputs()
+
+    def _link_zero_range_inputs(self) -> None:
+        """An all-zero output takes its scale from the inputs (``FakeQuantize.zero_range_inputs``)."""
+        if self.has_output_quant:
+            self.activation_post_process.zero_range_inputs = self._input_quants
 
     def make_standalone(self, num_inputs: int = 1) -> None:
         """Quantize the inputs here (for modules called from opaque code)."""
@@ -94,6 +100,7 @@ class QATModule(nn.Module):
             if fq.is_high_precision:  # an int32 input is not a thing: use int8
                 raise ValueError("a high-precision (int32) qconfig cannot quantize inputs")
         self._input_quants = tuple(self.input_quant)
+        self._link_zero_range_inputs()
 
     def quantize_standalone_inputs(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         if not self.standalone:
