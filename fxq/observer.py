@@ -27,7 +27,9 @@ with ``register_observer`` (``fxq.calibration.observers`` registers
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +46,7 @@ __all__ = [
     "observer_registry",
     "register_observer",
     "keep_dtypes",
+    "synchronized",
 ]
 
 
@@ -109,12 +112,15 @@ class ObserverBase(nn.Module):
         if mn.is_meta:  # shapes only: nothing to check
             return
         if not bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):
-            where = self.name or type(self).__name__
-            raise ValueError(
-                f"observer of {where} saw NaN or Inf values; fxq does not ignore them. "
-                "Check the inputs and the loss (a diverging QAT run often starts here), "
-                "or keep this layer in float with a qconfig of None."
-            )
+            self._raise_non_finite()
+
+    def _raise_non_finite(self) -> None:
+        where = self.name or type(self).__name__
+        raise ValueError(
+            f"observer of {where} saw NaN or Inf values; fxq does not ignore them. "
+            "Check the inputs and the loss (a diverging QAT run often starts here), "
+            "or keep this layer in float with a qconfig of None."
+        )
 
     def _resize_to(self, mn: Tensor) -> None:
         if self.min_val.shape != mn.shape:
@@ -126,13 +132,61 @@ class ObserverBase(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Record statistics of ``x`` and return it unchanged (an empty ``x`` records nothing)."""
-        if x.numel() == 0:
-            return x
-        mn, mx = self._batch_minmax(x)
-        self._check_finite(mn, mx)
-        self._resize_to(mn)
-        self._update(mn, mx)
+        stats = self._observed_minmax(x)
+        if stats is not None:
+            self._resize_to(stats[0])
+            self._update(*stats)
         return x
+
+    # -- statistics across processes -------------------------------------------
+    #: the process group whose ranks observe together (set by ``synchronized``), or None
+    sync_group: Any = None
+
+    def _observed_minmax(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The batch's min and max, over every rank of ``sync_group`` when one is set.
+
+        Returns None when there is nothing to record (an empty tensor on every
+        rank). Raises for NaN / Inf on any rank (on every rank alike, so none
+        is left waiting in a collective).
+        """
+        if self.sync_group is None:
+            if x.numel() == 0:
+                return None
+            mn, mx = self._batch_minmax(x)
+            self._check_finite(mn, mx)
+            return mn, mx
+        import torch.distributed as dist
+
+        if x.numel() == 0:
+            channels = 1 if self.ch_axis is None else x.shape[self.ch_axis % x.dim()]
+            mn = torch.full((channels,), float("inf"), device=x.device)
+            mx = torch.full((channels,), float("-inf"), device=x.device)
+        else:
+            mn, mx = self._batch_minmax(x)
+        bad = ~(torch.isfinite(mn).all() & torch.isfinite(mx).all()) if x.numel() else None
+        flag = torch.zeros(1, device=x.device)
+        if bad is not None and bool(bad):
+            flag.fill_(1.0)
+            mn, mx = torch.full_like(mn, float("inf")), torch.full_like(mx, float("-inf"))
+        packed = torch.cat([-mn, mx, flag])  # one MAX reduction: min = -max(-min)
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.sync_group)
+        n = mn.numel()
+        mn, mx, flag = -packed[:n], packed[n : 2 * n], packed[2 * n]
+        if bool(flag):
+            self._raise_non_finite()
+        if bool(torch.isinf(mn).all()):
+            return None  # empty on every rank
+        return mn, mx
+
+    def _sum_over_ranks(self, t: Tensor) -> Tensor:
+        """``t`` summed over the ranks of ``sync_group`` (``t`` itself when there is none)."""
+        if self.sync_group is None:
+            return t
+        import torch.distributed as dist
+
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.sync_group)
+        return t
 
     def amax(self) -> Tensor:
         """Largest magnitude to represent (per channel for per-channel observers)."""
@@ -345,3 +399,38 @@ def get_observer_class(name: str, per_channel: bool) -> type[ObserverBase]:
             f"observer {name!r} has no version for {kind}; use one of: {', '.join(usable)}"
         )
     return cls
+
+
+@contextlib.contextmanager
+def synchronized(model: nn.Module, group: Any = None) -> Iterator[nn.Module]:
+    """Within the block, activation observers of ``model`` observe across processes.
+
+    When ``torch.distributed`` is initialised with more than one rank, every
+    per-tensor observer combines each batch's statistics over the ranks of
+    ``group`` (the default group when None) before recording them: min / max
+    are reduced, histograms share one range and sum their counts. N ranks
+    calibrating on N shards then reach exactly the scales one process reaches
+    on the concatenated batches. Outside a distributed run it changes nothing.
+
+    Every rank must run the same forwards in the same order (the usual data
+    parallel calibration loop); an observer that runs on one rank only would
+    wait for the others. Weight observers are left alone (weights are the
+    same on every rank). ``fxq.calibration.calibrate`` uses this by default.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+        yield model
+        return
+    observers = [m for m in model.modules() if isinstance(m, ObserverBase) and m.ch_axis is None]
+    saved = [(m, m.__dict__.get("sync_group")) for m in observers]
+    for m in observers:
+        m.sync_group = group if group is not None else dist.group.WORLD
+    try:
+        yield model
+    finally:
+        for m, value in saved:
+            if value is None:
+                m.__dict__.pop("sync_group", None)
+            else:
+                m.sync_group = value

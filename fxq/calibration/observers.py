@@ -118,19 +118,23 @@ class HistogramObserver(ObserverBase):
         return x
 
     def _observe(self, x: Tensor) -> None:
-        if x.numel() == 0:
+        # min / max over every rank when synchronized (``fxq.observer.synchronized``); the
+        # counts below are then summed over the ranks in the range they all share
+        stats = self._observed_minmax(x)
+        if stats is None:
             return
-        mn, mx = torch.aminmax(x)
-        mn, mx = mn.reshape(1).float(), mx.reshape(1).float()
-        self._check_finite(mn, mx)
+        mn, mx = stats
         torch.minimum(self.min_val, mn, out=self.min_val)
         torch.maximum(self.max_val, mx, out=self.max_val)
         amax = float(torch.maximum(-mn, mx))
         if amax == 0.0:
             if self.histogram.numel() == 0:
                 self.histogram = torch.zeros(self._num_bins(), dtype=torch.float64, device=x.device)
-            self.histogram[0] += x.numel()
-            self.zeros += x.numel()
+            count = self._sum_over_ranks(
+                torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+            )
+            self.histogram[0] += count
+            self.zeros += count
             return
         if self.histogram.numel() == 0 or float(self.upper) == 0.0:
             bins = self._num_bins()
@@ -141,8 +145,10 @@ class HistogramObserver(ObserverBase):
         elif amax > float(self.upper):
             self._grow(amax)
         counts = torch.histc(x.abs().float(), self.histogram.numel(), 0.0, float(self.upper))
-        self.histogram += counts.to(torch.float64)
-        self.zeros += (x == 0).sum()
+        zeros = (x == 0).sum().reshape(1).to(torch.float64)
+        counts = self._sum_over_ranks(torch.cat([counts.to(torch.float64), zeros]))
+        self.histogram += counts[:-1]
+        self.zeros += counts[-1]
 
     def _grow(self, amax: float) -> None:
         bins = self.histogram.numel()

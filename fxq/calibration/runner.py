@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import time
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
+from fxq.observer import synchronized
 
 __all__ = ["calibrate", "batch_arguments", "progress", "run_batches", "call_order"]
 
@@ -130,6 +132,7 @@ def calibrate(
     num_batches: int | None = None,
     input_fn: Callable[[Any], Any] | None = None,
     show_progress: bool | None = None,
+    sync_ranks: bool = True,
 ) -> nn.Module:
     """Calibrate a prepared model: observers see ``data``, nothing is rounded.
 
@@ -151,6 +154,11 @@ def calibrate(
         num_batches: stop after this many batches.
         input_fn: maps a batch to the model's arguments.
         show_progress: draw a progress bar (default: when stderr is a terminal).
+        sync_ranks: in a ``torch.distributed`` run with several ranks, combine
+            every batch's activation statistics over the ranks
+            (``fxq.observer.synchronized``), so N ranks on N shards get the
+            scales one process gets on all the data. Every rank must then run
+            the same number of batches; False keeps each rank's own statistics.
 
     Returns:
         ``model``, calibrated (still in CALIBRATION state).
@@ -163,7 +171,9 @@ def calibrate(
     try:
         set_fake_quantize(model, FakeQuantState.CALIBRATION)
         model.eval()
-        outputs = run_batches(model, data, num_batches, input_fn, "calibrating", show_progress)
+        sync = synchronized(model) if sync_ranks else contextlib.nullcontext(model)
+        with sync:
+            outputs = run_batches(model, data, num_batches, input_fn, "calibrating", show_progress)
         if not outputs:
             raise ValueError(
                 f"calibrate: `data` ({type(data).__name__}) yielded no batch, so nothing was "

@@ -1,0 +1,100 @@
+"""Calibration across ranks: two gloo processes, each on its own shard, reach
+exactly the scales one process reaches on the concatenated batches."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fxq
+from fxq.calibration import calibrate
+from fxq.qconfig import get_default_qconfig
+
+OBSERVERS = ("min_max", "moving_average", "percentile", "mse")
+
+
+def _shards(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s batch at ``step``: different sizes and ranges per rank."""
+    g = torch.Generator().manual_seed(10 * step + rank)
+    size = (3 + rank, 3, 8, 8)
+    return torch.randn(size, generator=g) * (1 + 2 * rank + step)
+
+
+def _prepared(observer: str) -> torch.nn.Module:
+    from tests.helpers import ResidualNet
+
+    fxq.set_march("bayes")
+    torch.manual_seed(0)  # the same model on every rank
+    qconfig = get_default_qconfig(activation_observer=observer)
+    return fxq.prepare_qat_fx(ResidualNet().eval(), {"": qconfig})
+
+
+def _scales(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: m.scale.clone()
+        for name, m in model.named_modules()
+        if isinstance(m, fxq.FakeQuantize) and m.ch_axis is None
+    }
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, sync: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = {}
+        for observer in OBSERVERS:
+            model = _prepared(observer)
+            calibrate(
+                model, [_shards(s, rank) for s in range(3)], show_progress=False, sync_ranks=sync
+            )
+            result[observer] = _scales(model)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(sync: bool) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), tmp, sync), nprocs=2, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def synced() -> list[dict]:
+    return _run(sync=True)
+
+
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_ranks_reach_the_scales_of_one_process_on_all_data(synced, observer):
+    one = _prepared(observer)
+    calibrate(
+        one, [torch.cat([_shards(s, 0), _shards(s, 1)]) for s in range(3)], show_progress=False
+    )
+    expected = _scales(one)
+    for rank in range(2):
+        got = synced[rank][observer]
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in expected), (rank, observer)
+
+
+def test_without_sync_each_rank_keeps_its_own_statistics():
+    ranks = _run(sync=False)
+    first = ranks[0]["min_max"]
+    assert any(not torch.equal(first[k], ranks[1]["min_max"][k]) for k in first)
+
+
+def test_outside_a_distributed_run_synchronized_changes_nothing(bayes):
+    from fxq.observer import synchronized
+
+    model = _prepared("min_max")
+    with synchronized(model):
+        assert all(
+            m.sync_group is None
+            for m in model.modules()
+            if isinstance(m, fxq.observer.ObserverBase)
+        )
