@@ -35,7 +35,10 @@ def to_onnx(
         example_inputs: a tensor or a tuple of tensors (batch of 2 or more).
         path: the ``.onnx`` file to write (None: only return the model).
         mode: ``"integer"``: integer tensors and exact integer arithmetic, equal to
-            the integer model bit for bit in onnxruntime.
+            the integer model bit for bit in onnxruntime (opset 19). ``"qdq"``: float
+            ops between QuantizeLinear / DequantizeLinear pairs (zero point 0,
+            per-channel int8 weights, int8 / int16 activations; opset 21), the form other
+            compilers ingest; within a few LSB of the integer model (not bit-exact).
         input_names, output_names: names of the ONNX graph's inputs and outputs.
 
     Returns:
@@ -45,9 +48,9 @@ def to_onnx(
         ValueError: an unknown ``mode``.
         ExportError: a node of the model has no export rule (naming it and its source line).
     """
-    if mode != "integer":
-        raise ValueError(f"fxq.export.to_onnx: unknown mode {mode!r}; use 'integer'")
+    if mode not in ("integer", "qdq"):
+        raise ValueError(f"fxq.export.to_onnx: unknown mode {mode!r}; use 'integer' or 'qdq'")
     from fxq.export.onnx import graph_to_onnx
 
     graph = to_graph(quantized, example_inputs)
-    return graph_to_onnx(graph, path, input_names, output_names)
+    return graph_to_onnx(graph, path, input_names, output_names, mode)

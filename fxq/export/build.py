@@ -305,7 +305,10 @@ def _rule_dequantize(ex: _Exporter, m: nn.Module, args, kwargs, result) -> None:
 
 # -- rules: weighted ------------------------------------------------------------------------
 def _weighted_params(m: weighted._Weighted, p) -> tuple[dict, dict]:
-    params: dict[str, np.ndarray] = {"weight": _np(m.weight_out_major(), np.int8)}
+    params: dict[str, np.ndarray] = {
+        "weight": _np(m.weight_out_major(), np.int8),
+        "weight_scale": _np(m.weight_scale, np.float32).reshape(-1),
+    }
     if p.bias is not None:
         params["bias"] = _np(p.bias, np.int32)
     hp = m.high_precision
@@ -386,6 +389,7 @@ def _rule_batchnorm(ex: _Exporter, m: batchnorm.BatchNorm, args, kwargs, result)
         {"out_dtype": _dtype(result), "rounding": _rounding(m), "lo": m.lo, "hi": m.hi},
         {
             "weight": _np(m.weight, np.int8),
+            "weight_scale": _np(m.weight_scale, np.float32).reshape(-1),
             "bias": _np(bias, np.int32),
             "multiplier": _np(mult, np.int32),
             "shift": _np(shift, np.int32),
@@ -412,6 +416,8 @@ def _rule_add(ex: _Exporter, m: elementwise.Add, args, kwargs, result) -> None:
             "multipliers": [int(v) for v in ms],
             "shift": int(n.reshape(-1)[0]),
             "constant": None if constant is None else int(constant.reshape(-1)[0]),
+            "factors": [float(f) for f in factors],
+            "scalar": float(scalars),
             "dtype": _dtype(result),
             "rounding": _rounding(m),
         },
@@ -422,7 +428,7 @@ def _rule_mul(ex: _Exporter, m: elementwise.Mul, args, kwargs, result) -> None:
     a, b, _ = elementwise._operands(args, kwargs)
     if isinstance(a, QTensor) and isinstance(b, QTensor):
         mult, s = m._derive([a.scale, b.scale], 1.0)
-        inputs, sign = [ex.name_of(a), ex.name_of(b)], None
+        inputs, sign, c = [ex.name_of(a), ex.name_of(b)], None, None
     else:
         q, c = (a, b) if isinstance(a, QTensor) else (b, a)
         c = float(c)
@@ -436,6 +442,7 @@ def _rule_mul(ex: _Exporter, m: elementwise.Mul, args, kwargs, result) -> None:
             "multiplier": int(mult.reshape(-1)[0]),
             "shift": int(s.reshape(-1)[0]),
             "sign": sign,
+            "scalar": c,
             "dtype": _dtype(result),
             "rounding": _rounding(m),
         },
@@ -500,8 +507,15 @@ def _rule_lut(ex: _Exporter, m: activation.LookupTable, args, kwargs, result) ->
     x = args[0]
     rest = tuple(a for a in args[1:] if not isinstance(a, bool))
     table = m.table(x, rest, kwargs)
+    fn = _function(m, rest, kwargs)
     if x.qdtype.bits == 8:
-        ex.emit("lut", [ex.name_of(x)], [result], {"dtype": _dtype(result)}, {"table": _np(table)})
+        ex.emit(
+            "lut",
+            [ex.name_of(x)],
+            [result],
+            {"dtype": _dtype(result), **fn},
+            {"table": _np(table)},
+        )
         return
     ex.emit(
         "segment_lut",
@@ -511,10 +525,37 @@ def _rule_lut(ex: _Exporter, m: activation.LookupTable, args, kwargs, result) ->
             "dense_bits": int(table.dense_bits),
             "sparse_bits": qf.SegmentLUT.SPARSE_BITS,
             "dtype": _dtype(result),
+            **fn,
             "rounding": _rounding(m),
         },
         {"dense": _np(table.dense, np.int64), "sparse": _np(table.sparse, np.int64)},
     )
+
+
+_FUNCTION_ATTRS = {
+    "leaky_relu": ("negative_slope",),
+    "elu": ("alpha",),
+    "softplus": ("beta", "threshold"),
+    "gelu": ("approximate",),
+}
+
+
+def _function(m: activation.LookupTable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The float function a table tabulates: its registry name and constant arguments
+    (informational, and what the QDQ form computes in float)."""
+    op = m.op
+    row = registry.row_for_module(type(op)) if op is not None else None
+    name = row.name if row is not None else registry.canonical_key(m.fn)
+    if not isinstance(name, str):
+        name = getattr(m.fn, "__name__", "unknown")
+    values: dict[str, Any] = {}
+    if op is not None:
+        values = {k: getattr(op, k) for k in _FUNCTION_ATTRS.get(name, ()) if hasattr(op, k)}
+    else:
+        values = dict(zip(_FUNCTION_ATTRS.get(name, ()), args))
+        values.update({k: v for k, v in kwargs.items() if k != "inplace"})
+    values = {k: v for k, v in values.items() if isinstance(v, (int, float, str))}
+    return {"function": name, "function_args": values}
 
 
 # -- rules: pooling, reductions, resampling --------------------------------------------------
