@@ -224,7 +224,7 @@ class _Writer:
             k = w.shape[2:]
             wt = w.reshape(g, w.shape[0] // g, w.shape[1], *k).swapaxes(1, 2)
             wt = wt.reshape(g * w.shape[1], w.shape[0] // g, *k)
-            kernel = self.const(wt.astype(np.float32), hint="weight")
+            kernel = self.cast(self.const(wt.astype(np.int8), hint="weight"), "float32")
             attrs = dict(
                 strides=a["stride"],
                 pads=a["padding"] + a["padding"],
@@ -234,7 +234,7 @@ class _Writer:
             )
             op_type = "ConvTranspose"
         else:
-            kernel = self.const(w.astype(np.float32), hint="weight")
+            kernel = self.cast(self.const(w.astype(np.int8), hint="weight"), "float32")
             pads = a["pads"]
             if a["pad_mode"] != "zeros":
                 mode = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}[
@@ -269,8 +269,8 @@ class _Writer:
         self._finish(node, acc, d + 2, 1, outs[0])
 
     def op_linear(self, node: Node, outs: list[str]) -> None:
-        w = node.params["weight"].astype(np.float64).T
-        acc = self.op("MatMul", [self.as_double(node.inputs[0]), self.const(w, hint="weight")])
+        w = self.cast(self.const(node.params["weight"].T.astype(np.int8), hint="weight"), "float64")
+        acc = self.op("MatMul", [self.as_double(node.inputs[0]), w])
         self._finish(node, acc, self.rank(node.inputs[0]), -1, outs[0])
 
     def op_channel_affine(self, node: Node, outs: list[str]) -> None:
