@@ -197,7 +197,10 @@ def _del_module(root: nn.Module, path: str) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = root.get_submodule(parent_path) if parent_path else root
     if isinstance(parent, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
-        return  # deleting would shift a container's contents
+        # deleting would shift a container's contents: mark it instead, so that prepare does
+        # not take it for a module that only opaque code calls
+        parent.get_submodule(name)._fxq_absorbed = True
+        return
     delattr(parent, name)
 
 

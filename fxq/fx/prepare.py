@@ -361,6 +361,8 @@ class _Preparer:
                 path = f"{prefix}.{name}" if prefix else name
                 if isinstance(child, (QATModule, FakeQuantize)) or name == "_fxq_self":
                     continue
+                if getattr(child, "_fxq_absorbed", False):
+                    continue  # fused into a conv / linear by fuse_fx
                 if path in in_graph:
                     if _opaque_container(child):
                         visit(child, path)
