@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, fake_quantize_ste
 from fxq.fx.fuse import fuse_fx
+from fxq.fx.tracer import bind_root, call_wrapped_method
 from fxq.march import get_march_spec, spec_for
 from fxq.qat.base import QATModule
 from fxq.qtensor import QTensor
@@ -121,6 +122,14 @@ def output_scale(gm: GraphModule, node: Node, value: Any) -> float | None:
     return None
 
 
+def call_function_bound(gm: GraphModule, target: Any, args: tuple, kwargs: dict) -> Any:
+    """Run a ``call_function`` node's target, binding the root of ``@fx_wrap()`` methods
+    (see ``fxq.fx.tracer.bind_root``)."""
+    if target is call_wrapped_method:
+        args = bind_root(gm, args)
+    return target(*args, **kwargs)
+
+
 class Recorder(Interpreter):
     """Runs a GraphModule and keeps every node's output by node name.
 
@@ -155,6 +164,9 @@ class Recorder(Interpreter):
         self.values: dict[str, Any] = {}
         self.inputs: dict[str, tuple] = {}
         self.same_input: dict[str, Any] = {}
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return call_function_bound(self.module, target, args, kwargs)
 
     def run_node(self, n: Node) -> Any:
         out = super().run_node(n)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Interpreter, Node
 
-from fxq.debug.capture import as_inputs, eval_no_grad, is_fxq_model
+from fxq.debug.capture import as_inputs, call_function_bound, eval_no_grad, is_fxq_model
 from fxq.debug.compare import float_fake_quant
 from fxq.debug.metrics import Similarity, flat, similarity_for
 from fxq.debug.report import HtmlPage, figure, text_table, write_text
@@ -86,6 +86,9 @@ class _SuffixRunner(Interpreter):
         self.nodes = list(gm.graph.nodes)
         self.position = {n: i for i, n in enumerate(self.nodes)}
         self.base: dict[Node, Any] = {}
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        return call_function_bound(self.module, target, args, kwargs)
 
     def run_base(self, *args: Any) -> Any:
         self.env = {}

@@ -16,9 +16,11 @@ from fxq.debug.capture import (
     eval_no_grad,
     node_type,
     output_scale,
+    snapshot,
 )
 from fxq.debug.metrics import Similarity, cosine, flat, l1, max_abs, mse, similarity_for, sqnr
 from fxq.debug.report import HtmlPage, figure, text_table, write_text
+from fxq.quantized.base import Standalone
 
 __all__ = ["featuremap_similarity", "SIMILARITY_COLUMNS"]
 
@@ -102,12 +104,13 @@ def featuremap_similarity(
     sim = similarity_for(similarity_func)
     inputs = as_inputs(inputs)
     g1, g2 = as_graph(model1, "model1"), as_graph(model2, "model2")
-    with eval_no_grad(g1, g2):
+    with eval_no_grad(g1, g2), _Standalone(g1, g2) as standalone:
         first = Recorder(g1)
         first.run(*inputs)
         second = Recorder(g2, reference=first)
         second.run(*inputs)
-    rows = _rows(g1, g2, first, second, sim)
+        rows = _rows(g1, g2, first, second, sim)
+        rows += standalone.rows(sim, len(rows))
     if not rows:
         raise ValueError(
             "featuremap_similarity: the models have no layer in common (layers are matched by "
@@ -118,6 +121,83 @@ def featuremap_similarity(
     if out_dir is not None:
         write_similarity_files(rows, Path(out_dir), sim, worst)
     return rows
+
+
+class _Standalone:
+    """Rows for modules that only opaque code calls (inside ``@fx_wrap()`` functions):
+    forward hooks on both models' module of the same path, one row per call."""
+
+    def __init__(self, g1: GraphModule, g2: GraphModule) -> None:
+        modules1 = dict(g1.named_modules())
+        self.pairs = [
+            (path, modules1[path], module)
+            for path, module in g2.named_modules()
+            if (getattr(module, "standalone", False) or isinstance(module, Standalone))
+            and path in modules1
+        ]
+        self.calls: dict[tuple[str, int], list[tuple[tuple, Any]]] = {}
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _Standalone:
+        for path, m1, m2 in self.pairs:
+            for side, module in ((0, m1), (1, m2)):
+                self.handles.append(
+                    module.register_forward_hook(
+                        lambda m, args, out, key=(path, side): self.calls.setdefault(
+                            key, []
+                        ).append((snapshot(args), snapshot(out)))
+                    )
+                )
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def rows(self, sim: Similarity, start: int) -> list[dict[str, Any]]:
+        rows = []
+        for path, _, m2 in self.pairs:
+            ones, twos = self.calls.get((path, 0), []), self.calls.get((path, 1), [])
+            for i, ((args1, ref), (_, out)) in enumerate(zip(ones, twos)):
+                a, b = flat(ref), flat(out)
+                if a is None or b is None or a.shape != b.shape:
+                    continue
+                try:
+                    same = flat(m2(*args1))  # quantizes its own (float) inputs
+                except Exception:
+                    same = None
+                fq = getattr(m2, "activation_post_process", None)
+                scale = float(fq.scale) if fq is not None and fq.scale.numel() == 1 else None
+                scale = scale or _standalone_scale(m2)
+                row = {
+                    "index": start + len(rows),
+                    "layer": path if len(ones) == 1 else f"{path}#{i}",
+                    "module": path,
+                    "type": f"{type(m2).__name__}(standalone)",
+                    "similarity": sim.fn(a, b),
+                    "sqnr": sqnr(a, b),
+                    "cosine": cosine(a, b),
+                    "l1": l1(a, b),
+                    "mse": mse(a, b),
+                    "max_abs": max_abs(a, b),
+                    "max_lsb": max_abs(a, b) / scale if scale else None,
+                    "scale": scale,
+                    "op_similarity": None,
+                    "op_sqnr": None,
+                    "op_max_lsb": None,
+                }
+                if same is not None and same.shape == a.shape:
+                    row["op_similarity"] = sim.fn(a, same)
+                    row["op_sqnr"] = sqnr(a, same)
+                    row["op_max_lsb"] = max_abs(a, same) / scale if scale else None
+                rows.append(row)
+        return rows
+
+
+def _standalone_scale(module: nn.Module) -> float | None:
+    inner = getattr(module, "inner", None)
+    scale = getattr(inner, "output_scale", None)
+    return float(scale) if scale is not None and scale.numel() == 1 else None
 
 
 def _reference(first: Recorder, second: Recorder, node: Node) -> Any:

@@ -157,3 +157,32 @@ def test_bad_arguments_are_explained(chain):
         featuremap_similarity(model, prepared, data[0], similarity_func="kl-ish")
     with pytest.raises(TypeError, match="model2"):
         featuremap_similarity(model, "prepared", data[0])
+
+
+def test_fx_wrap_regions_standalone_modules_and_float_regions(bayes):
+    from tests.helpers import TinyRetinaNet
+
+    data = batches(hw=16)
+    model = TinyRetinaNet().eval()
+    qconfig = fxq.qconfig.default_calib_8bit_fake_quant_qconfig
+    prepared = fxq.prepare_qat_fx(
+        model, {"": qconfig, "module_name": {"lat2": None}}, example_inputs=(data[0],)
+    )
+    from tests.helpers import calibrate
+
+    calibrate(prepared, data)
+    fxq.set_fake_quantize(prepared, "validation")
+    rows = {r["layer"]: r for r in featuremap_similarity(model, prepared, data[0])}
+    # the float region (lat2) matches its float twin exactly, given the same (quantized) input
+    assert rows["lat2"]["type"] == "Conv2d" and rows["lat2"]["op_sqnr"] > 100
+    # shared heads: one row per pyramid level
+    assert rows["cls_head_conv"]["module"] == "cls_head.conv"
+    assert rows["cls_head_conv_1"]["module"] == "cls_head_conv_call1"  # prepare's clone
+    # the linear inside the @fx_wrap() post-process: one row per call, its own error
+    standalone = [r for r in rows.values() if r["type"].endswith("(standalone)")]
+    assert {r["module"] for r in standalone} == {"box_scale"}
+    assert all(r["op_sqnr"] > 20 for r in standalone)
+    integer = fxq.convert_fx(prepared)
+    exact = featuremap_similarity(prepared, integer, data[0])
+    assert any(r["type"].endswith("(standalone)") for r in exact)
+    assert all(r["max_abs"] == 0 for r in exact)
