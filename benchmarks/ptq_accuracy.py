@@ -90,6 +90,7 @@ def fxq_method(model: nn.Module, calib: list[torch.Tensor], method: str, iters: 
         "mse": "mse",
         "kl": "kl",
         "mix": "mix",
+        "mean_min_max": "mean_min_max",
     }.get(method.split("+")[0], "min_max")
     prepared = fxq.prepare_qat_fx(model, {"": get_default_qconfig(activation_observer=observer)})
     if method == "auto_calibrate":
@@ -115,6 +116,7 @@ def evaluate(
 
 METHODS = (
     "min_max",
+    "mean_min_max",
     "percentile",
     "mse",
     "kl",

@@ -22,8 +22,11 @@ scale is ``c / qmax``):
 The search runs once when calibration ends (``FakeQuantize.finalize``), not
 after every batch.
 
-Importing this module registers the names ``percentile``, ``mse``, ``kl`` and
-``mix`` with ``fxq.observer.register_observer`` (so that
+``mean_min_max`` keeps no histogram: it is the mean over samples (entries
+along dim 0) of each sample's min and max.
+
+Importing this module registers the names ``percentile``, ``mse``, ``kl``,
+``mix`` and ``mean_min_max`` with ``fxq.observer.register_observer`` (so that
 ``get_default_qconfig(activation_observer="mse")`` finds them);
 ``import fxq.calibration`` imports it.
 """
@@ -378,12 +381,61 @@ class PerChannelMSEObserver(ObserverBase):
         return best.to(torch.float32)
 
 
+class MeanMinMaxObserver(ObserverBase):
+    """The mean over calibration samples of each sample's min and max.
+
+    A sample is one entry along dim 0 (the batch); its min and max are taken
+    over everything else, and the observer keeps the running mean of both
+    (NNCF's default range estimator for activations). Rare extremes that a
+    global min / max would let stretch the range count only as much as the
+    samples they occur in, which suits activations whose range varies from
+    image to image.
+    """
+
+    def __init__(self, ch_axis: int | None = None, num_channels: int | None = None) -> None:
+        if ch_axis is not None:
+            raise ValueError("MeanMinMaxObserver observes whole tensors (per-tensor activations)")
+        super().__init__(None, None)
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("sums", torch.zeros(2, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Add the per-sample minima and maxima of ``x`` (an empty ``x`` adds nothing)."""
+        x = x.detach()
+        local = torch.zeros(3, dtype=torch.float64, device=x.device)
+        if x.numel():
+            flat = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(1, -1)
+            mn, mx = torch.aminmax(flat.float(), dim=1)
+            self._check_finite(mn, mx)
+            local = torch.stack(
+                [
+                    mn.double().sum(),
+                    mx.double().sum(),
+                    torch.tensor(float(len(mn)), device=x.device),
+                ]
+            ).to(torch.float64)
+        local = self._sum_over_ranks(local)
+        if float(local[2]) == 0:
+            return x
+        self.sums += local[:2]
+        self.count += local[2]
+        self.min_val.copy_((self.sums[0] / self.count).reshape(1).float())
+        self.max_val.copy_((self.sums[1] / self.count).reshape(1).float())
+        return x
+
+    def reset(self) -> None:
+        super().reset()
+        self.count.zero_()
+        self.sums.zero_()
+
+
 # name: (per-tensor class, per-channel class), registered in fxq.observer's registry
 CALIBRATION_OBSERVERS: dict[str, tuple[type[ObserverBase] | None, type[ObserverBase] | None]] = {
     "percentile": (PercentileObserver, None),
     "mse": (MSEObserver, PerChannelMSEObserver),
     "kl": (KLObserver, None),
     "mix": (MixObserver, None),
+    "mean_min_max": (MeanMinMaxObserver, None),
 }
 
 for _name, (_per_tensor, _per_channel) in CALIBRATION_OBSERVERS.items():

@@ -166,3 +166,19 @@ def test_names_and_errors(bayes):
     obs.name = "the output of 'conv'"
     with pytest.raises(ValueError, match="observer of the output of 'conv' saw NaN"):
         obs(torch.tensor([1.0, math.nan]))
+
+
+def test_mean_min_max_is_the_mean_of_per_sample_ranges():
+    from fxq.calibration.observers import MeanMinMaxObserver
+
+    obs = MeanMinMaxObserver()
+    a = torch.tensor([[-1.0, 2.0], [-3.0, 4.0]])  # samples: (-1, 2), (-3, 4)
+    b = torch.tensor([[-5.0, 0.5, 6.0]])  # one sample: (-5, 6)
+    obs(a)
+    obs(torch.empty(0, 2))  # carries no sample
+    obs(b)
+    assert obs.min_val.item() == pytest.approx((-1 - 3 - 5) / 3)
+    assert obs.max_val.item() == pytest.approx((2 + 4 + 6) / 3)
+    assert obs.amax().item() == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="whole tensors"):
+        MeanMinMaxObserver(ch_axis=0)

@@ -15,7 +15,7 @@ import fxq
 from fxq.calibration import calibrate
 from fxq.qconfig import get_default_qconfig
 
-OBSERVERS = ("min_max", "moving_average", "percentile", "mse")
+OBSERVERS = ("min_max", "moving_average", "percentile", "mse", "mean_min_max")
 
 
 def _shards(step: int, rank: int) -> torch.Tensor:
