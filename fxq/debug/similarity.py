@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -310,7 +311,8 @@ def write_similarity_files(
 
 
 def _finite(v: Any, cap: float = 150.0) -> float:
-    if v is None:
+    """A plottable value: None and infinities (exact pass-through ops) leave a gap."""
+    if v is None or math.isinf(v):
         return float("nan")
     return max(min(float(v), cap), -cap)
 
