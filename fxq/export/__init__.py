@@ -27,6 +27,7 @@ def to_onnx(
     mode: str = "integer",
     input_names: list[str] | None = None,
     output_names: list[str] | None = None,
+    outputs: list[Any] | None = None,
 ) -> Any:
     """Export a converted fxq model to ONNX (opset 19, dynamic batch axis ``"N"``).
 
@@ -40,6 +41,7 @@ def to_onnx(
             per-channel int8 weights, int8 / int16 activations; opset 21), the form other
             compilers ingest; within a few LSB of the integer model (not bit-exact).
         input_names, output_names: names of the ONNX graph's inputs and outputs.
+        outputs: FX nodes (or names) whose values are the outputs (see ``to_graph``).
 
     Returns:
         the ``onnx.ModelProto`` (checked with ``onnx.checker`` full checking).
@@ -52,5 +54,5 @@ def to_onnx(
         raise ValueError(f"fxq.export.to_onnx: unknown mode {mode!r}; use 'integer' or 'qdq'")
     from fxq.export.onnx import graph_to_onnx
 
-    graph = to_graph(quantized, example_inputs)
+    graph = to_graph(quantized, example_inputs, outputs)
     return graph_to_onnx(graph, path, input_names, output_names, mode)

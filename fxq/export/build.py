@@ -34,6 +34,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxq import registry
+from fxq.fx.tracer import SELF, call_wrapped_method
 from fxq.march import Rounding
 from fxq.qtensor import QTensor
 from fxq.quantized import activation, batchnorm, elementwise, interpolate, matmul, pooling, weighted
@@ -75,8 +76,10 @@ def _ints(v: Any, d: int) -> list[int]:
 class _Exporter(Interpreter):
     """Runs the converted model and records one or more IR nodes per FX node."""
 
-    def __init__(self, gm: GraphModule) -> None:
+    def __init__(self, gm: GraphModule, stop_at: list[str] | None = None) -> None:
         super().__init__(gm)
+        self.stop_at = stop_at  # FX node names whose values are the graph's outputs
+        self.values: dict[str, Any] = {}
         self.modules = dict(gm.named_modules())
         self.nodes: list[IRNode] = []
         self.tensors: dict[str, TensorInfo] = {}
@@ -175,7 +178,18 @@ class _Exporter(Interpreter):
     def run_node(self, n: Node) -> Any:
         self.fx_node = n
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if n.op == "call_function" and n.target is call_wrapped_method:
+            # the generated code passes the GraphModule where the graph says ``self``
+            args = tuple(self.module if a is SELF else a for a in args)
         result = getattr(self, n.op)(n.target, args, kwargs)
+        if self.stop_at is not None:
+            if all(name in self.values for name in self.stop_at):
+                return result  # the rest (host post-processing) is not exported
+            if n.name in self.stop_at:
+                self.values[n.name] = result
+        if n.op == "output" and self.stop_at is not None:
+            missing = [name for name in self.stop_at if name not in self.values]
+            raise ExportError(f"fxq.export: no node named {missing} in the converted graph")
         if n.op == "placeholder":
             self._placeholder(n, result)
         elif n.op == "output":
@@ -233,6 +247,11 @@ class _Exporter(Interpreter):
             fn = FLOAT_RULES.get(target)
             if fn is None and isinstance(target, str):
                 fn = FLOAT_RULES.get(target.rstrip("_"))
+            if n.op == "call_function" and n.target is call_wrapped_method:
+                raise self.error(
+                    f"@fxq.fx_wrap method {n.args[1]!r} is opaque Python (host code); export the "
+                    "network before it: to_graph(model, x, outputs=[<the nodes it takes>])"
+                )
             if fn is None or not isinstance(result, Tensor):
                 raise self.error(
                     "float op without an export rule (exported float ops: neg, add, sub, mul, "
@@ -966,7 +985,11 @@ def _float_op(ex: _Exporter, fn: str, args, kwargs, result: Tensor) -> None:
 
 
 # -- entry point ---------------------------------------------------------------------------------
-def to_graph(quantized: GraphModule, example_inputs: tuple | Tensor) -> IntegerGraph:
+def to_graph(
+    quantized: GraphModule,
+    example_inputs: tuple | Tensor,
+    outputs: list[str | Node] | None = None,
+) -> IntegerGraph:
     """Export a converted fxq model to an ``IntegerGraph``.
 
     The model runs once on ``example_inputs`` (on the CPU); every node becomes
@@ -977,6 +1000,10 @@ def to_graph(quantized: GraphModule, example_inputs: tuple | Tensor) -> IntegerG
     Args:
         quantized: the model returned by ``fxq.convert_fx`` (float32, eval mode).
         example_inputs: a tensor or a tuple of tensors.
+        outputs: FX nodes (or their names) of ``quantized.graph`` whose values are the
+            graph's outputs, in this order; what comes after them is not exported
+            (e.g. a detector's ``@fxq.fx_wrap`` post-processing, which runs on the host).
+            None: the model's own outputs.
 
     Returns:
         the ``IntegerGraph``; ``graph.run(*numpy_inputs)`` equals
@@ -984,7 +1011,8 @@ def to_graph(quantized: GraphModule, example_inputs: tuple | Tensor) -> IntegerG
 
     Raises:
         TypeError: ``quantized`` is not a GraphModule.
-        ExportError: a node has no export rule (naming the node, its op and source line).
+        ExportError: a node has no export rule (naming the node, its op and source line),
+            or a name in ``outputs`` is not a node of the graph.
     """
     if not isinstance(quantized, GraphModule):
         raise TypeError(
@@ -996,9 +1024,18 @@ def to_graph(quantized: GraphModule, example_inputs: tuple | Tensor) -> IntegerG
     march = {m.march for m in quantized.modules() if hasattr(m, "march")}
     if len(march) > 1:
         raise ExportError(f"fxq.export: the model mixes marches {sorted(map(str, march))}")
-    ex = _Exporter(quantized)
+    names = None if outputs is None else [n if isinstance(n, str) else n.name for n in outputs]
+    known = {n.name for n in quantized.graph.nodes}
+    unknown = [n for n in names or [] if n not in known]
+    if unknown:
+        raise ExportError(f"fxq.export: no node named {unknown} in the converted graph")
+    ex = _Exporter(quantized, names)
     with torch.no_grad():
         ex.run(*[t.detach().cpu() if isinstance(t, Tensor) else t for t in example_inputs])
+    if names is not None:
+        for name in names:
+            ex.fx_node = next(n for n in quantized.graph.nodes if n.name == name)
+            ex._output((ex.values[name],))
     dynamic = not ex.fixed
     tensors = ex.tensors
     if dynamic:

@@ -60,3 +60,26 @@ def assert_equal_outputs(expected: list[np.ndarray], got: list[np.ndarray]) -> N
     for e, g in zip(expected, got):
         assert e.dtype == g.dtype and e.shape == g.shape, (e.dtype, g.dtype, e.shape, g.shape)
         assert np.array_equal(e, g), f"max difference {np.abs(e.astype(float) - g).max()}"
+
+
+def run_onnx(model: Any, inputs: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+    """Run an ONNX model with onnxruntime's CPU provider."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    return session.run(None, {n: t.numpy() for n, t in zip(names, inputs)})
+
+
+def lsb_difference(graph: Any, model: Any, integer: nn.Module, x: tuple) -> list[np.ndarray]:
+    """|ONNX - integer model| in units of each output's scale (1 for float outputs)."""
+    got = run_onnx(model, x)
+    producers = {o: n for n in graph.nodes for o in n.outputs}
+    diffs = []
+    for name, e, g in zip(graph.outputs, outputs(integer, x), got):
+        node = producers.get(name)
+        scale = graph.tensors[name].scale
+        if scale is None and node is not None and node.op == "dequantize":
+            scale = node.attrs["scale"]
+        diffs.append(np.abs(e.astype(np.float64) - g) / (scale or 1.0))
+    return diffs

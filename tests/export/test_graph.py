@@ -4,7 +4,6 @@ on every registry op, the op zoo, torchvision models, on every march."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -19,23 +18,37 @@ import fxq
 import fxq.export
 from fxq import registry
 from fxq.export import build
+from fxq.export.onnx import graph_to_onnx
 from fxq.registry import Kind
-from tests.export.helpers import assert_equal_outputs, outputs, registry_model, torchvision_model
+from tests.export.helpers import (
+    assert_equal_outputs,
+    lsb_difference,
+    outputs,
+    registry_model,
+    run_onnx,
+    torchvision_model,
+)
 from tests.helpers import ROOT
 from tests.test_registry import _cases
 
 
 @pytest.mark.parametrize(("row_name", "target"), _cases())
-def test_registry_op_exports_bit_exact(bayes, row_name, target, tmp_path):
+def test_registry_op_exports(bayes, row_name, target, tmp_path):
+    """numpy runtime and integer ONNX: bit-exact; QDQ ONNX: within 2 LSB (one conversion)."""
     integer, x = registry_model(row_name, target)
     expected = outputs(integer, x)
     graph = fxq.export.to_graph(integer, x)
     assert_equal_outputs(expected, graph.run(*[t.numpy() for t in x]))
     if row_name in ("conv2d", "add", "sigmoid", "avg_pool2d"):  # the file round trip
         graph.save(tmp_path / "g.fxq")
-        assert_equal_outputs(
-            expected, fxq.export.load(tmp_path / "g.fxq").run(*[t.numpy() for t in x])
-        )
+        loaded = fxq.export.load(tmp_path / "g.fxq")
+        assert_equal_outputs(expected, loaded.run(*[t.numpy() for t in x]))
+    assert_equal_outputs(expected, run_onnx(graph_to_onnx(graph), x))
+    qdq = graph_to_onnx(graph, mode="qdq")
+    assert {n.op_type for n in qdq.graph.node} >= {"QuantizeLinear", "DequantizeLinear"}
+    for d in lsb_difference(graph, qdq, integer, x):
+        # QuantizeLinear rounds half to even, float ops replace multipliers and tables
+        assert d.max() <= 2.0 + 1e-2, (row_name, d.max())
 
 
 def test_every_integer_class_and_passthrough_row_has_an_export_rule():
@@ -184,7 +197,9 @@ def test_other_marches(march):
     integer, x = torchvision_model("resnet18", size=32)
     graph = fxq.export.to_graph(integer, x)
     assert graph.march == march
-    assert_equal_outputs(outputs(integer, (x,)), graph.run(x.numpy()))
+    expected = outputs(integer, (x,))
+    assert_equal_outputs(expected, graph.run(x.numpy()))
+    assert_equal_outputs(expected, run_onnx(graph_to_onnx(graph), (x,)))
 
 
 def test_int16_activations(bayes):
@@ -211,29 +226,56 @@ def test_int16_activations(bayes):
     assert_equal_outputs(outputs(integer, (x,)), graph.run(x.numpy()))
 
 
-#: the models of tests/test_models.py; FXQ_EXPORT_ALL_MODELS=1 runs all of them (about 3
-#: minutes on two cores), otherwise three that cover their op families (about 15 s)
-TORCHVISION = [
-    "resnet18",
-    "resnet50",
-    "mobilenet_v2",
-    "mobilenet_v3_large",
-    "shufflenet_v2_x1_0",
-    "efficientnet_b0",
-    "regnet_x_400mf",
-    "squeezenet1_1",
-    "densenet121",
-    "googlenet",
-    "mnasnet1_0",
-    "resnext50_32x4d",
-]
+def test_detector_heads_export_without_the_host_post_process(bayes):
+    """The detector tutorial's network up to its heads; the @fx_wrap post-process (NMS) runs
+    on the host and is not part of the graph."""
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location(
+        "fx_wrap_detection", ROOT / "tutorials" / "fx_wrap_detection.py"
+    )
+    tutorial = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tutorial)
+    torch.manual_seed(0)
+    model = tutorial.TinyRetinaNet().eval()
+    images = tutorial.normalize(tutorial.make_dataset(6, seed=0)[0])
+    qat = fxq.prepare_qat_fx(model, {"": fxq.qconfig.default_calib_8bit_fake_quant_qconfig})
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    with torch.no_grad():
+        qat(images[:4])
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
+    integer = fxq.convert_fx(qat)
+    post = next(n for n in integer.graph.nodes if "postprocess" in n.args)
+    heads = [
+        a
+        for a in torch.fx.node.map_aggregate(post.args, lambda v: v)
+        for a in (a if isinstance(a, (list, tuple)) else [a])
+        if isinstance(a, torch.fx.Node)
+        and a.op == "call_module"
+        and type(integer.get_submodule(a.target)).__name__ == "DeQuantize"
+    ]
+    assert len(heads) == 4  # cls and box, two levels
+    x = images[4:]
+    env: dict[str, torch.Tensor] = {}
 
-FAST = ("resnet18", "mobilenet_v2", "shufflenet_v2_x1_0")
-
-
-@pytest.mark.parametrize("name", TORCHVISION if os.environ.get("FXQ_EXPORT_ALL_MODELS") else FAST)
-def test_torchvision_model(bayes, name):
-    integer, x = torchvision_model(name, size=32)
-    graph = fxq.export.to_graph(integer, x)
-    assert_equal_outputs(outputs(integer, (x,)), graph.run(x.numpy()))
+    calls = {}
+    for n in heads:  # the shared DeQuantize runs once per head, in graph order
+        calls.setdefault(n.target, []).append(n.name)
+    order = {k: iter(v) for k, v in calls.items()}
+    hooks = [
+        integer.get_submodule(t).register_forward_hook(
+            lambda m, a, out, t=t: env.__setitem__(next(order[t]), out)
+        )
+        for t in calls
+    ]
+    with torch.no_grad():
+        integer(x)
+    for h in hooks:
+        h.remove()
+    graph = fxq.export.to_graph(integer, x, outputs=heads)
+    assert len(graph.outputs) == 4
+    assert_equal_outputs([env[n.name].numpy() for n in heads], graph.run(x.numpy()))
+    with pytest.raises(fxq.export.ExportError, match=r"fx_wrap method 'anchors'.*outputs="):
+        fxq.export.to_graph(integer, x)
+    with pytest.raises(fxq.export.ExportError, match="no node named"):
+        fxq.export.to_graph(integer, x, outputs=["nope"])

@@ -1,37 +1,22 @@
-"""Integer ONNX: onnxruntime's CPU provider equals fxq's integer model bit for bit on every
-registry op, the op zoo, int16 activations and torchvision models; the files pass
-``onnx.checker`` with full checking (``graph_to_onnx`` runs it)."""
+"""Integer ONNX: onnxruntime's CPU provider equals fxq's integer model bit for bit on the op
+zoo, int16 activations and torchvision models (every registry op: tests/export/test_graph.py);
+the files pass ``onnx.checker`` with full checking (``graph_to_onnx`` runs it)."""
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import fxq
 import fxq.export
-from fxq.export.onnx import OPSET
-from tests.export.helpers import assert_equal_outputs, outputs, registry_model, torchvision_model
-from tests.test_registry import _cases
+from fxq.export.onnx import OPSET, graph_to_onnx
+from tests.export.helpers import assert_equal_outputs, outputs, run_onnx, torchvision_model
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-
-
-def run_onnx(model, inputs: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    names = [i.name for i in session.get_inputs()]
-    return session.run(None, {n: t.numpy() for n, t in zip(names, inputs)})
-
-
-@pytest.mark.parametrize(("row_name", "target"), _cases())
-def test_registry_op_onnx_bit_exact(bayes, row_name, target):
-    integer, x = registry_model(row_name, target)
-    model = fxq.export.to_onnx(integer, x)
-    assert_equal_outputs(outputs(integer, x), run_onnx(model, x))
 
 
 def test_zoo_file_names_opset_and_dynamic_batch(bayes, tmp_path):
@@ -87,7 +72,7 @@ def test_int16_and_limb_split_conv(bayes):
     assert_equal_outputs(outputs(integer, (x,)), run_onnx(onnx_model, (x,)))
 
 
-FAST = ("resnet18", "mobilenet_v2", "shufflenet_v2_x1_0")
+FAST = ("mobilenet_v2", "shufflenet_v2_x1_0")
 ALL = (
     "resnet18", "resnet50", "mobilenet_v2", "mobilenet_v3_large", "shufflenet_v2_x1_0",
     "efficientnet_b0", "regnet_x_400mf", "squeezenet1_1", "densenet121", "googlenet",
@@ -96,10 +81,14 @@ ALL = (
 
 
 @pytest.mark.parametrize("name", ALL if os.environ.get("FXQ_EXPORT_ALL_MODELS") else FAST)
-def test_torchvision_model_onnx(bayes, name):
+def test_torchvision_model(bayes, name):
+    """numpy runtime and integer ONNX, both bit-exact (FXQ_EXPORT_ALL_MODELS=1: all twelve
+    models of tests/test_models.py, about 4 minutes on two cores)."""
     integer, x = torchvision_model(name, size=32)
-    model = fxq.export.to_onnx(integer, x)
-    assert_equal_outputs(outputs(integer, (x,)), run_onnx(model, (x,)))
+    expected = outputs(integer, (x,))
+    graph = fxq.export.to_graph(integer, x)
+    assert_equal_outputs(expected, graph.run(x.numpy()))
+    assert_equal_outputs(expected, run_onnx(graph_to_onnx(graph), (x,)))
 
 
 def test_unknown_mode_is_an_error(bayes):

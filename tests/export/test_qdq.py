@@ -1,47 +1,20 @@
 """QDQ ONNX (QuantizeLinear / DequantizeLinear around float ops): loads in onnx.checker with
 full checking, runs in onnxruntime, and stays within a stated distance of the integer model
-(the difference is measured, in LSB of each output's scale)."""
+(the difference is measured, in LSB of each output's scale; every registry op:
+tests/export/test_graph.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import fxq
 import fxq.export
 from fxq.export.onnx import graph_to_onnx
-from tests.export.helpers import outputs, registry_model
-from tests.test_registry import _cases
+from tests.export.helpers import lsb_difference
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-
-
-def lsb_difference(graph, model, integer, x) -> list[np.ndarray]:
-    """|QDQ - integer| in units of each output's scale (1 for float outputs)."""
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), x)})
-    producers = {o: n for n in graph.nodes for o in n.outputs}
-    diffs = []
-    for name, e, g in zip(graph.outputs, outputs(integer, x), got):
-        node = producers.get(name)
-        scale = graph.tensors[name].scale
-        if scale is None and node is not None and node.op == "dequantize":
-            scale = node.attrs["scale"]
-        diffs.append(np.abs(e.astype(np.float64) - g) / (scale or 1.0))
-    return diffs
-
-
-@pytest.mark.parametrize(("row_name", "target"), _cases())
-def test_registry_op_qdq_within_two_lsb(bayes, row_name, target):
-    integer, x = registry_model(row_name, target)
-    graph = fxq.export.to_graph(integer, x)
-    model = graph_to_onnx(graph, mode="qdq")
-    assert {n.op_type for n in model.graph.node} >= {"QuantizeLinear", "DequantizeLinear"}
-    for d in lsb_difference(graph, model, integer, x):
-        # QuantizeLinear rounds half to even, float ops replace multipliers and tables
-        assert d.max() <= 2.0 + 1e-2, (row_name, d.max())
 
 
 def test_small_convnet_qdq_difference(bayes):
