@@ -396,8 +396,10 @@ class MeanMinMaxObserver(ObserverBase):
         if ch_axis is not None:
             raise ValueError("MeanMinMaxObserver observes whole tensors (per-tensor activations)")
         super().__init__(None, None)
-        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-        self.register_buffer("sums", torch.zeros(2, dtype=torch.float64))
+        # running sums: not saved (like the histograms), so a calibrated state_dict, whose
+        # min_val / max_val hold the means, loads into a QAT model with other observers
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.register_buffer("sums", torch.zeros(2, dtype=torch.float64), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """Add the per-sample minima and maxima of ``x`` (an empty ``x`` adds nothing)."""

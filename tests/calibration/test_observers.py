@@ -182,3 +182,18 @@ def test_mean_min_max_is_the_mean_of_per_sample_ranges():
     assert obs.amax().item() == pytest.approx(4.0)
     with pytest.raises(ValueError, match="whole tensors"):
         MeanMinMaxObserver(ch_axis=0)
+
+
+def test_mean_min_max_state_dict_starts_a_qat_model(bayes):
+    from fxq.qconfig import default_qat_8bit_fake_quant_qconfig, get_default_qconfig
+    from tests.helpers import ResidualNet, calibrate
+
+    calib = fxq.prepare_qat_fx(
+        ResidualNet(), {"": get_default_qconfig(activation_observer="mean_min_max")}
+    )
+    calibrate(calib, [torch.randn(4, 3, 8, 8)])
+    qat = fxq.prepare_qat_fx(ResidualNet(), {"": default_qat_8bit_fake_quant_qconfig})
+    qat.load_state_dict(calib.state_dict())  # strict: the running sums are not saved
+    assert torch.equal(
+        qat.stem.activation_post_process.scale, calib.stem.activation_post_process.scale
+    )
