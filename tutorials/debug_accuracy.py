@@ -17,6 +17,9 @@ A pretrained MobileNetV2 (ImageNet weights) on real photographs:
    never clips these inputs, so their error is the rounding step, which int16
    makes 258 times finer);
 5. calibrate again and print the SQNR before and after.
+
+Measured: ``--fast`` 12.51 dB -> 16.48 dB (top-1 agreement 68.8% -> 81.2%);
+full settings 9.77 dB -> 14.32 dB (69.8% -> 81.2% on 96 held-out crops).
 """
 
 from __future__ import annotations
