@@ -39,15 +39,18 @@ def fxq_integer(model: torch.nn.Module, calib: torch.Tensor) -> torch.nn.Module:
     return fxq.convert_fx(qat)
 
 
-def median_time(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
+def median_times(fns: dict[str, Callable[[], object]], iters: int, warmup: int) -> dict[str, float]:
+    """Median wall time of each callable, measured interleaved (load changes hit all alike)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def bench(name: str, args: argparse.Namespace, tmp: Path) -> tuple[list[str], list[str]]:
@@ -74,14 +77,21 @@ def bench(name: str, args: argparse.Namespace, tmp: Path) -> tuple[list[str], li
         expected = integer(x).numpy()
     assert np.array_equal(sessions[""].run(None, {inp: xn})[0], expected)
     with torch.no_grad():
-        t = {
-            "float": median_time(lambda: model(x), args.iters, args.warmup),
-            "fxq": median_time(lambda: integer(x), args.iters, args.warmup),
-        }
-    t["ort"] = median_time(lambda: sessions[""].run(None, {inp: xn}), args.iters, args.warmup)
-    t["qdq"] = median_time(lambda: sessions["_qdq"].run(None, {inp: xn}), args.iters, args.warmup)
+        t = median_times(
+            {
+                "float": lambda: model(x),
+                "fxq": lambda: integer(x),
+                "ort": lambda: sessions[""].run(None, {inp: xn}),
+                "qdq": lambda: sessions["_qdq"].run(None, {inp: xn}),
+            },
+            args.iters,
+            args.warmup,
+        )
     out: list[np.ndarray] = []
-    t["numpy"] = median_time(lambda: out.append(graph.run(xn)[0]), args.numpy_iters, 0)
+    t0 = time.perf_counter()
+    for _ in range(args.numpy_iters):
+        out.append(graph.run(xn)[0])
+    t["numpy"] = (time.perf_counter() - t0) / args.numpy_iters
     assert np.array_equal(out[-1], expected)
     row = [name, f"{t['float'] * 1e3:.0f}"] + [
         f"{t[k] / t['float']:.2f}x" for k in ("fxq", "ort", "qdq", "numpy")
@@ -111,7 +121,7 @@ def main() -> None:
         sizes.append(size_row)
     print(
         f"batch {args.batch}, {args.size}x{args.size}, {torch.get_num_threads()} torch threads, "
-        f"median of {args.iters} (numpy: {args.numpy_iters}); integer ONNX and numpy checked "
+        f"median of {args.iters} interleaved (numpy: mean of {args.numpy_iters}); integer ONNX and numpy checked "
         "bit-exact against the fxq integer model"
     )
     print(

@@ -1,0 +1,234 @@
+"""Export rules of pass-through ops (``VALUE_RULES``: ReLU, max pooling; every other
+pass-through row moves integers, found by running the op on source indices) and of the
+float ops a float region may hold (``FLOAT_RULES``).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.fx import Node
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fxq import registry
+from fxq.qtensor import QTensor
+
+if TYPE_CHECKING:
+    from fxq.export.build import _Exporter
+
+from fxq.export.rules import _dtype, _ints, _np  # noqa: F401
+
+__all__ = ["VALUE_RULES", "FLOAT_RULES"]
+
+
+# -- pass-through rows that compute on values --------------------------------------------------
+def _rule_relu(ex: _Exporter, n, module, args, kwargs, result) -> None:
+    x = args[0]
+    ex.emit("clip", [ex.name_of(x)], [result], {"lo": 0, "hi": x.qdtype.qmax})
+
+
+_POOL_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+
+
+def _rule_max_pool(ex: _Exporter, n, module, args, kwargs, result) -> None:
+    x = args[0]
+    if module is not None:
+        p = {k: getattr(module, k) for k in _POOL_ARGS}
+    else:
+        p = dict(zip(_POOL_ARGS, args[1:]))
+        p.update(kwargs)
+    dims = int(registry.row_for(n, ex.modules)[0].name[-2])
+    k = _ints(p["kernel_size"], dims)
+    stride = p.get("stride")
+    values = result[0] if isinstance(result, tuple) else result
+    ex.emit(
+        "max_pool",
+        [ex.name_of(x)],
+        [values],
+        {
+            "kernel": k,
+            "stride": k if stride is None or stride == [] or stride == () else _ints(stride, dims),
+            "padding": _ints(p.get("padding", 0), dims),
+            "dilation": _ints(p.get("dilation", 1), dims),
+            "ceil_mode": bool(p.get("ceil_mode", False)),
+        },
+    )
+
+
+def _rule_adaptive_max_pool(ex: _Exporter, n, module, args, kwargs, result) -> None:
+    x = args[0]
+    values = result[0] if isinstance(result, tuple) else result
+    dims = int(registry.row_for(n, ex.modules)[0].name[-2])
+    ex.emit(
+        "adaptive_max_pool",
+        [ex.name_of(x)],
+        [values],
+        {"output_size": list(values.shape[-dims:])},
+    )
+
+
+#: pass-through registry rows (name without the 1d/2d/3d) whose QTensor op computes on values
+VALUE_RULES: dict[str, Callable[..., None]] = {
+    "relu": _rule_relu,
+    "max_pool": _rule_max_pool,
+    "adaptive_max_pool": _rule_adaptive_max_pool,
+}
+
+
+# -- pass-through rows that move integers ------------------------------------------------------
+def _call_float(ex: _Exporter, n: Node, module, args, kwargs) -> Any:
+    if n.op == "call_module":
+        return module(*args, **kwargs)
+    if n.op == "call_function":
+        return n.target(*args, **kwargs)
+    return getattr(args[0], n.target)(*args[1:], **kwargs)
+
+
+def _movement(ex: _Exporter, n: Node, module, args, kwargs, result) -> None:
+    """Export an op that only moves integers by running it on source indices."""
+    leaves, spec = tree_flatten((args, kwargs))
+    pos = next(i for i, v in enumerate(leaves) if isinstance(v, QTensor))
+    src = leaves[pos]
+    numel = src.numel()
+    index = torch.arange(1, numel + 1, dtype=torch.float64).reshape(src.shape)
+    swapped = [
+        index if i == pos else (v.dequantize().double() if isinstance(v, QTensor) else v)
+        for i, v in enumerate(leaves)
+    ]
+    a2, k2 = tree_unflatten(swapped, spec)
+    with torch.no_grad():
+        moved = _call_float(ex, n, module, a2, k2)
+    res_leaves = tree_flatten(result)[0]
+    moved_leaves = tree_flatten(moved)[0]
+    in_name = ex.name_of(src)
+    outputs = [(r, o) for r, o in zip(res_leaves, moved_leaves) if isinstance(r, QTensor)]
+    for j, (r, o) in enumerate(outputs):
+        if id(r) in ex.names:
+            continue
+        suffix = "" if len(outputs) == 1 else f"_{j}"
+        _emit_movement(ex, n, in_name, src, r, o.to(torch.float64) - 1, suffix)
+
+
+def _emit_movement(
+    ex: _Exporter, n: Node, in_name: str, src: QTensor, r: QTensor, idx: Tensor, suffix: str
+) -> None:
+    numel = src.numel()
+    batch = ex.batch
+    flat = idx.reshape(-1).round().to(torch.int64)
+    in_shape, out_shape = list(src.shape), list(r.shape)
+    batched = ex.batched.get(in_name, False) and out_shape[:1] == [batch] and batch
+    per_sample = False
+    if batched:
+        per = numel // batch
+        rows = flat.reshape(batch, -1)
+        base = rows[0]
+        ok = bool(((base >= -1) & (base < per)).all())
+        if ok:
+            offs = torch.arange(batch).reshape(-1, 1) * per
+            expected = torch.where(base >= 0, base + offs, torch.full_like(rows, -1))
+            ok = torch.equal(expected, rows)
+        per_sample = ok
+    if per_sample:
+        index = rows[0]
+        trailing = out_shape[1:]
+        identity = index.numel() == per and torch.equal(index, torch.arange(per))
+    else:
+        index = flat
+        trailing = out_shape
+        identity = index.numel() == numel and torch.equal(index, torch.arange(numel))
+    if identity:
+        if out_shape == in_shape:
+            ex.alias(r, in_name)
+            return
+        shape = [0, *trailing] if per_sample else out_shape
+        if not per_sample and ex.batched.get(in_name, False):
+            ex.fixed.append(f"{n.name} reshapes across the batch dimension")
+        ex.emit("reshape", [in_name], [r], {"shape": shape}, batched=per_sample, suffix=suffix)
+        return
+    perm = _as_transpose(n, in_shape, flat, out_shape)
+    if perm is not None and (perm[0] == 0 or not ex.batched.get(in_name, False)):
+        ex.emit("transpose", [in_name], [r], {"perm": perm}, batched=perm[0] == 0, suffix=suffix)
+        return
+    if not per_sample and ex.batched.get(in_name, False):
+        ex.fixed.append(f"{n.name} moves values across samples of the batch")
+    ex.emit(
+        "gather",
+        [in_name],
+        [r],
+        {"per_sample": per_sample, "shape": trailing},
+        {"index": index.numpy().astype(np.int64)},
+        batched=per_sample,
+        suffix=suffix,
+    )
+
+
+def _as_transpose(
+    n: Node, in_shape: list[int], flat: Tensor, out_shape: list[int]
+) -> list[int] | None:
+    """The permutation when the op is a permute / transpose (checked on the indices)."""
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    if name not in ("permute", "transpose", "t", "movedim", "swapaxes"):
+        return None
+    rank = len(in_shape)
+    args = [a for a in n.args[1:]]
+    perm = list(range(rank))
+    try:
+        if name == "permute":
+            dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+            perm = [int(d) % rank for d in dims]
+        elif name == "t":
+            perm = perm[::-1]
+        else:
+            a, b = int(args[0]) % rank, int(args[1]) % rank
+            perm[a], perm[b] = perm[b], perm[a]
+    except (TypeError, ValueError, IndexError):
+        return None
+    ref = torch.arange(flat.numel()).reshape(in_shape).permute(perm).reshape(-1)
+    return perm if torch.equal(ref, flat) and list(ref.shape) else None
+
+
+# -- float ops --------------------------------------------------------------------------------
+FLOAT_RULES: dict[Any, str] = {
+    operator.neg: "neg",
+    torch.neg: "neg",
+    "neg": "neg",
+    operator.add: "add",
+    operator.iadd: "add",
+    torch.add: "add",
+    "add": "add",
+    operator.sub: "sub",
+    operator.isub: "sub",
+    torch.sub: "sub",
+    "sub": "sub",
+    operator.mul: "mul",
+    operator.imul: "mul",
+    torch.mul: "mul",
+    "mul": "mul",
+    operator.truediv: "div",
+    operator.itruediv: "div",
+    torch.div: "div",
+    "div": "div",
+}
+
+
+def _float_op(ex: _Exporter, fn: str, args, kwargs, result: Tensor) -> None:
+    if kwargs:
+        raise ex.error("float ops with keyword arguments are not exported")
+    if result.dtype is not torch.float32:
+        raise ex.error(f"float ops are exported in float32 only (got {result.dtype})")
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    scalars = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    if len(tensors) + len(scalars) != len(args):
+        raise ex.error("float op arguments must be tensors or numbers")
+    attrs: dict[str, Any] = {"fn": fn}
+    if scalars:
+        attrs["scalar"] = float(scalars[0])
+        attrs["scalar_first"] = not isinstance(args[0], Tensor)
+        if float(np.float32(scalars[0])) != float(scalars[0]):
+            raise ex.error(f"the scalar {scalars[0]} is not a float32 number (torch rounds it)")
+    ex.emit("float", [ex.name_of(t) for t in tensors], [result], attrs)

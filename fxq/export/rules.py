@@ -1,0 +1,563 @@
+"""Export rules of the integer modules (one per ``fxq.quantized`` class in ``RULES``).
+
+A rule is ``rule(exporter, module, args, kwargs, result)``: it reads what the integer module
+computed with for the scales its inputs carry and emits IR nodes (``exporter.emit``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from fxq import registry
+from fxq.march import Rounding
+from fxq.qtensor import QTensor
+from fxq.quantized import activation, batchnorm, elementwise, interpolate, matmul, pooling, weighted
+from fxq.quantized import functional as qf
+from fxq.quantized import stubs as qstubs
+from fxq.quantized.base import multiplier_for
+
+if TYPE_CHECKING:
+    from fxq.export.build import _Exporter
+
+__all__ = ["RULES"]
+
+
+def _dtype(q: QTensor) -> str:
+    return {"qint8": "int8", "qint16": "int16", "qint32": "int32"}[q.qdtype.name]
+
+
+def _rounding(module: nn.Module) -> str:
+    return "half_up" if module.rounding is Rounding.HALF_UP else "half_even"
+
+
+def _np(t: Tensor, dtype: Any = None) -> np.ndarray:
+    a = t.detach().cpu().numpy()
+    return a.astype(dtype) if dtype is not None else a.copy()
+
+
+def _ints(v: Any, d: int) -> list[int]:
+    if isinstance(v, (tuple, list)):
+        v = list(v)
+        return [int(x) for x in (v * d if len(v) == 1 else v)]
+    return [int(v)] * d
+
+
+# -- rules: stubs ---------------------------------------------------------------------------
+def _rule_quantize(ex: _Exporter, m: qstubs.Quantize, args, kwargs, result) -> None:
+    x = args[0]
+    if not isinstance(x, (Tensor, QTensor)):
+        return
+    if isinstance(x, QTensor):
+        _requantize_to(ex, x, m.scale, m.dtype, m, result)
+        return
+    ex.emit(
+        "quantize",
+        [ex.name_of(x)],
+        [result],
+        {"scale": float(m.scale), "dtype": _dtype(result), "rounding": _rounding(m)},
+    )
+
+
+def _requantize_to(ex: _Exporter, x: QTensor, scale: Tensor, dtype, module, result, suffix=""):
+    if torch.equal(x.scale, scale.to(x.scale.device)) and x.qdtype is dtype:
+        ex.alias(result, ex.name_of(x))
+        return
+    m, s = multiplier_for(
+        module, qf.scale_ratio(x.scale, scale), {"input": x.scale, "output": scale}
+    )
+    ex.emit(
+        "requantize",
+        [ex.name_of(x)],
+        [result],
+        {"dtype": _dtype(result), "rounding": _rounding(module), "lo": None, "hi": None},
+        {"multiplier": _np(m, np.int64), "shift": _np(s, np.int64)},
+        suffix=suffix,
+    )
+
+
+def _rule_requantize(ex, m: qstubs.Requantize, args, kwargs, result) -> None:
+    _requantize_to(
+        ex, args[0], m.scale, m.dtype if hasattr(m, "dtype") else result.qdtype, m, result
+    )
+
+
+def _rule_dequantize(ex: _Exporter, m: nn.Module, args, kwargs, result) -> None:
+    dtype = getattr(m, "dtype_of_model", None)
+    if dtype is not None and dtype.dtype is not torch.float32:
+        raise ex.error(f"the model runs its float regions in {dtype.dtype}; export a float32 model")
+    ins, _ = tree_flatten(args[0])
+    outs, _ = tree_flatten(result)
+    for i, (a, b) in enumerate(zip(ins, outs)):
+        if isinstance(a, QTensor):
+            if a.scale.numel() != 1:
+                raise ex.error("per-channel QTensors are not exported")
+            ex.emit(
+                "dequantize",
+                [ex.name_of(a)],
+                [b],
+                {"scale": float(a.scale)},
+                suffix="" if len(ins) == 1 else f"_{i}",
+            )
+        elif isinstance(a, Tensor):
+            ex.alias(b, ex.name_of(a))
+
+
+# -- rules: weighted ------------------------------------------------------------------------
+def _weighted_params(m: weighted._Weighted, p) -> tuple[dict, dict]:
+    params: dict[str, np.ndarray] = {
+        "weight": _np(m.weight_out_major(), np.int8),
+        "weight_scale": _np(m.weight_scale, np.float32).reshape(-1),
+    }
+    if p.bias is not None:
+        params["bias"] = _np(p.bias, np.int32)
+    hp = m.high_precision
+    if hp:
+        params["accumulator_scale"] = _np(p.accumulator_scale, np.float64)
+    else:
+        params["multiplier"] = _np(p.multiplier, np.int32)
+        params["shift"] = _np(p.shift, np.int32)
+    if m.add:
+        params["residual_multiplier"] = _np(p.residual_multiplier, np.int32)
+        params["residual_shift"] = _np(p.residual_shift, np.int32)
+    lo, hi = m.lo, m.hi
+    attrs = {
+        "out_dtype": "float32" if hp else m.out_dtype_name[1:],
+        "rounding": _rounding(m),
+        "lo": lo,
+        "hi": hi,
+        "float_max": 6.0 if hp and m.activation == "relu6" else None,
+        "activation": m.activation,
+    }
+    return params, attrs
+
+
+def _rule_conv(ex: _Exporter, m: weighted._Conv, args, kwargs, result) -> None:
+    x = args[0]
+    residual = args[1] if len(args) > 1 else kwargs.get("residual")
+    if x.dim() != m._DIM + 2:
+        raise ex.error("unbatched convolution inputs are not exported; add a batch dimension")
+    p = m.requantization(x, residual)
+    params, attrs = _weighted_params(m, p)
+    d = m._DIM
+    k = list(m.weight.shape[2:])
+    attrs.update(
+        dim=d,
+        transposed=m._TRANSPOSED,
+        stride=_ints(m.stride, d),
+        dilation=_ints(m.dilation, d),
+        groups=int(m.groups),
+        pad_mode="zeros",
+    )
+    if m._TRANSPOSED:
+        attrs.update(padding=_ints(m.padding, d), output_padding=_ints(m.output_padding, d))
+    elif m.padding_mode != "zeros":
+        rp = list(m.reversed_padding)
+        attrs["pads"] = [[rp[2 * i], rp[2 * i + 1]] for i in range(d)][::-1]
+        attrs["pad_mode"] = m.padding_mode
+    elif isinstance(m.padding, str):
+        if m.padding == "valid":
+            attrs["pads"] = [[0, 0]] * d
+        else:  # "same": torch puts the odd pixel on the right
+            total = [di * (ki - 1) for di, ki in zip(attrs["dilation"], k)]
+            attrs["pads"] = [[t // 2, t - t // 2] for t in total]
+    else:
+        attrs["pads"] = [[v, v] for v in _ints(m.padding, d)]
+    inputs = [ex.name_of(x)] + ([ex.name_of(residual)] if m.add else [])
+    ex.emit("conv", inputs, [result], attrs, params)
+
+
+def _rule_linear(ex: _Exporter, m: weighted.Linear, args, kwargs, result) -> None:
+    x = args[0]
+    residual = args[1] if len(args) > 1 else kwargs.get("residual")
+    p = m.requantization(x, residual)
+    params, attrs = _weighted_params(m, p)
+    inputs = [ex.name_of(x)] + ([ex.name_of(residual)] if m.add else [])
+    ex.emit("linear", inputs, [result], attrs, params)
+
+
+def _rule_batchnorm(ex: _Exporter, m: batchnorm.BatchNorm, args, kwargs, result) -> None:
+    x = args[0]
+    if torch.equal(x.scale, m.input_scale.to(x.scale.device)):
+        bias, mult, shift = m.bias, m.multiplier, m.shift
+    else:
+        bias, mult, shift = m._derive(x.scale)
+    ex.emit(
+        "channel_affine",
+        [ex.name_of(x)],
+        [result],
+        {"out_dtype": _dtype(result), "rounding": _rounding(m), "lo": m.lo, "hi": m.hi},
+        {
+            "weight": _np(m.weight, np.int8),
+            "weight_scale": _np(m.weight_scale, np.float32).reshape(-1),
+            "bias": _np(bias, np.int32),
+            "multiplier": _np(mult, np.int32),
+            "shift": _np(shift, np.int32),
+        },
+    )
+
+
+# -- rules: elementwise ---------------------------------------------------------------------
+def _rule_add(ex: _Exporter, m: elementwise.Add, args, kwargs, result) -> None:
+    a, b, alpha = elementwise._operands(args, kwargs)
+    tensors, factors, scalars = [], [], 0.0
+    for value, factor in ((a, 1.0), (b, m._SIGN * alpha)):
+        if isinstance(value, QTensor):
+            tensors.append(value)
+            factors.append(factor)
+        else:
+            scalars += float(value) * factor
+    ms, n, constant = m._derive([t.scale for t in tensors], factors, scalars)
+    ex.emit(
+        "add",
+        [ex.name_of(t) for t in tensors],
+        [result],
+        {
+            "multipliers": [int(v) for v in ms],
+            "shift": int(n.reshape(-1)[0]),
+            "constant": None if constant is None else int(constant.reshape(-1)[0]),
+            "factors": [float(f) for f in factors],
+            "scalar": float(scalars),
+            "dtype": _dtype(result),
+            "rounding": _rounding(m),
+        },
+    )
+
+
+def _rule_mul(ex: _Exporter, m: elementwise.Mul, args, kwargs, result) -> None:
+    a, b, _ = elementwise._operands(args, kwargs)
+    if isinstance(a, QTensor) and isinstance(b, QTensor):
+        mult, s = m._derive([a.scale, b.scale], 1.0)
+        inputs, sign, c = [ex.name_of(a), ex.name_of(b)], None, None
+    else:
+        q, c = (a, b) if isinstance(a, QTensor) else (b, a)
+        c = float(c)
+        mult, s = m._derive([q.scale], abs(c))
+        inputs, sign = [ex.name_of(q)], -1 if c < 0 else 1
+    ex.emit(
+        "mul",
+        inputs,
+        [result],
+        {
+            "multiplier": int(mult.reshape(-1)[0]),
+            "shift": int(s.reshape(-1)[0]),
+            "sign": sign,
+            "scalar": c,
+            "dtype": _dtype(result),
+            "rounding": _rounding(m),
+        },
+    )
+
+
+def _rule_cat(ex: _Exporter, m: elementwise.Cat, args, kwargs, result) -> None:
+    tensors = args[0] if args else kwargs["tensors"]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    names = []
+    for i, t in enumerate(tensors):
+        if torch.equal(t.scale, m.output_scale.to(t.scale.device)) and t.qdtype is m.out_dtype:
+            names.append(ex.name_of(t))
+            continue
+        mult, s = m._derive(t.scale)
+        tmp = QTensor(torch.zeros(t.shape, dtype=torch.float32), m.output_scale, m.out_dtype)
+        names += ex.emit(
+            "requantize",
+            [ex.name_of(t)],
+            [tmp],
+            {"dtype": _dtype(tmp), "rounding": _rounding(m), "lo": None, "hi": None},
+            {"multiplier": _np(mult, np.int64), "shift": _np(s, np.int64)},
+            suffix=f"_requant{i}",
+        )
+    ex.emit("concat", names, [result], {"axis": int(dim) % result.dim()})
+
+
+def _rule_matmul(ex: _Exporter, m: matmul.MatMul, args, kwargs, result) -> None:
+    a, b = args[0], args[1]
+    _, mult, s = m._derive(a, b, a.shape[-1])
+    ex.emit(
+        "matmul",
+        [ex.name_of(a), ex.name_of(b)],
+        [result],
+        {
+            "multiplier": int(mult.reshape(-1)[0]),
+            "shift": int(s.reshape(-1)[0]),
+            "dtype": _dtype(result),
+            "rounding": _rounding(m),
+        },
+    )
+
+
+# -- rules: clamps and tables ---------------------------------------------------------------
+def _rule_clamp(ex: _Exporter, m: activation.Clamp, args, kwargs, result) -> None:
+    x, rest = args[0], args[1:]
+    kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
+    if rest and isinstance(rest[-1], bool):
+        rest = rest[:-1]
+    lo, hi = activation._clamp_bounds(m.op, m.fn, rest, kwargs)
+    mult, s, q_lo, q_hi = m._derive(x.scale, lo, hi)
+    ex.emit(
+        "requantize",
+        [ex.name_of(x)],
+        [result],
+        {"dtype": _dtype(result), "rounding": _rounding(m), "lo": q_lo, "hi": q_hi},
+        {"multiplier": _np(mult, np.int64), "shift": _np(s, np.int64)},
+    )
+
+
+def _rule_lut(ex: _Exporter, m: activation.LookupTable, args, kwargs, result) -> None:
+    x = args[0]
+    rest = tuple(a for a in args[1:] if not isinstance(a, bool))
+    table = m.table(x, rest, kwargs)
+    fn = _function(m, rest, kwargs)
+    if x.qdtype.bits == 8:
+        ex.emit(
+            "lut",
+            [ex.name_of(x)],
+            [result],
+            {"dtype": _dtype(result), **fn},
+            {"table": _np(table)},
+        )
+        return
+    ex.emit(
+        "segment_lut",
+        [ex.name_of(x)],
+        [result],
+        {
+            "dense_bits": int(table.dense_bits),
+            "sparse_bits": qf.SegmentLUT.SPARSE_BITS,
+            "dtype": _dtype(result),
+            **fn,
+            "rounding": _rounding(m),
+        },
+        {"dense": _np(table.dense, np.int64), "sparse": _np(table.sparse, np.int64)},
+    )
+
+
+_FUNCTION_ATTRS = {
+    "leaky_relu": ("negative_slope",),
+    "elu": ("alpha",),
+    "softplus": ("beta", "threshold"),
+    "gelu": ("approximate",),
+}
+
+
+def _function(m: activation.LookupTable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The float function a table tabulates: its registry name and constant arguments
+    (informational, and what the QDQ form computes in float)."""
+    op = m.op
+    row = registry.row_for_module(type(op)) if op is not None else None
+    name = row.name if row is not None else registry.canonical_key(m.fn)
+    if not isinstance(name, str):
+        name = getattr(m.fn, "__name__", "unknown")
+    values: dict[str, Any] = {}
+    if op is not None:
+        values = {k: getattr(op, k) for k in _FUNCTION_ATTRS.get(name, ()) if hasattr(op, k)}
+    else:
+        values = dict(zip(_FUNCTION_ATTRS.get(name, ()), args))
+        values.update({k: v for k, v in kwargs.items() if k != "inplace"})
+    values = {k: v for k, v in values.items() if isinstance(v, (int, float, str))}
+    return {"function": name, "function_args": values}
+
+
+# -- rules: pooling, reductions, resampling --------------------------------------------------
+def _sum_then_requant(
+    ex: _Exporter,
+    m: nn.Module,
+    x: QTensor,
+    result: QTensor,
+    axes: list[int],
+    matrices: list[np.ndarray],
+    counts: Tensor,
+    keep_shape: list[int] | None = None,
+) -> None:
+    """``axis_matmul`` (exact window sums), an optional reshape, then ``requantize`` with one
+    multiplier per output position (``M_d 2**-S_d ~ s_x / (d s_y)`` for window count ``d``)."""
+    if any(a == 0 for a in axes) and ex.batched.get(ex.name_of(x), False):
+        raise ex.error("reducing over the batch dimension is not exported")
+    sums_shape = list(x.shape)
+    for a, mat in zip(axes, matrices):
+        sums_shape[a] = mat.shape[1]
+    sums = torch.zeros(sums_shape, dtype=torch.int64)
+    (name,) = ex.emit(
+        "axis_matmul",
+        [ex.name_of(x)],
+        [sums],
+        {"axes": axes},
+        {f"matrix_{i}": mat.astype(np.int32) for i, mat in enumerate(matrices)},
+        suffix="_sum",
+    )
+    if keep_shape is not None and list(keep_shape) != sums_shape:
+        flat = torch.zeros(keep_shape, dtype=torch.int64)
+        shape = [0 if i == 0 and ex.batched[name] else s for i, s in enumerate(keep_shape)]
+        (name,) = ex.emit("reshape", [name], [flat], {"shape": shape}, suffix="_reshape")
+    counts = counts.to(torch.float64).cpu()
+    distinct, inverse = torch.unique(counts, return_inverse=True)
+    s_y = m.output_scale.to(torch.float64).cpu()
+    real = x.scale.to(torch.float64).cpu() / (distinct * s_y)
+    mult, shift = multiplier_for(m, real, {"input": x.scale, "output": s_y})
+    ex.emit(
+        "requantize",
+        [name],
+        [result],
+        {"dtype": _dtype(result), "rounding": _rounding(m), "lo": None, "hi": None},
+        {"multiplier": _np(mult[inverse], np.int64), "shift": _np(shift[inverse], np.int64)}
+        if distinct.numel() > 1
+        else {"multiplier": _np(mult, np.int64), "shift": _np(shift, np.int64)},
+    )
+
+
+def _window_matrix(n: int, o: int, windows: list[tuple[int, int]]) -> np.ndarray:
+    a = np.zeros((n, o), dtype=np.int64)
+    for j, (s, e) in enumerate(windows):
+        a[max(s, 0) : min(e, n), j] = 1
+    return a
+
+
+def _rule_avg_pool(ex: _Exporter, m: pooling.AvgPool, args, kwargs, result) -> None:
+    x = args[0]
+    params = m._arguments(args[1:], kwargs)
+    dims = pooling._pool_dims(m, pooling._AVG, pooling._AVG_MODULES) or x.dim() - 2
+    k = _ints(params["kernel_size"], dims)
+    stride = params["stride"]
+    st = k if stride is None or stride == [] or stride == () else _ints(stride, dims)
+    pad = _ints(params["padding"], dims)
+    out_sizes = list(result.shape[-dims:])
+    in_sizes = list(x.shape[-dims:])
+    axes = [x.dim() - dims + i for i in range(dims)]
+    mats = [
+        _window_matrix(n, o, [(j * s - p, j * s - p + kk) for j in range(o)])
+        for n, o, s, p, kk in zip(in_sizes, out_sizes, st, pad, k)
+    ]
+    # torch's divisor of every output position, as the integer module computes it
+    fn = pooling._AVG[dims]
+    shaped = dict(params)
+    ones = torch.ones((1, 1, *in_sizes), dtype=torch.float64)
+    if dims == 1:
+        fn = pooling._AVG[2]
+        ones = ones.unsqueeze(2)
+        shaped = {
+            kk: (pooling._as_2d(v) if kk in ("kernel_size", "stride", "padding") else v)
+            for kk, v in params.items()
+        }
+        if shaped["padding"] is not None:
+            shaped["padding"] = (0, shaped["padding"][1])
+    counts = torch.round(fn(ones, **dict(shaped, divisor_override=1)) / fn(ones, **shaped))
+    counts = counts.reshape(out_sizes)
+    _sum_then_requant(ex, m, x, result, axes, mats, counts)
+
+
+def _rule_adaptive_avg_pool(ex: _Exporter, m: pooling.AdaptiveAvgPool, args, kwargs, result):
+    x = args[0]
+    dims = pooling._pool_dims(m, pooling._ADAPTIVE, pooling._ADAPTIVE_MODULES) or x.dim() - 2
+    out_sizes = list(result.shape[-dims:])
+    in_sizes = list(x.shape[-dims:])
+    axes = [x.dim() - dims + i for i in range(dims)]
+    from .runtime import adaptive_windows
+
+    windows = [adaptive_windows(n, o) for n, o in zip(in_sizes, out_sizes)]
+    mats = [_window_matrix(n, o, w) for n, o, w in zip(in_sizes, out_sizes, windows)]
+    counts = torch.ones(out_sizes, dtype=torch.float64)
+    for i, w in enumerate(windows):
+        shape = [1] * dims
+        shape[i] = len(w)
+        counts = counts * torch.tensor([e - s for s, e in w], dtype=torch.float64).reshape(shape)
+    _sum_then_requant(ex, m, x, result, axes, mats, counts)
+
+
+def _reduction(ex: _Exporter, m: nn.Module, args, kwargs, result, mean: bool) -> None:
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis"))
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    dims = sorted(pooling._reduce_dims(x, dim))
+    mats = [np.ones((x.shape[d], 1), dtype=np.int64) for d in dims]
+    count = math.prod(x.shape[d] for d in dims) if mean else 1
+    counts = torch.full(tuple(result.shape), float(count))
+    _sum_then_requant(ex, m, x, result, dims, mats, counts, None if keepdim else list(result.shape))
+
+
+def _rule_mean(ex, m, args, kwargs, result) -> None:
+    _reduction(ex, m, args, kwargs, result, True)
+
+
+def _rule_sum(ex, m, args, kwargs, result) -> None:
+    _reduction(ex, m, args, kwargs, result, False)
+
+
+def _rule_interpolate(ex: _Exporter, m: interpolate.Interpolate, args, kwargs, result) -> None:
+    x = args[0]
+    p = m._arguments(args[1:], kwargs)
+    dims = x.dim() - 2
+    in_sizes = list(x.shape[2:])
+    sf = p["scale_factor"]
+    sfs = (
+        [sf] * dims
+        if isinstance(sf, (int, float))
+        else (list(sf) if sf is not None else [None] * dims)
+    )
+    if p["size"] is not None:
+        scales = [None] * dims
+    else:
+        scales = [None if p["recompute_scale_factor"] else float(f) for f in sfs]
+    out_sizes = list(result.shape[2:])
+    mats = []
+    one = 1 << qf.INTERP_FRACTION_BITS
+    for n, o, s in zip(in_sizes, out_sizes, scales):
+        i0, i1, w1 = qf.linear_weights(n, o, s, bool(p["align_corners"]), "cpu")
+        a = np.zeros((n, o), dtype=np.int64)
+        for j in range(o):
+            a[int(i0[j]), j] += one - int(w1[j])
+            a[int(i1[j]), j] += int(w1[j])
+        mats.append(a)
+    sums = torch.zeros(x.shape[:2] + tuple(out_sizes), dtype=torch.int64)
+    (name,) = ex.emit(
+        "axis_matmul",
+        [ex.name_of(x)],
+        [sums],
+        {"axes": list(range(2, 2 + dims))},
+        {f"matrix_{i}": a.astype(np.int32) for i, a in enumerate(mats)},
+        suffix="_sum",
+    )
+    mult, s = m._derive(x.scale, dims)
+    ex.emit(
+        "requantize",
+        [name],
+        [result],
+        {"dtype": _dtype(result), "rounding": _rounding(m), "lo": None, "hi": None},
+        {"multiplier": _np(mult, np.int64), "shift": _np(s, np.int64)},
+    )
+
+
+#: integer module class -> export rule ``(exporter, module, args, kwargs, result)``
+RULES: dict[type, Callable[..., None]] = {
+    qstubs.Quantize: _rule_quantize,
+    qstubs.Requantize: _rule_requantize,
+    qstubs.DeQuantize: _rule_dequantize,
+    batchnorm.BatchNorm: _rule_batchnorm,
+    weighted.Linear: _rule_linear,
+    elementwise.Add: _rule_add,
+    elementwise.Sub: _rule_add,
+    elementwise.Mul: _rule_mul,
+    elementwise.Cat: _rule_cat,
+    matmul.MatMul: _rule_matmul,
+    activation.Clamp: _rule_clamp,
+    activation.LookupTable: _rule_lut,
+    pooling.AvgPool: _rule_avg_pool,
+    pooling.AdaptiveAvgPool: _rule_adaptive_avg_pool,
+    pooling.Mean: _rule_mean,
+    pooling.Sum: _rule_sum,
+    interpolate.Interpolate: _rule_interpolate,
+}
+for _cls in (
+    weighted.Conv1d,
+    weighted.Conv2d,
+    weighted.Conv3d,
+    weighted.ConvTranspose1d,
+    weighted.ConvTranspose2d,
+    weighted.ConvTranspose3d,
+):
+    RULES[_cls] = _rule_conv
