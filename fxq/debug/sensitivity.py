@@ -181,6 +181,7 @@ def sensitivity(
     out_dir: str | Path | None = None,
     show: bool = False,
     top: int = 30,
+    kinds: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """The model-output error caused by each quantized value alone, worst first.
 
@@ -220,6 +221,9 @@ def sensitivity(
             chart of the ``top`` most sensitive values and the table).
         show: print the table.
         top: how many values the bar chart shows.
+        kinds: only these kinds of value (``"activation"``, ``"weight"``, ``"input"`` for
+            a standalone module's inputs); e.g. ``("activation",)`` halves the cost when
+            only activations can change (choosing int16 layers).
 
     Returns:
         one dict per quantized value, most harmful first: ``rank``, ``name``, ``kind``
@@ -246,6 +250,13 @@ def sensitivity(
     values = quantized_values(calib_model)
     if target_dtype is not None:  # weights are int8 on every march: only activations can widen
         values = [v for v in values if v.kind != "weight"]
+    if kinds is not None:
+        unknown = set(kinds) - {"activation", "weight", "input"}
+        if unknown:
+            raise ValueError(
+                f"sensitivity: unknown kinds {sorted(unknown)}; use 'activation', 'weight', 'input'"
+            )
+        values = [v for v in values if v.kind.rstrip("0123456789") in kinds]
     if not values:
         raise ValueError("sensitivity: calib_model has no quantized value")
     start = time.perf_counter()

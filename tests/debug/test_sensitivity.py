@@ -82,8 +82,20 @@ def test_a_user_metric_and_a_shared_conv(bayes):
     assert "<lambda>" in rows[0]
 
 
+def test_kinds_select_the_values(clipped):
+    model, prepared, data = clipped
+    everything = {(r["name"], r["kind"]): r["sqnr"] for r in sensitivity(model, prepared, data[0])}
+    weights = sensitivity(model, prepared, data[0], kinds=["weight"])
+    assert {r["kind"] for r in weights} == {"weight"}
+    assert len(weights) == sum(k == "weight" for _, k in everything)
+    for r in weights:
+        assert r["sqnr"] == pytest.approx(everything[(r["name"], "weight")], abs=1e-9)
+
+
 def test_bad_arguments(clipped):
     model, prepared, data = clipped
+    with pytest.raises(ValueError, match="kinds"):
+        sensitivity(model, prepared, data[0], kinds=["weights"])
     with pytest.raises(ValueError, match="mode"):
         sensitivity(model, prepared, data[0], mode="one")
     with pytest.raises(TypeError, match="prepare_qat_fx"):
