@@ -331,7 +331,7 @@ def test_float_rows_are_listed_with_their_reason(bayes):
         def forward(self, x):
             y = self.conv(x)
             y = self.ln(y.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-            y = F.conv2d(y, self.w)
+            y = F.conv2d(y, self.w.contiguous())  # a weight computed in the graph: float
             return torch.softmax(y, 1) / 2.0
 
     with pytest.warns(fxq.fx.prepare.FloatOpWarning) as record:

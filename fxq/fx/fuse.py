@@ -22,6 +22,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from fxq.fused import Fused
+from fxq.fx.functional_layers import modularize_functional_layers
 from fxq.fx.graph_utils import take_name
 from fxq.fx.tracer import symbolic_trace
 from fxq.march import MarchSpec, get_march_spec
@@ -271,7 +272,10 @@ def fuse_graph_module(gm: GraphModule, spec: MarchSpec) -> list[tuple[str, str]]
     # modules a fusion absorbed are gone from the graph: remove them from the hierarchy too,
     # unless another node still calls them (a shared nn.ReLU used elsewhere)
     still_used = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    still_used |= {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for absorbed_target in absorbed - still_used:
+        if any(t.startswith(absorbed_target + ".") for t in still_used):
+            continue  # a submodule of it is still called (timm's BatchNormAct2d.act)
         _del_module(gm, absorbed_target)
     gm.graph.lint()
     gm.recompile()
@@ -297,5 +301,6 @@ def fuse_fx(model: nn.Module) -> GraphModule:
     spec = get_march_spec()
     model = copy.deepcopy(model)
     gm = model if isinstance(model, GraphModule) else symbolic_trace(model)
+    modularize_functional_layers(gm)
     fuse_graph_module(gm, spec)
     return gm

@@ -34,6 +34,7 @@ from torch.fx import GraphModule, Node
 
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
 from fxq.fused import Fused
+from fxq.fx.functional_layers import modularize_functional_layers
 from fxq.fx.fuse import fuse_graph_module
 from fxq.fx.graph_utils import (
     call_sites,
@@ -124,6 +125,9 @@ def prepare_qat_fx(
     if isinstance(example_inputs, Mapping) and not isinstance(work, GraphModule):
         concrete_args = {**concrete_args_for(work, dict(example_inputs)), **(concrete_args or {})}
     gm = work if isinstance(work, GraphModule) else symbolic_trace(work, concrete_args)
+    modularize_functional_layers(  # a functional layer with a qconfig of None stays as it is
+        gm, keep=lambda node: resolver.resolve(owner_path(node), node.target).qconfig is None
+    )
     fuse_graph_module(gm, spec)
     preparer = _Preparer(gm, resolver, spec, example_inputs)
     preparer.run()
