@@ -165,14 +165,28 @@ class _Writer:
             self.as_double(node.inputs[0]), r, a["dtype"], a["rounding"], a["lo"], a["hi"], outs[0]
         )
 
-    def _finish(self, node: Node, acc: str, rank: int, axis: int, out: str) -> None:
-        """Bias, saturation, residual and requantization of conv / linear / affine."""
+    def _finish(
+        self,
+        node: Node,
+        acc: str,
+        rank: int,
+        axis: int,
+        out: str,
+        bias_added: bool = False,
+        bound: int | None = None,
+    ) -> None:
+        """Bias, saturation, residual and requantization of conv / linear / affine.
+
+        ``bias_added``: the kernel added the bias already; ``bound``: a proven bound on
+        ``|acc + bias|`` (no int32 saturation is written when it is below ``2**31``).
+        """
         a, p = node.attrs, node.params
-        if "bias" in p:
+        if "bias" in p and not bias_added:
             acc = self.op(
                 "Add", [acc, self.const(self.channel(p["bias"].astype(np.float64), rank, axis))]
             )
-        acc = self.sat32(acc)
+        if bound is None or bound >= 1 << 31:
+            acc = self.sat32(acc)
         if len(node.inputs) > 1:
             rr = np.ldexp(
                 p["residual_multiplier"].astype(np.float64), -p["residual_shift"].astype(np.int64)
@@ -198,10 +212,18 @@ class _Writer:
             acc, self.channel(r, rank, axis), a["out_dtype"], a["rounding"], a["lo"], a["hi"], out
         )
 
+    def _bits(self, ir_name: str) -> int:
+        return {"int8": 8, "int16": 16, "int32": 32}[self.graph.tensors[ir_name].dtype]
+
+    @staticmethod
+    def _l1(w: np.ndarray) -> int:
+        """``max_o sum |W[o]|``, which bounds every partial sum with ``max |X|``."""
+        return int(np.abs(w.astype(np.int64)).reshape(w.shape[0], -1).sum(1).max()) if w.size else 0
+
     def _limbs(self, node: Node, w: np.ndarray) -> tuple[int, int]:
         """The fewest float32 limbs (and their width) that keep the conv exact."""
-        bits = {"int8": 8, "int16": 16, "int32": 32}[self.graph.tensors[node.inputs[0]].dtype]
-        l1 = int(np.abs(w.astype(np.int64)).reshape(w.shape[0], -1).sum(1).max()) if w.size else 0
+        bits = self._bits(node.inputs[0])
+        l1 = self._l1(w)
         for limbs in range(1, 5):
             width = -(-bits // limbs)
             if limbs > 1 and width * (limbs - 1) >= bits:
@@ -251,6 +273,11 @@ class _Writer:
                 group=a["groups"],
             )
             op_type = "Conv"
+        bias = node.params.get("bias")
+        bmax = int(np.abs(bias.astype(np.int64)).max()) if bias is not None and bias.size else 0
+        bound = (1 << (self._bits(node.inputs[0]) - 1)) * self._l1(w) + bmax
+        bias_in_kernel = bias is not None and limbs == 1 and bound < _F32_EXACT
+        extra = [self.const(bias.astype(np.float32), hint="bias")] if bias_in_kernel else []
         parts = []
         rest = x
         for i in range(limbs):
@@ -262,12 +289,12 @@ class _Writer:
                 rest = hi
             else:
                 limb = rest
-            y = self.cast(self.op(op_type, [limb, kernel], **attrs), "float64")
+            y = self.cast(self.op(op_type, [limb, kernel, *extra], **attrs), "float64")
             if i:
                 y = self.op("Mul", [y, self.const(2.0 ** (i * width), np.float64)])
             parts.append(y)
         acc = parts[0] if len(parts) == 1 else self.op("Sum", parts)
-        self._finish(node, acc, d + 2, 1, outs[0])
+        self._finish(node, acc, d + 2, 1, outs[0], bias_in_kernel, bound)
 
     def op_linear(self, node: Node, outs: list[str]) -> None:
         w = self.cast(self.const(node.params["weight"].T.astype(np.int8), hint="weight"), "float64")
