@@ -8,7 +8,9 @@
 * ``auto_calibrate(model, data)``: per layer, the observer that minimises the
   model's final output error;
 * ``weight_reconstruction(model, data)``: learned weight rounding (AdaRound-style)
-  and bias correction.
+  and bias correction;
+* ``bias_correction(model, data)``: each layer's mean output matched to the
+  float model's, layer by layer (empirical bias correction).
 
 Only the observers are imported with the package; the runners (which use the
 QAT modules and the FX passes) are imported on first use (PEP 562), so that
@@ -22,7 +24,13 @@ from typing import Any
 
 from fxq.calibration import observers as observers  # registers percentile / mse / kl / mix
 
-__all__ = ["calibrate", "auto_calibrate", "weight_reconstruction", "batch_arguments"]
+__all__ = [
+    "calibrate",
+    "auto_calibrate",
+    "weight_reconstruction",
+    "bias_correction",
+    "batch_arguments",
+]
 
 # public name -> the submodule that defines it
 _LAZY = {
@@ -30,6 +38,7 @@ _LAZY = {
     "batch_arguments": "fxq.calibration.runner",
     "auto_calibrate": "fxq.calibration.auto",
     "weight_reconstruction": "fxq.calibration.reconstruction",
+    "bias_correction": "fxq.calibration.bias_correction",
 }
 
 
