@@ -141,8 +141,6 @@ class Recorder(Interpreter):
             the same input, the reference's values rounded as this model rounds
             them (``same_input``): the op's own error, separated from what its
             inputs inherited.
-        on_node: called as ``on_node(node, value)`` after each node instead of
-            keeping the value (for statistics that must not hold every tensor).
     """
 
     def __init__(
@@ -150,20 +148,16 @@ class Recorder(Interpreter):
         gm: GraphModule,
         keep: Callable[[Node], bool] | None = None,
         reference: Recorder | None = None,
-        on_node: Callable[[Node, Any], None] | None = None,
     ) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.keep = keep
         self.reference = reference.values if reference is not None else None
-        self.reference_values = self.reference
         self.reference_nodes = (
             {node.name: node for node in reference.module.graph.nodes} if reference else None
         )
         self.reference_runner = reference
-        self.on_node = on_node
         self.values: dict[str, Any] = {}
-        self.inputs: dict[str, tuple] = {}
-        self.same_input: dict[str, Any] = {}
+        self.same_input: dict[str, tuple[Any, Any]] = {}
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         return call_function_bound(self.module, target, args, kwargs)
@@ -171,13 +165,10 @@ class Recorder(Interpreter):
     def run_node(self, n: Node) -> Any:
         out = super().run_node(n)
         if n.op in ("placeholder", "output", "get_attr"):
-            if n.op == "placeholder" and self.on_node is None:
+            if n.op == "placeholder":
                 self.values[n.name] = snapshot(out)
             return out
         if self.keep is not None and not self.keep(n):
-            return out
-        if self.on_node is not None:
-            self.on_node(n, out)
             return out
         self.values[n.name] = snapshot(out)
         if self.reference is not None:
@@ -233,7 +224,7 @@ class Recorder(Interpreter):
                 a for a in tree_flatten((args, kwargs))[0] if isinstance(a, (Tensor, QTensor))
             ]
             return _dequantized(tensors[0]) if len(tensors) == 1 else None
-        seen = self.reference_values
+        seen = self.reference
 
         def convert(value: Any, arg: Node) -> Any:
             return _like(_dequantized(value), seen.get(arg.name), get_march_spec().rounding)
