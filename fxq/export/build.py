@@ -33,7 +33,14 @@ from torch.utils._pytree import tree_flatten
 from fxq import registry
 from fxq.export.graph import IntegerGraph, TensorInfo
 from fxq.export.graph import Node as IRNode
-from fxq.export.moves import FLOAT_RULES, VALUE_RULES, _float_op, _movement
+from fxq.export.moves import (
+    FLOAT_RULES,
+    MOVEMENT_CUSTOM_ROWS,
+    VALUE_RULES,
+    _float_op,
+    _movement,
+    value_rule,
+)
 from fxq.export.rules import RULES, _dtype
 from fxq.fx.tracer import SELF, call_wrapped_method
 from fxq.qtensor import QTensor
@@ -210,9 +217,15 @@ class _Exporter(Interpreter):
                     f"registry row {row.name!r} ({row.kind.value}) on an integer tensor has no "
                     "export rule"
                 )
-            rule = VALUE_RULES.get(row.name.rstrip("123d")) or VALUE_RULES.get(row.name)
+            rule = value_rule(row.name)
             if rule is not None:
                 rule(self, n, module, args, kwargs, result)
+            elif row.qtensor == "custom" and row.name not in MOVEMENT_CUSTOM_ROWS:
+                raise self.error(
+                    f"pass-through row {row.name!r} has no export rule (add it to "
+                    "fxq.export.moves.VALUE_RULES, or to MOVEMENT_CUSTOM_ROWS if it only moves "
+                    "integers)"
+                )
             else:
                 _movement(self, n, module, args, kwargs, result)
             return

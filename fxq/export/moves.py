@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 from fxq.export.rules import _dtype, _ints, _np  # noqa: F401
 
-__all__ = ["VALUE_RULES", "FLOAT_RULES"]
+__all__ = ["VALUE_RULES", "MOVEMENT_CUSTOM_ROWS", "FLOAT_RULES", "value_rule"]
 
 
 # -- pass-through rows that compute on values --------------------------------------------------
@@ -78,6 +78,19 @@ VALUE_RULES: dict[str, Callable[..., None]] = {
     "max_pool": _rule_max_pool,
     "adaptive_max_pool": _rule_adaptive_max_pool,
 }
+
+#: pass-through rows that QTensor implements itself ("custom") and that only move integers,
+#: so the source-index rule exports them; a new "custom" row must be added here or to
+#: VALUE_RULES (it might compute on values, which source indices cannot capture)
+MOVEMENT_CUSTOM_ROWS = frozenset(
+    {"dropout", "pad", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "contiguous",
+     "interpolate"}
+)  # fmt: skip
+
+
+def value_rule(row_name: str) -> Callable[..., None] | None:
+    """The value rule of a pass-through row (``max_pool2d`` -> ``max_pool``), or None."""
+    return VALUE_RULES.get(row_name.rstrip("123d")) or VALUE_RULES.get(row_name)
 
 
 # -- pass-through rows that move integers ------------------------------------------------------

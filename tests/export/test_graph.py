@@ -52,26 +52,14 @@ def test_registry_op_exports(bayes, row_name, target, tmp_path):
 
 
 def test_every_integer_class_and_passthrough_row_has_an_export_rule():
+    from fxq.export import moves
+
     for row in registry.ROWS:
         if row.integer is not None:
             assert row.integer_class in build.RULES, row.name
-        if row.kind is Kind.PASSTHROUGH:  # value ops have their rule, the others move integers
-            assert (
-                row.name.rstrip("123d") in build.VALUE_RULES
-                or row.qtensor != "custom"
-                or (
-                    row.name
-                    in (
-                        "dropout",
-                        "pad",
-                        "pixel_shuffle",
-                        "pixel_unshuffle",
-                        "channel_shuffle",
-                        "contiguous",
-                        "interpolate",
-                    )
-                )
-            ), row.name
+        if row.kind is Kind.PASSTHROUGH and row.qtensor == "custom":
+            # QTensor computes these itself: a value rule, or declared as moving integers only
+            assert moves.value_rule(row.name) or row.name in moves.MOVEMENT_CUSTOM_ROWS, row.name
 
 
 @pytest.fixture(scope="module")
