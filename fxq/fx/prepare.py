@@ -349,9 +349,9 @@ class _Preparer:
         containers (``nn.Sequential``, torchvision blocks) and inside wrapped
         classes. Each weighted or compute module there becomes a standalone
         QAT module (it quantizes its own inputs). Registry ops are not entered
-        (their forward uses their children's weights directly); when the graph
-        holds opaque code, those that stay float are added to the float-op
-        list.
+        (their forward uses their children's weights directly); those that
+        stay float are added to the float-op list. In a graph without opaque
+        code, modules the graph does not call are unused and left alone.
         """
         in_graph = {n.target for n in self.gm.graph.nodes if n.op == "call_module"}
         has_opaque = any(
@@ -359,6 +359,9 @@ class _Preparer:
             for n in self.gm.graph.nodes
             if n.op in ("call_module", "call_function")
         )
+
+        if not has_opaque:
+            return  # modules the graph does not call are unused: nothing else can reach them
 
         def visit(module: nn.Module, prefix: str) -> None:
             for name, child in list(module.named_children()):
@@ -375,11 +378,11 @@ class _Preparer:
                     qat = self._standalone_for(child, path)
                     if qat is not None:
                         setattr(module, name, qat)
-                    elif has_opaque:
+                    else:
                         self._list_opaque_float(child, path)
                     continue
                 if _is_torch_nn_layer(child):
-                    if has_opaque and self._has_weights(child):
+                    if self._has_weights(child):
                         self._list_opaque_float(child, path)
                     continue
                 visit(child, path)

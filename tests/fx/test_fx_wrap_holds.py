@@ -182,3 +182,21 @@ def test_modules_that_stay_float_in_opaque_code_are_listed(bayes):
 
     with pytest.warns(FloatOpWarning, match=r"norm \(torch.nn.modules.normalization.LayerNorm"):
         fxq.prepare_qat_fx(WithNorm(), {"": q8})
+
+
+def test_unused_modules_are_left_alone_without_opaque_code(bayes):
+    class WithUnusedHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+            self.aux = _conv_block()  # never called (an auxiliary head in eval)
+
+        def forward(self, x):
+            return self.conv(x)
+
+    x = torch.randn(1, 3, 4, 4)
+    prepared = calibrate(fxq.prepare_qat_fx(WithUnusedHead(), {"": q8}), [x])
+    assert type(prepared.conv) is fxq.qat.Conv2d
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "never ran during calibration" warning
+        fxq.convert_fx(prepared)
