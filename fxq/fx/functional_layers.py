@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
 from fxq.fx.graph_utils import unique_name
+from fxq.registry import registry_class
 
 __all__ = ["modularize_functional_layers"]
 
@@ -134,7 +135,8 @@ def _batch_norm_class(node: Node, modules: dict[str, nn.Module]) -> type | None:
                 return base
     source = node.args[0] if node.args else None
     if isinstance(source, Node) and source.op == "call_module":
-        return _BN_AFTER.get(type(modules.get(source.target)))
+        module = modules.get(source.target)
+        return _BN_AFTER.get(registry_class(type(module))) if module is not None else None
     return None
 
 
@@ -228,6 +230,7 @@ def _drop_batch_counter(gm: GraphModule, owner: str) -> None:
                     gm.graph.erase_node(user)
             if not node.users:
                 gm.graph.erase_node(node)
+                _forget_attribute(gm, target)
 
 
 def _forget_attribute(gm: GraphModule, target: str) -> None:

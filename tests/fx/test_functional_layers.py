@@ -126,3 +126,4 @@ def test_timm_batchnormact_and_linear(bayes):
     before = int(bn.num_batches_tracked)
     qat(x)
     assert int(bn.num_batches_tracked) == before + 1
+    assert sum(k.endswith("num_batches_tracked") for k in qat.state_dict()) == 1  # held once
