@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -82,13 +83,16 @@ ALL = (
 
 @pytest.mark.parametrize("name", ALL if os.environ.get("FXQ_EXPORT_ALL_MODELS") else FAST)
 def test_torchvision_model(bayes, name):
-    """numpy runtime and integer ONNX, both bit-exact (FXQ_EXPORT_ALL_MODELS=1: all twelve
+    """numpy runtime and integer ONNX, both bit-exact, and the QDQ ONNX runs
+    (FXQ_EXPORT_ALL_MODELS=1: all twelve
     models of tests/test_models.py, about 4 minutes on two cores)."""
     integer, x = torchvision_model(name, size=32)
     expected = outputs(integer, (x,))
     graph = fxq.export.to_graph(integer, x)
     assert_equal_outputs(expected, graph.run(x.numpy()))
     assert_equal_outputs(expected, run_onnx(graph_to_onnx(graph), (x,)))
+    (qdq,) = run_onnx(graph_to_onnx(graph, mode="qdq"), (x,))  # runs; not bit-exact
+    assert qdq.shape == expected[0].shape and np.isfinite(qdq).all()
 
 
 def test_unknown_mode_is_an_error(bayes):
