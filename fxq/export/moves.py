@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,12 +16,8 @@ from torch.fx import Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxq import registry
+from fxq.export.rules import _dtype, _Exporter, _ints, _np  # noqa: F401
 from fxq.qtensor import QTensor
-
-if TYPE_CHECKING:
-    from fxq.export.build import _Exporter
-
-from fxq.export.rules import _dtype, _ints, _np  # noqa: F401
 
 __all__ = ["VALUE_RULES", "MOVEMENT_CUSTOM_ROWS", "FLOAT_RULES", "value_rule"]
 

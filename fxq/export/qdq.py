@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 
 from fxq.export.graph import Node
-from fxq.export.onnx import OPSET, _Writer
+from fxq.export.onnx_integer import OPSET, IntegerWriter
 
 __all__ = ["QDQWriter"]
 
 
-class QDQWriter(_Writer):
+class QDQWriter(IntegerWriter):
     """The QuantizeLinear / DequantizeLinear form (``mode="qdq"``, opset 21).
 
     Every tensor is float32. Each quantized tensor is ``DequantizeLinear(QuantizeLinear(v))``

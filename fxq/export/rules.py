@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,8 +23,8 @@ from fxq.quantized import functional as qf
 from fxq.quantized import stubs as qstubs
 from fxq.quantized.base import multiplier_for
 
-if TYPE_CHECKING:
-    from fxq.export.build import _Exporter
+#: the exporter (``fxq.export.build._Exporter``; not imported: build imports this module)
+_Exporter = Any
 
 __all__ = ["RULES"]
 

@@ -1,0 +1,559 @@
+"""The integer ONNX writer: ``IntegerGraph`` -> ONNX that onnxruntime runs bit for bit
+(``mode="integer"``; ``fxq.export.onnx.graph_to_onnx`` is the entry point).
+
+Every IR op becomes standard ONNX ops (opset 19) chosen to be exact
+(``docs/integer_graph.md``, "ONNX"):
+
+* integer tensors keep their dtype (int8 / int16 / int32) between ops;
+* conv / transposed conv run as float32 ``Conv`` / ``ConvTranspose`` on
+  integer values, where every partial sum is proven below ``2**24`` from the
+  integer weights; when it is not, the input is split into limbs
+  (``q = sum_i limb_i * 2**(i w)``) that are convolved separately and combined
+  in float64, as ``fxq.quantized.functional.accumulate`` does;
+* every other product-sum (linear, matmul, pooling and resampling sums) runs
+  in float64 (``MatMul``), exact below ``2**53``;
+* requantization is ``floor(acc * (m 2**-s) + 1/2)`` in float64 (exact: the
+  product has at most 47 significant bits), ``Round`` for half-even marches,
+  then ``Clip`` and ``Cast``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .graph import IntegerGraph, Node
+
+__all__ = ["IntegerWriter", "OPSET"]
+
+OPSET = 19
+
+_F32_EXACT = 1 << 24
+
+
+class IntegerWriter:
+    opset = OPSET
+
+    def __init__(self, graph: IntegerGraph, names: dict[str, str]) -> None:
+        import onnx
+        from onnx import TensorProto, helper, numpy_helper
+
+        self.onnx, self.h, self.T, self.nh = onnx, helper, TensorProto, numpy_helper
+        self.graph = graph
+        self.names = names  # IR tensor name -> ONNX name (inputs / outputs renamed)
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+        self.count = 0
+        self.consts: dict[tuple, str] = {}
+        self.types = {
+            "int8": TensorProto.INT8,
+            "int16": TensorProto.INT16,
+            "int32": TensorProto.INT32,
+            "int64": TensorProto.INT64,
+            "float32": TensorProto.FLOAT,
+            "float64": TensorProto.DOUBLE,
+        }
+
+    # -- helpers ---------------------------------------------------------------------------
+    def fresh(self, hint: str) -> str:
+        self.count += 1
+        return f"{hint}__{self.count}"
+
+    def name(self, ir_name: str) -> str:
+        return self.names.get(ir_name, ir_name)
+
+    def const(self, value: Any, dtype: Any = None, hint: str = "c") -> str:
+        arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key in self.consts:
+            return self.consts[key]
+        name = self.fresh(hint)
+        self.inits.append(self.nh.from_array(np.ascontiguousarray(arr), name))
+        self.consts[key] = name
+        return name
+
+    def op(self, op_type: str, inputs: list[str], out: str | None = None, **attrs: Any) -> str:
+        out = out or self.fresh(op_type.lower())
+        self.nodes.append(self.h.make_node(op_type, inputs, [out], name=out, **attrs))
+        return out
+
+    def cast(self, x: str, dtype: str, out: str | None = None) -> str:
+        return self.op("Cast", [x], out, to=self.types[dtype])
+
+    def requant(
+        self,
+        acc: str,
+        r: np.ndarray | float,
+        dtype: str,
+        rounding: str,
+        lo: int | None,
+        hi: int | None,
+        out: str,
+    ) -> str:
+        """``clamp(round(acc * r))`` with ``acc`` a float64 tensor of integers, ``r = m 2**-s``."""
+        from .runtime import _bounds
+
+        v = self.op("Mul", [acc, self.const(r, np.float64, "r")])
+        if rounding == "half_up":
+            v = self.op("Floor", [self.op("Add", [v, self.const(0.5, np.float64)])])
+        else:
+            v = self.op("Round", [v])
+        lo, hi = _bounds(dtype, lo, hi)
+        v = self.op(
+            "Clip", [v, self.const(float(lo), np.float64), self.const(float(hi), np.float64)]
+        )
+        return self.cast(v, dtype, out)
+
+    def sat32(self, x: str) -> str:
+        return self.op(
+            "Clip",
+            [x, self.const(-(2.0**31), np.float64), self.const(2.0**31 - 1, np.float64)],
+        )
+
+    def as_double(self, ir_name: str) -> str:
+        return self.cast(self.name(ir_name), "float64")
+
+    def as_float(self, ir_name: str) -> str:
+        return self.cast(self.name(ir_name), "float32")
+
+    def store(self, ir_name: str) -> str:
+        """The ONNX element type of an IR tensor (its own dtype in integer mode)."""
+        return self.graph.tensors[ir_name].dtype
+
+    def rank(self, ir_name: str) -> int:
+        return len(self.graph.tensors[ir_name].shape)
+
+    def channel(self, arr: np.ndarray, rank: int, axis: int) -> np.ndarray:
+        shape = [1] * rank
+        shape[axis % rank] = arr.size
+        return arr.reshape(shape)
+
+    # -- ops ---------------------------------------------------------------------------------
+    def write(self, node: Node) -> None:
+        getattr(self, f"op_{node.op}")(node, [self.name(o) for o in node.outputs])
+
+    def op_quantize(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        v = self.op("Div", [self.name(node.inputs[0]), self.const(a["scale"], np.float32)])
+        if a["rounding"] == "half_up":  # floor(v) + (v - floor(v) >= 1/2), exact
+            low = self.op("Floor", [v])
+            frac = self.op("Sub", [v, low])
+            up = self.cast(
+                self.op("GreaterOrEqual", [frac, self.const(0.5, np.float32)]), "float32"
+            )
+            v = self.op("Add", [low, up])
+        else:
+            v = self.op("Round", [v])
+        from .runtime import _RANGES
+
+        lo, hi = _RANGES[a["dtype"]]
+        v = self.op(
+            "Clip", [v, self.const(float(lo), np.float32), self.const(float(hi), np.float32)]
+        )
+        self.cast(v, a["dtype"], outs[0])
+
+    def op_dequantize(self, node: Node, outs: list[str]) -> None:
+        x = self.as_float(node.inputs[0])
+        self.op("Mul", [x, self.const(node.attrs["scale"], np.float32)], outs[0])
+
+    def op_requantize(self, node: Node, outs: list[str]) -> None:
+        a, p = node.attrs, node.params
+        r = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
+        self.requant(
+            self.as_double(node.inputs[0]), r, a["dtype"], a["rounding"], a["lo"], a["hi"], outs[0]
+        )
+
+    def _finish(
+        self,
+        node: Node,
+        acc: str,
+        rank: int,
+        axis: int,
+        out: str,
+        bias_added: bool = False,
+        bound: int | None = None,
+    ) -> None:
+        """Bias, saturation, residual and requantization of conv / linear / affine.
+
+        ``bias_added``: the kernel added the bias already; ``bound``: a proven bound on
+        ``|acc + bias|`` (no int32 saturation is written when it is below ``2**31``).
+        """
+        a, p = node.attrs, node.params
+        if "bias" in p and not bias_added:
+            acc = self.op(
+                "Add", [acc, self.const(self.channel(p["bias"].astype(np.float64), rank, axis))]
+            )
+        if bound is None or bound >= 1 << 31:
+            acc = self.sat32(acc)
+        if len(node.inputs) > 1:
+            rr = np.ldexp(
+                p["residual_multiplier"].astype(np.float64), -p["residual_shift"].astype(np.int64)
+            )
+            t = self.op(
+                "Mul", [self.as_double(node.inputs[1]), self.const(self.channel(rr, rank, axis))]
+            )
+            if a["rounding"] == "half_up":
+                t = self.op("Floor", [self.op("Add", [t, self.const(0.5, np.float64)])])
+            else:
+                t = self.op("Round", [t])
+            acc = self.sat32(self.op("Add", [acc, t]))
+        if a["out_dtype"] == "float32":
+            if a["lo"] is not None:
+                acc = self.op("Max", [acc, self.const(0.0, np.float64)])
+            y = self.op("Mul", [acc, self.const(self.channel(p["accumulator_scale"], rank, axis))])
+            if a.get("float_max") is not None:
+                y = self.op("Min", [y, self.const(a["float_max"], np.float64)])
+            self.cast(y, "float32", out)
+            return
+        r = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
+        self.requant(
+            acc, self.channel(r, rank, axis), a["out_dtype"], a["rounding"], a["lo"], a["hi"], out
+        )
+
+    def _bits(self, ir_name: str) -> int:
+        return {"int8": 8, "int16": 16, "int32": 32}[self.graph.tensors[ir_name].dtype]
+
+    @staticmethod
+    def _l1(w: np.ndarray) -> int:
+        """``max_o sum |W[o]|``, which bounds every partial sum with ``max |X|``."""
+        return int(np.abs(w.astype(np.int64)).reshape(w.shape[0], -1).sum(1).max()) if w.size else 0
+
+    def _limbs(self, node: Node, w: np.ndarray) -> tuple[int, int]:
+        """The fewest float32 limbs (and their width) that keep the conv exact."""
+        bits = self._bits(node.inputs[0])
+        l1 = self._l1(w)
+        for limbs in range(1, 5):
+            width = -(-bits // limbs)
+            if limbs > 1 and width * (limbs - 1) >= bits:
+                continue
+            top = bits - width * (limbs - 1)
+            mag = 1 << (bits - 1) if limbs == 1 else max((1 << width) - 1, 1 << (top - 1))
+            if mag * l1 < _F32_EXACT and (limbs == 1 or width <= 8):
+                return limbs, width
+        raise ValueError(
+            f"node {node.name!r}: no exact float32 plan for this conv (sum |W| = {l1} with "
+            f"{bits}-bit inputs); use int8 inputs for it"
+        )
+
+    def op_conv(self, node: Node, outs: list[str]) -> None:
+        a, w = node.attrs, node.params["weight"]
+        d = a["dim"]
+        x = self.as_float(node.inputs[0])
+        limbs, width = self._limbs(node, w)
+        if a["transposed"]:
+            g = a["groups"]
+            k = w.shape[2:]
+            wt = w.reshape(g, w.shape[0] // g, w.shape[1], *k).swapaxes(1, 2)
+            wt = wt.reshape(g * w.shape[1], w.shape[0] // g, *k)
+            kernel = self.cast(self.const(wt.astype(np.int8), hint="weight"), "float32")
+            attrs = dict(
+                strides=a["stride"],
+                pads=a["padding"] + a["padding"],
+                dilations=a["dilation"],
+                group=g,
+                output_padding=a["output_padding"],
+            )
+            op_type = "ConvTranspose"
+        else:
+            kernel = self.cast(self.const(w.astype(np.int8), hint="weight"), "float32")
+            pads = a["pads"]
+            if a["pad_mode"] != "zeros":
+                mode = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}[
+                    a["pad_mode"]
+                ]
+                flat = [0, 0] + [p[0] for p in pads] + [0, 0] + [p[1] for p in pads]
+                x = self.op("Pad", [x, self.const(np.array(flat, np.int64))], mode=mode)
+                pads = [[0, 0]] * d
+            attrs = dict(
+                strides=a["stride"],
+                pads=[p[0] for p in pads] + [p[1] for p in pads],
+                dilations=a["dilation"],
+                group=a["groups"],
+            )
+            op_type = "Conv"
+        bias = node.params.get("bias")
+        bmax = int(np.abs(bias.astype(np.int64)).max()) if bias is not None and bias.size else 0
+        bound = (1 << (self._bits(node.inputs[0]) - 1)) * self._l1(w) + bmax
+        bias_in_kernel = bias is not None and limbs == 1 and bound < _F32_EXACT
+        extra = [self.const(bias.astype(np.float32), hint="bias")] if bias_in_kernel else []
+        parts = []
+        rest = x
+        for i in range(limbs):
+            if i < limbs - 1:
+                hi = self.op("Floor", [self.op("Mul", [rest, self.const(2.0**-width, np.float32)])])
+                limb = self.op(
+                    "Sub", [rest, self.op("Mul", [hi, self.const(2.0**width, np.float32)])]
+                )
+                rest = hi
+            else:
+                limb = rest
+            y = self.cast(self.op(op_type, [limb, kernel, *extra], **attrs), "float64")
+            if i:
+                y = self.op("Mul", [y, self.const(2.0 ** (i * width), np.float64)])
+            parts.append(y)
+        acc = parts[0] if len(parts) == 1 else self.op("Sum", parts)
+        self._finish(node, acc, d + 2, 1, outs[0], bias_in_kernel, bound)
+
+    def op_linear(self, node: Node, outs: list[str]) -> None:
+        w = self.cast(self.const(node.params["weight"].T.astype(np.int8), hint="weight"), "float64")
+        acc = self.op("MatMul", [self.as_double(node.inputs[0]), w])
+        self._finish(node, acc, self.rank(node.inputs[0]), -1, outs[0])
+
+    def op_channel_affine(self, node: Node, outs: list[str]) -> None:
+        rank = self.rank(node.inputs[0])
+        w = self.channel(node.params["weight"].astype(np.float64), rank, 1)
+        acc = self.op("Mul", [self.as_double(node.inputs[0]), self.const(w, hint="weight")])
+        self._finish(node, acc, rank, 1, outs[0])
+
+    def op_add(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        terms = [
+            self.op("Mul", [self.as_double(i), self.const(float(m), np.float64)])
+            for i, m in zip(node.inputs, a["multipliers"])
+        ]
+        if a["constant"] is not None:
+            terms.append(self.const(float(a["constant"]), np.float64))
+        total = terms[0] if len(terms) == 1 else self.op("Sum", terms)
+        self.requant(total, 2.0 ** -a["shift"], a["dtype"], a["rounding"], None, None, outs[0])
+
+    def op_mul(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        if len(node.inputs) == 2:
+            prod = self.op("Mul", [self.as_double(node.inputs[0]), self.as_double(node.inputs[1])])
+        else:
+            prod = self.op(
+                "Mul", [self.as_double(node.inputs[0]), self.const(float(a["sign"]), np.float64)]
+            )
+        r = float(np.ldexp(float(a["multiplier"]), -a["shift"]))
+        self.requant(prod, r, a["dtype"], a["rounding"], None, None, outs[0])
+
+    def op_matmul(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        acc = self.sat32(
+            self.op("MatMul", [self.as_double(node.inputs[0]), self.as_double(node.inputs[1])])
+        )
+        r = float(np.ldexp(float(a["multiplier"]), -a["shift"]))
+        self.requant(acc, r, a["dtype"], a["rounding"], None, None, outs[0])
+
+    def op_clip(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        dtype = self.store(node.inputs[0])
+        v = self.op(
+            "Clip",
+            [
+                self.as_float(node.inputs[0]),
+                self.const(float(a["lo"]), np.float32),
+                self.const(float(a["hi"]), np.float32),
+            ],
+        )
+        self.cast(v, dtype, outs[0])
+
+    def op_lut(self, node: Node, outs: list[str]) -> None:
+        idx = self.op(
+            "Add", [self.cast(self.name(node.inputs[0]), "int64"), self.const(128, np.int64)]
+        )
+        self.op("Gather", [self.const(node.params["table"], hint="table"), idx], outs[0], axis=0)
+
+    def _segment(self, q: str, knots: np.ndarray, start: int, bits: int, rounding: str) -> str:
+        offset = self.op("Sub", [q, self.const(start, np.int64)])
+        k = self.op("Div", [offset, self.const(1 << bits, np.int64)])  # offset >= 0: floor
+        k = self.op("Clip", [k, self.const(0, np.int64), self.const(63, np.int64)])
+        r = self.op("Sub", [offset, self.op("Mul", [k, self.const(1 << bits, np.int64)])])
+        table = self.const(knots.astype(np.int64), hint="knots")
+        y0 = self.op("Gather", [table, k], axis=0)
+        y1 = self.op("Gather", [table, self.op("Add", [k, self.const(1, np.int64)])], axis=0)
+        dy = self.cast(self.op("Mul", [self.op("Sub", [y1, y0]), r]), "float64")
+        t = self.op("Mul", [dy, self.const(2.0**-bits, np.float64)])
+        if rounding == "half_up":
+            t = self.op("Floor", [self.op("Add", [t, self.const(0.5, np.float64)])])
+        else:
+            t = self.op("Round", [t])
+        return self.op("Add", [self.cast(y0, "float64"), t])
+
+    def op_segment_lut(self, node: Node, outs: list[str]) -> None:
+        a, p = node.attrs, node.params
+        q = self.cast(self.name(node.inputs[0]), "int64")
+        bits = a["dense_bits"]
+        half = 32 << bits
+        clamped = self.op("Clip", [q, self.const(-half, np.int64), self.const(half - 1, np.int64)])
+        dense = self._segment(clamped, p["dense"], -half, bits, a["rounding"])
+        sparse = self._segment(q, p["sparse"], -32768, a["sparse_bits"], a["rounding"])
+        inside = self.op(
+            "And",
+            [
+                self.op("GreaterOrEqual", [q, self.const(-half, np.int64)]),
+                self.op("Less", [q, self.const(half, np.int64)]),
+            ],
+        )
+        y = self.op("Where", [inside, dense, sparse])
+        from .runtime import _RANGES
+
+        lo, hi = _RANGES[a["dtype"]]
+        y = self.op(
+            "Clip", [y, self.const(float(lo), np.float64), self.const(float(hi), np.float64)]
+        )
+        self.cast(y, a["dtype"], outs[0])
+
+    def op_axis_matmul(self, node: Node, outs: list[str]) -> None:
+        rank = self.rank(node.inputs[0])
+        x = self.as_double(node.inputs[0])
+        for i, axis in enumerate(node.attrs["axes"]):
+            m = self.const(node.params[f"matrix_{i}"].astype(np.float64), hint="matrix")
+            if axis == rank - 1:
+                x = self.op("MatMul", [x, m])
+                continue
+            perm = list(range(rank))
+            perm[axis], perm[-1] = perm[-1], perm[axis]
+            x = self.op(
+                "Transpose",
+                [self.op("MatMul", [self.op("Transpose", [x], perm=perm), m])],
+                perm=perm,
+            )
+        self.cast(x, "int64", outs[0])
+
+    def op_max_pool(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        t = self.graph.tensors[node.inputs[0]]
+        dims = len(a["kernel"])
+        sizes = t.shape[-dims:]
+        from .runtime import _pool_windows
+
+        right = []
+        for i in range(dims):
+            o = _pool_windows(
+                sizes[i],
+                a["kernel"][i],
+                a["stride"][i],
+                a["padding"][i],
+                a["dilation"][i],
+                a["ceil_mode"],
+            )
+            need = (o - 1) * a["stride"][i] + a["dilation"][i] * (a["kernel"][i] - 1) + 1
+            right.append(max(need - sizes[i] - a["padding"][i], 0))
+        x = self.as_float(node.inputs[0])
+        if len(t.shape) == dims + 1:  # unbatched (C, *spatial)
+            x = self.op("Unsqueeze", [x, self.const([0], np.int64)])
+        y = self.op(
+            "MaxPool",
+            [x],
+            kernel_shape=a["kernel"],
+            strides=a["stride"],
+            pads=list(a["padding"]) + right,
+            dilations=a["dilation"],
+        )
+        if len(t.shape) == dims + 1:
+            y = self.op("Squeeze", [y, self.const([0], np.int64)])
+        self.cast(y, self.store(node.inputs[0]), outs[0])
+
+    def op_adaptive_max_pool(self, node: Node, outs: list[str]) -> None:
+        from .runtime import adaptive_windows
+
+        t = self.graph.tensors[node.inputs[0]]
+        size = node.attrs["output_size"]
+        x = self.as_float(node.inputs[0])
+        for i, o in enumerate(size):
+            axis = len(t.shape) - len(size) + i
+            parts = []
+            for s, e in adaptive_windows(t.shape[axis], o):
+                sl = self.op(
+                    "Slice",
+                    [
+                        x,
+                        self.const([s], np.int64),
+                        self.const([e], np.int64),
+                        self.const([axis], np.int64),
+                    ],
+                )
+                parts.append(self.op("ReduceMax", [sl, self.const([axis], np.int64)], keepdims=1))
+            x = parts[0] if len(parts) == 1 else self.op("Concat", parts, axis=axis)
+        self.cast(x, self.store(node.inputs[0]), outs[0])
+
+    def op_reshape(self, node: Node, outs: list[str]) -> None:
+        shape = self.const(np.array(node.attrs["shape"], np.int64), hint="shape")
+        self.op("Reshape", [self.name(node.inputs[0]), shape], outs[0])
+
+    def op_transpose(self, node: Node, outs: list[str]) -> None:
+        self.op("Transpose", [self.name(node.inputs[0])], outs[0], perm=node.attrs["perm"])
+
+    def op_gather(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        idx = node.params["index"].astype(np.int64)
+        x = self.name(node.inputs[0])
+        flat = self.op(
+            "Reshape", [x, self.const(np.array([0 if a["per_sample"] else 1, -1], np.int64))]
+        )
+        if (idx < 0).any():
+            t = self.graph.tensors[node.inputs[0]]
+            size = int(np.prod([s for s in (t.shape[1:] if a["per_sample"] else t.shape)]))
+            padded = self.op(
+                "Pad", [self.as_float_name(flat), self.const(np.array([0, 0, 0, 1], np.int64))]
+            )
+            flat = self.cast(padded, self.store(node.inputs[0]))
+            idx = np.where(idx < 0, size, idx)
+        y = self.op("Gather", [flat, self.const(idx, hint="index")], axis=1)
+        shape = [0, *a["shape"]] if a["per_sample"] else list(a["shape"])
+        self.op("Reshape", [y, self.const(np.array(shape, np.int64))], outs[0])
+
+    def as_float_name(self, onnx_name: str) -> str:
+        return self.cast(onnx_name, "float32")
+
+    def op_concat(self, node: Node, outs: list[str]) -> None:
+        self.op("Concat", [self.name(i) for i in node.inputs], outs[0], axis=node.attrs["axis"])
+
+    def op_float(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        xs = [self.name(i) for i in node.inputs]
+        if a["fn"] == "neg":
+            self.op("Neg", xs, outs[0])
+            return
+        if a.get("scalar") is not None:
+            s = self.const(a["scalar"], np.float32)
+            xs = [s, xs[0]] if a.get("scalar_first") else [xs[0], s]
+        op_type = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div"}[a["fn"]]
+        self.op(op_type, xs, outs[0])
+
+    # -- model ---------------------------------------------------------------------------------
+    def value_info(self, ir_name: str) -> Any:
+        t = self.graph.tensors[ir_name]
+        return self.h.make_tensor_value_info(
+            self.name(ir_name), self.types[self.store(ir_name)], list(t.shape)
+        )
+
+    def model(self) -> Any:
+        g = self.graph
+        for node in g.nodes:
+            try:
+                self.write(node)
+            except AttributeError as e:
+                if f"op_{node.op}" in str(e):
+                    raise ValueError(
+                        f"node {node.name!r} ({node.source}): op {node.op!r} has no ONNX writer"
+                    ) from None
+                raise
+        # an output that is also an input or another output's tensor gets its own name
+        outputs = []
+        seen = set(self.name(i) for i in g.inputs)
+        for o in g.outputs:
+            name = self.name(o)
+            if name in seen:
+                alias = self.op("Identity", [self.name(o)])
+                t = g.tensors[o]
+                outputs.append(
+                    self.h.make_tensor_value_info(alias, self.types[self.store(o)], list(t.shape))
+                )
+            else:
+                outputs.append(self.value_info(o))
+            seen.add(name)
+        onnx_graph = self.h.make_graph(
+            self.nodes, "fxq_integer", [self.value_info(i) for i in g.inputs], outputs, self.inits
+        )
+        model = self.h.make_model(
+            onnx_graph,
+            opset_imports=[self.h.make_opsetid("", self.opset)],
+            producer_name="fxq",
+            doc_string=f"fxq integer graph, march {g.march}: bit-exact integer arithmetic",
+        )
+        model.ir_version = 10 if self.opset >= 21 else 9
+        self.onnx.checker.check_model(model, full_check=True)
+        return model
