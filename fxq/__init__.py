@@ -9,7 +9,7 @@ The pipeline::
     fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)    # evaluate
 """
 
-from fxq import calibration, debug, deploy, functional, qconfig, registry
+from fxq import calibration, debug, deploy, export, functional, qconfig, registry
 from fxq.dtypes import QDType, qint8, qint16, qint32
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
 from fxq.fx import FxqTraceError, convert_fx, fuse_fx, fx_wrap, prepare_qat_fx, symbolic_trace
@@ -49,5 +49,6 @@ __all__ = [
     "FloatOpWarning",
     "registry",
     "calibration",
+    "export",
     "debug",
 ]
