@@ -303,8 +303,8 @@ class FakeQuantize(nn.Module):
         amax = obs.amax().to(self.scale.device)
         scale = (amax / self.dtype.qmax).clamp(min=_EPS)
         fallback = self._zero_range_scale()
-        if fallback is not None:
-            scale = torch.where(amax > 0, scale, fallback.to(scale.dtype))
+        if fallback is not None:  # no host sync: this runs at every QAT step
+            scale = torch.where(amax > 0, scale, torch.maximum(scale, fallback.to(scale.dtype)))
         return qf.constrain_scale(scale, self.spec.scale_constraint)
 
     #: per-tensor fake quants of the producing op's inputs (set by ``fxq.qat``): a value whose
@@ -317,17 +317,16 @@ class FakeQuantize(nn.Module):
         if self.scale.numel() != 1:
             return None
         scales = [
-            fq.scale.reshape(())
+            (fq.scale.reshape(()) * fq.observed).to(self.scale.device)  # 0 until observed
             for fq in self.zero_range_inputs
             if fq is not None
             and fq is not self
             and not fq.is_high_precision
             and fq.scale.numel() == 1
-            and bool(fq.observed)
         ]
         if not scales:
             return None
-        return torch.stack([s.to(self.scale.device) for s in scales]).amax()
+        return torch.stack(scales).amax()
 
     def warn_if_scale_at_floor(self) -> bool:
         """Warn (once per fake quant) when the scale sits at the ``2**-23`` floor
