@@ -33,9 +33,9 @@ from fxq.calibration.reconstruction import (
     _layers_in_order,
     _pre_activation,
 )
-from fxq.calibration.runner import progress
+from fxq.calibration.runner import progress, require_calibrated
 from fxq.debug import float_fake_quant
-from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
+from fxq.fake_quantize import FakeQuantState, bypass, set_fake_quantize
 from fxq.qat.weighted import WeightedQAT
 
 __all__ = ["bias_correction"]
@@ -89,18 +89,7 @@ def bias_correction(
     batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
     if not batches:
         raise ValueError("bias_correction: `data` yielded no batch; pass calibration batches")
-    uncalibrated = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, FakeQuantize)
-        and not (m.is_high_precision or m.is_fixed_scale or bool(m.observed))
-        and not n.endswith("weight_fake_quant")
-    ]
-    if uncalibrated:
-        raise RuntimeError(
-            f"bias_correction needs a calibrated model; {uncalibrated[0]} has no scale. "
-            "Run fxq.calibration.calibrate first"
-        )
+    require_calibrated(model, "bias_correction")
     states = {m: m.state for m in model.modules() if hasattr(m, "set_fake_quant_state")}
     training = model.training
     biasless = [m for m in model.modules() if isinstance(m, WeightedQAT) and m.bias is None]

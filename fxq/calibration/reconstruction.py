@@ -43,9 +43,9 @@ from tabulate import tabulate
 from torch import Tensor, nn
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
-from fxq.calibration.runner import batch_arguments, call_order, progress
+from fxq.calibration.runner import batch_arguments, call_order, progress, require_calibrated
 from fxq.debug import float_fake_quant
-from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
+from fxq.fake_quantize import FakeQuantState, bypass, set_fake_quantize
 from fxq.fused import ACTIVATIONS
 from fxq.qat.weighted import WeightedQAT
 
@@ -404,20 +404,7 @@ def weight_reconstruction(
         raise ValueError(
             "block-wise reconstruction needs the GraphModule returned by prepare_qat_fx"
         )
-    missing = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, FakeQuantize)
-        and not m.is_high_precision
-        and not m.is_fixed_scale
-        and not bool(m.observed)
-        and not n.endswith("weight_fake_quant")
-    ]
-    if missing:
-        raise RuntimeError(
-            f"weight_reconstruction needs a calibrated model; {len(missing)} fake quant(s) have no scale "
-            f"(e.g. {missing[0]}). Run fxq.calibration.calibrate first"
-        )
+    require_calibrated(model, "weight_reconstruction")
     opts = {
         "iters": iters,
         "lr": lr,

@@ -237,3 +237,23 @@ def call_order(
         for h in hooks:
             h.remove()
     return order
+
+
+def require_calibrated(model: nn.Module, who: str) -> None:
+    """Raise unless every activation fake quant of ``model`` has a scale.
+
+    Raises:
+        RuntimeError: naming the first fake quant without one and what to do.
+    """
+    missing = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, FakeQuantize)
+        and not (m.is_high_precision or m.is_fixed_scale or bool(m.observed))
+        and not n.endswith("weight_fake_quant")
+    ]
+    if missing:
+        raise RuntimeError(
+            f"{who} needs a calibrated model; {len(missing)} fake quant(s) have no scale "
+            f"(e.g. {missing[0]}). Run fxq.calibration.calibrate first"
+        )

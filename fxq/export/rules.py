@@ -490,24 +490,14 @@ def _rule_sum(ex, m, args, kwargs, result) -> None:
 
 def _rule_interpolate(ex: _Exporter, m: interpolate.Interpolate, args, kwargs, result) -> None:
     x = args[0]
-    p = m._arguments(args[1:], kwargs)
     dims = x.dim() - 2
     in_sizes = list(x.shape[2:])
-    sf = p["scale_factor"]
-    sfs = (
-        [sf] * dims
-        if isinstance(sf, (int, float))
-        else (list(sf) if sf is not None else [None] * dims)
-    )
-    if p["size"] is not None:
-        scales = [None] * dims
-    else:
-        scales = [None if p["recompute_scale_factor"] else float(f) for f in sfs]
+    _, scales, align = m.plan(in_sizes, args[1:], kwargs)
     out_sizes = list(result.shape[2:])
     mats = []
     one = 1 << qf.INTERP_FRACTION_BITS
     for n, o, s in zip(in_sizes, out_sizes, scales):
-        i0, i1, w1 = qf.linear_weights(n, o, s, bool(p["align_corners"]), "cpu")
+        i0, i1, w1 = qf.linear_weights(n, o, s, align, "cpu")
         a = np.zeros((n, o), dtype=np.int64)
         for j in range(o):
             a[int(i0[j]), j] += one - int(w1[j])

@@ -55,14 +55,21 @@ class Interpolate(FunctionalQuantized):
         real = s_x.to(torch.float64) / (float(1 << (qf.INTERP_FRACTION_BITS * dims)) * s_y)
         return multiplier_for(self, real, {"input": s_x, "output": s_y})
 
-    def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
+    def plan(
+        self, in_sizes: list[int], args: tuple, kwargs: dict
+    ) -> tuple[list[int], list[float | None], bool]:
+        """Output sizes, the scale factor torch uses per axis (None: from the sizes) and
+        ``align_corners`` for a call with these arguments (shared with ``fxq.export``).
+
+        Raises:
+            ValueError: for a mode other than linear / bilinear, or antialias.
+        """
         p = self._arguments(args, kwargs)
         if p["mode"] not in ("linear", "bilinear") or p.get("antialias"):
             raise ValueError(
                 f"integer interpolation supports linear / bilinear without antialias, got {p}"
             )
-        dims = x.dim() - 2
-        in_sizes = list(x.shape[2:])
+        dims = len(in_sizes)
         sf = p["scale_factor"]
         sfs = (
             [sf] * dims
@@ -72,11 +79,15 @@ class Interpolate(FunctionalQuantized):
         if p["size"] is not None:
             size = p["size"]
             out_sizes = [size] * dims if isinstance(size, int) else list(size)
-            scales = [None] * dims
+            scales: list[float | None] = [None] * dims
         else:
             out_sizes = [int(math.floor(n * f)) for n, f in zip(in_sizes, sfs)]
             scales = [None if p["recompute_scale_factor"] else float(f) for f in sfs]
-        align = bool(p["align_corners"])
+        return out_sizes, scales, bool(p["align_corners"])
+
+    def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
+        dims = x.dim() - 2
+        out_sizes, scales, align = self.plan(list(x.shape[2:]), args, kwargs)
         acc = x.values().to(torch.float64)
         for d in range(dims):
             acc = _resample_axis(acc, 2 + d, out_sizes[d], scales[d], align)
