@@ -18,7 +18,6 @@ integer model and a later QAT run start from it.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,13 +28,14 @@ from torch import Tensor, nn
 from fxq.calibration.reconstruction import (
     _capture_inputs,
     _correct_bias,
-    _expand,
     _layers_in_order,
     _pre_activation,
+    layerwise_session,
+    rounded_weight,
 )
 from fxq.calibration.runner import progress, require_calibrated
 from fxq.debug import float_fake_quant
-from fxq.fake_quantize import FakeQuantState, bypass, set_fake_quantize
+from fxq.fake_quantize import bypass
 from fxq.qat.weighted import WeightedQAT
 
 __all__ = ["bias_correction"]
@@ -44,13 +44,6 @@ __all__ = ["bias_correction"]
 def _channel_means(layer: WeightedQAT, y: Tensor) -> Tensor:
     axis = layer._channel_shape(y.dim()).index(-1)
     return y.transpose(0, axis).reshape(y.shape[axis], -1).mean(1)
-
-
-def _quantized_weight(layer: WeightedQAT) -> Tensor:
-    w = layer.folded_weight()
-    scale = layer.weight_fake_quant.scale.reshape(_expand(w))
-    dtype = layer.weight_fake_quant.dtype
-    return torch.floor(w / scale + 0.5).clamp(dtype.qmin, dtype.qmax) * scale
 
 
 @torch.no_grad()
@@ -90,37 +83,21 @@ def bias_correction(
     if not batches:
         raise ValueError("bias_correction: `data` yielded no batch; pass calibration batches")
     require_calibrated(model, "bias_correction")
-    states = {m: m.state for m in model.modules() if hasattr(m, "set_fake_quant_state")}
-    training = model.training
-    biasless = [m for m in model.modules() if isinstance(m, WeightedQAT) and m.bias is None]
-    model.eval()
-    set_fake_quantize(model, FakeQuantState.VALIDATION)
-    reference = copy.deepcopy(model)  # the float model: targets never move
     rows: list[dict[str, Any]] = []
-    completed = False
-    try:
+    with layerwise_session(model) as reference:
         layers = _layers_in_order(model, batches[0], input_fn)
         for name, layer in progress(layers, len(layers), "bias correction", show_progress):
             original = reference.get_submodule(name)
             with bypass(reference):
                 float_in = _capture_inputs(reference, original, batches, input_fn)
                 w0, b0 = original.folded_weight(), original.folded_bias()
-                target = torch.stack(
-                    [
-                        _channel_means(original, _pre_activation(original, t, w0, b0))
-                        for t in float_in
-                    ]
-                ).mean(0)
-                rms = float(
-                    torch.stack(
-                        [_pre_activation(original, t, w0, b0).pow(2).mean() for t in float_in]
-                    )
-                    .mean()
-                    .sqrt()
-                )
+                outputs = [_pre_activation(original, t, w0, b0) for t in float_in]
+                target = torch.stack([_channel_means(original, y) for y in outputs]).mean(0)
+                rms = float(torch.stack([y.pow(2).mean() for y in outputs]).mean().sqrt())
+                del outputs
             with float_fake_quant(model):
                 quant_in = _capture_inputs(model, layer, batches, input_fn)
-            wq, b = _quantized_weight(layer), layer.folded_bias()
+            wq, b = rounded_weight(layer), layer.folded_bias()
             got = torch.stack(
                 [_channel_means(layer, _pre_activation(layer, t, wq, b)) for t in quant_in]
             ).mean(0)
@@ -128,15 +105,6 @@ def bias_correction(
             _correct_bias(layer, -delta)
             shift = float(delta.pow(2).mean().sqrt())
             rows.append({"layer": name, "shift": shift, "relative": shift / max(rms, 1e-30)})
-        completed = True
-    finally:
-        if not completed:
-            for m in biasless:
-                m.bias = None
-            model.load_state_dict(reference.state_dict())
-        for m, s in states.items():
-            m.set_fake_quant_state(s)
-        model.train(training)
     if show:
         print(
             tabulate(

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -236,13 +236,19 @@ def _correct_bias(layer: WeightedQAT, delta: Tensor) -> None:
             layer.bias = nn.Parameter(-delta.clone())
 
 
+def rounded_weight(layer: WeightedQAT, w: Tensor | None = None) -> Tensor:
+    """The layer's folded weight (or ``w``) rounded to nearest on its weight grid, out-major."""
+    w = layer.folded_weight() if w is None else w
+    scale = layer.weight_fake_quant.scale.reshape(_expand(w))
+    dtype = layer.weight_fake_quant.dtype
+    return torch.floor(w / scale + 0.5).clamp(dtype.qmin, dtype.qmax) * scale
+
+
 def _bias_shift(layer: WeightedQAT, quant_in: list[tuple[Tensor, ...]]) -> Tensor:
     """``E[(W_q - W) x]`` per output channel on the inputs the layer sees."""
     with torch.no_grad():
         w_now = layer.folded_weight()
-        scale = layer.weight_fake_quant.scale.reshape(_expand(w_now))
-        dtype = layer.weight_fake_quant.dtype
-        wq = torch.floor(w_now / scale + 0.5).clamp(dtype.qmin, dtype.qmax) * scale
+        wq = rounded_weight(layer, w_now)
         b_now = layer.folded_bias()
         axis = layer._out_axis
         diffs = []
@@ -250,6 +256,35 @@ def _bias_shift(layer: WeightedQAT, quant_in: list[tuple[Tensor, ...]]) -> Tenso
             d = _pre_activation(layer, tq, wq, b_now) - _pre_activation(layer, tq, w_now, b_now)
             diffs.append(d.transpose(0, axis % d.dim()).reshape(d.shape[axis], -1).mean(1))
         return torch.stack(diffs).mean(0)
+
+
+@contextlib.contextmanager
+def layerwise_session(model: nn.Module) -> Iterator[nn.Module]:
+    """Eval mode and VALIDATION for a layer-by-layer algorithm; yields the float reference.
+
+    The reference is an untouched copy (the model itself changes layer after
+    layer, its targets must not). Training flags and fake-quant states are
+    put back on exit; on a failure (an exception, Ctrl-C) every weight and bias
+    is too, and biases the algorithm created are removed.
+    """
+    states = {m: m.state for m in model.modules() if hasattr(m, "set_fake_quant_state")}
+    training = model.training
+    model.eval()
+    set_fake_quantize(model, FakeQuantState.VALIDATION)
+    reference = copy.deepcopy(model)
+    biasless = [m for m in model.modules() if isinstance(m, WeightedQAT) and m.bias is None]
+    completed = False
+    try:
+        yield reference
+        completed = True
+    finally:
+        if not completed:  # a failure leaves the model as it was
+            for m in biasless:
+                m.bias = None
+            model.load_state_dict(reference.state_dict())
+        for m, state in states.items():
+            m.set_fake_quant_state(state)
+        model.train(training)
 
 
 # -- block-wise reconstruction ------------------------------------------------------------
@@ -413,17 +448,8 @@ def weight_reconstruction(
         "warmup": warmup,
         "batch_size": batch_size,
     }
-    states = {m: m.state for m in model.modules() if hasattr(m, "set_fake_quant_state")}
-    training = model.training
-    model.eval()
-    set_fake_quantize(model, FakeQuantState.VALIDATION)
     rows = []
-    # the float model stays as it was: every target comes from this untouched copy (the
-    # model itself changes layer after layer)
-    reference = copy.deepcopy(model)
-    biasless = [m for m in model.modules() if isinstance(m, WeightedQAT) and m.bias is None]
-    completed = False
-    try:
+    with layerwise_session(model) as reference:
         layers = _layers_in_order(model, batches[0], input_fn)
         groups = (
             [[entry] for entry in layers] if block_depth is None else _blocks(layers, block_depth)
@@ -462,15 +488,6 @@ def weight_reconstruction(
                     shifts.append(delta.pow(2).mean())
                 row["bias_shift"] = float(torch.stack(shifts).mean().sqrt())
             rows.append(row)
-        completed = True
-    finally:
-        if not completed:  # a failure leaves the model as it was
-            for m in biasless:
-                m.bias = None
-            model.load_state_dict(reference.state_dict())
-        for m, s in states.items():
-            m.set_fake_quant_state(s)
-        model.train(training)
     if show:
         headers = ["layer", "error_nearest", "error_learned", "bias_shift"]
         print(
