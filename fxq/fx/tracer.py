@@ -36,7 +36,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
 import torch
@@ -463,12 +463,17 @@ def _check_concrete_args(model: nn.Module, concrete_args: dict[str, Any]) -> Non
         raise TypeError(
             f"concrete_args must be a dict of argument name -> value, got {type(concrete_args).__name__}"
         )
+    _check_forward_takes(model, concrete_args, "concrete_args")
+
+
+def _check_forward_takes(model: nn.Module, names: Iterable[str], what: str) -> None:
+    """Raise for a name in ``names`` that ``model.forward`` does not take (it has no ``**kwargs``)."""
     params = inspect.signature(model.forward).parameters
     variadic = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    unknown = [k for k in concrete_args if k not in params]
+    unknown = [k for k in names if k not in params]
     if unknown and not variadic:
         raise ValueError(
-            f"concrete_args names {unknown}, which {type(model).__name__}.forward does not take "
+            f"{what} names {unknown}, which {type(model).__name__}.forward does not take "
             f"(its arguments: {list(params)})"
         )
 
@@ -520,14 +525,8 @@ def concrete_args_for(model: nn.Module, keyword_inputs: dict[str, Any]) -> dict[
         ValueError: for a keyword that ``forward`` does not take, or an
             argument without a default that is not given.
     """
+    _check_forward_takes(model, keyword_inputs, "example_inputs")
     params = inspect.signature(model.forward).parameters
-    variadic = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    unknown = [k for k in keyword_inputs if k not in params]
-    if unknown and not variadic:
-        raise ValueError(
-            f"example_inputs names {unknown}, which {type(model).__name__}.forward does not take "
-            f"(its arguments: {list(params)})"
-        )
     concrete: dict[str, Any] = {}
     for name, p in params.items():
         if name in keyword_inputs or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
