@@ -572,7 +572,7 @@ def _table() -> list[OpRow]:
         ),
         # -- Python values -------------------------------------------------------------------
         OpRow("getattr", Kind.NONTENSOR, functions=(getattr, len), doc="shapes and attributes"),
-        OpRow("tensor_metadata", Kind.NONTENSOR, methods=tuple(sorted(_NONTENSOR_METHODS))),
+        OpRow("tensor_metadata", Kind.NONTENSOR, methods=tuple(sorted(NONTENSOR_METHODS))),
     ]
     try:  # torchvision is optional
         from torchvision.ops import StochasticDepth, stochastic_depth
@@ -606,7 +606,7 @@ for _d in (1, 2, 3):
 
 
 #: tensor methods that return Python values (sizes, flags), not tensors
-_NONTENSOR_METHODS = frozenset(
+NONTENSOR_METHODS = frozenset(
     {
         "size",
         "dim",
@@ -620,7 +620,6 @@ _NONTENSOR_METHODS = frozenset(
         "__len__",
     }
 )
-NONTENSOR_METHODS = _NONTENSOR_METHODS
 
 ROWS: tuple[OpRow, ...] = tuple(_table())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from fxq.dtypes import QDType, as_qdtype
 from fxq.march import March
@@ -55,7 +56,7 @@ class Quantize(QuantizedModule):
 class DeQuantize(nn.Module):
     """QTensor -> float; floats and other values pass through unchanged.
 
-    Lists, tuples and dicts (an op that returns several tensors, e.g.
+    Lists, tuples, named tuples and dicts (an op that returns several tensors, e.g.
     ``max_pool2d(..., return_indices=True)`` or ``chunk``) are dequantized
     element by element.
 
@@ -80,14 +81,15 @@ class DeQuantize(nn.Module):
 
 
 def _dequantize(x, dtype):
-    if isinstance(x, QTensor):
-        out = x.dequantize()
+    def leaf(v):
+        if not isinstance(v, QTensor):
+            return v
+        out = v.dequantize()
         return out if dtype is None or dtype is out.dtype else out.to(dtype)
-    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-        return type(x)(_dequantize(v, dtype) for v in x)
-    if isinstance(x, dict):
-        return {k: _dequantize(v, dtype) for k, v in x.items()}
-    return x
+
+    if isinstance(x, (QTensor, Tensor)):  # the common case, without the tree walk
+        return leaf(x)
+    return tree_map(leaf, x)  # lists / tuples / dicts / named tuples of them
 
 
 class Requantize(QuantizedModule):
