@@ -19,6 +19,7 @@ import torch
 from tabulate import tabulate
 from torch import Tensor, nn
 
+from fxq.debug.capture import as_inputs, snapshot
 from fxq.fake_quantize import FakeQuantState, set_fake_quantize
 from fxq.qat.base import QATModule
 from fxq.qtensor import QTensor
@@ -46,19 +47,6 @@ def float_fake_quant(model: nn.Module) -> Iterator[nn.Module]:
                 m.simulate_integer = value
 
 
-def _as_inputs(inputs: Any) -> tuple:
-    return inputs if isinstance(inputs, tuple) else (inputs,)
-
-
-def _copy(value: Any) -> Any:
-    """Snapshot an output (a later in-place op, e.g. ``SiLU(inplace=True)``, may overwrite it)."""
-    if isinstance(value, QTensor):
-        return value.clone()
-    if isinstance(value, Tensor):
-        return value.clone()
-    return value
-
-
 def _capture(model: nn.Module, kind: type, inputs: tuple) -> dict[str, list[Any]]:
     outputs: dict[str, list[Any]] = {}
     hooks = []
@@ -66,7 +54,7 @@ def _capture(model: nn.Module, kind: type, inputs: tuple) -> dict[str, list[Any]
         if isinstance(module, kind):
             hooks.append(
                 module.register_forward_hook(
-                    lambda m, i, o, name=name: outputs.setdefault(name, []).append(_copy(o))
+                    lambda m, i, o, name=name: outputs.setdefault(name, []).append(snapshot(o))
                 )
             )
     try:
@@ -99,7 +87,7 @@ def compare_qat_quantized(
         output steps; for float outputs, the largest absolute difference),
         ``elements``.
     """
-    inputs = _as_inputs(inputs)
+    inputs = as_inputs(inputs)
     states = {m: m.state for m in qat_model.modules() if hasattr(m, "state")}
     training = qat_model.training
     set_fake_quantize(qat_model, FakeQuantState.VALIDATION)
