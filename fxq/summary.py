@@ -16,7 +16,7 @@ from torch.fx import GraphModule, Node
 
 from fxq.fake_quantize import FakeQuantize
 from fxq.fx.graph_utils import tensor_inputs
-from fxq.fx.tracer import call_wrapped_method
+from fxq.fx.tracer import call_wrapped_method, is_opaque_call
 from fxq.qat.base import QATModule
 from fxq.quantized.base import QuantizedModule, Standalone
 from fxq.quantized.stubs import DeQuantize, Quantize
@@ -113,9 +113,7 @@ def summary(model: nn.Module, show: bool = True) -> list[dict[str, Any]]:
                 output = "python value"
             else:
                 output = "float32"
-                if node.target is call_wrapped_method or getattr(
-                    node.target, "_fxq_fx_wrap", False
-                ):
+                if is_opaque_call(node):
                     status = "opaque"
                 if status == "float fallback" or (
                     status is None

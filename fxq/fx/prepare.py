@@ -45,9 +45,9 @@ from fxq.fx.graph_utils import (
     unique_name,
 )
 from fxq.fx.tracer import (
-    call_wrapped_method,
     concrete_args_for,
     is_fx_wrapped,
+    is_opaque_call,
     symbolic_trace,
 )
 from fxq.march import MarchSpec, get_march_spec
@@ -244,7 +244,7 @@ class _Preparer:
                 if (
                     qconfig is not None
                     and tensor_inputs(node, self.is_tensor)
-                    and not _is_opaque(node, module)
+                    and not is_opaque_call(node, module)
                 ):
                     node.meta["fxq_float_reason"] = rule.reason
                     self.float_ops.append(_describe_float_op(node, rule))
@@ -355,7 +355,7 @@ class _Preparer:
         """
         in_graph = {n.target for n in self.gm.graph.nodes if n.op == "call_module"}
         has_opaque = any(
-            _is_opaque(n, self.modules.get(n.target) if n.op == "call_module" else None)
+            is_opaque_call(n, self.modules.get(n.target) if n.op == "call_module" else None)
             for n in self.gm.graph.nodes
             if n.op in ("call_module", "call_function")
         )
@@ -452,13 +452,6 @@ def _is_torch_nn_layer(module: nn.Module) -> bool:
     if type(module) is nn.Module or isinstance(module, _CONTAINERS):
         return False
     return type(module).__module__.startswith("torch.")
-
-
-def _is_opaque(node: Node, module: nn.Module | None) -> bool:
-    """``@fx_wrap()`` code: float by the user's choice (its modules are quantized standalone)."""
-    if module is not None:
-        return is_fx_wrapped(type(module))
-    return node.target is call_wrapped_method or is_fx_wrapped(node.target)
 
 
 def _describe_float_op(node: Node, row: OpRow) -> str:

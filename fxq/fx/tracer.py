@@ -96,6 +96,16 @@ def is_fx_wrapped(obj: Any) -> bool:
     return bool(getattr(obj, "_fxq_fx_wrap", False))
 
 
+def is_opaque_call(node: torch.fx.Node, module: nn.Module | None = None) -> bool:
+    """Whether ``node`` runs ``@fx_wrap()`` code (a wrapped function, method or module class).
+
+    Such code is float by the user's choice; modules it calls are quantized standalone.
+    """
+    if module is not None:
+        return is_fx_wrapped(type(module))
+    return node.target is call_wrapped_method or is_fx_wrapped(node.target)
+
+
 @overload
 def fx_wrap() -> Callable[[T], T]: ...
 
