@@ -225,6 +225,18 @@ def _refine_fused(row: OpRow, node: Node | None, module: nn.Module | None) -> Op
     return row_for_module(type(module.op)).resolve(node, module.op)
 
 
+def _refine_norm_weights(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    if module is None and any(
+        isinstance(_arg(node, i, name), Node) for i, name in ((2, "weight"), (3, "bias"))
+    ):
+        module_form = "nn.LayerNorm" if row.name == "layer_norm" else "nn.GroupNorm"
+        return row.as_float(
+            f"{target_name(node.target)} with weight / bias tensors: fxq quantizes the affine "
+            f"parameters of modules; use the module form ({module_form})"
+        )
+    return dataclasses.replace(row, refine=None)
+
+
 def _refine_functional_weight(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
     what = target_name(node.target) if node is not None else row.name
     return row.as_float(
@@ -447,6 +459,23 @@ def _table() -> list[OpRow]:
         _lut("elu", (nn.ELU,), (F.elu,)),
         _lut("softplus", (nn.Softplus,), (F.softplus,)),
         _lut("mish", (nn.Mish,), (F.mish,)),
+        # -- normalization ---------------------------------------------------------------
+        _compute(
+            "layer_norm",
+            "LayerNorm",
+            "normalization",
+            modules=(nn.LayerNorm,),
+            functions=(F.layer_norm,),
+            refine=_refine_norm_weights,
+        ),
+        _compute(
+            "group_norm",
+            "GroupNorm",
+            "normalization",
+            modules=(nn.GroupNorm,),
+            functions=(F.group_norm,),
+            refine=_refine_norm_weights,
+        ),
         # -- resampling --------------------------------------------------------------------
         _compute(
             "interpolate",
@@ -540,18 +569,6 @@ def _table() -> list[OpRow]:
             refine=_refine_functional_weight,
         ),
         _float(
-            "layer_norm",
-            "no integer LayerNorm yet",
-            modules=(nn.LayerNorm,),
-            functions=(F.layer_norm,),
-        ),
-        _float(
-            "group_norm",
-            "no integer GroupNorm yet",
-            modules=(nn.GroupNorm,),
-            functions=(F.group_norm,),
-        ),
-        _float(
             "softmax",
             "no integer softmax yet",
             modules=(nn.Softmax, nn.LogSoftmax),
@@ -599,6 +616,9 @@ _DOCS = {
     "interpolate": "bilinear with integer weights; nearest keeps the grid",
     "upsampling_bilinear2d": "bilinear with integer weights",
     "relu": "max(q, 0): the grid is kept",
+    "layer_norm": "int64 mean and variance, rsqrt table, int16 (bayes) / int8 normalized values, "
+    "int8 per-channel affine, requantized",
+    "group_norm": "as layer_norm, over each group; per-channel affine",
 }
 for _d in (1, 2, 3):
     _DOCS[f"avg_pool{_d}d"] = "int32 sum, requantized by scale / (kernel size)"

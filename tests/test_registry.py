@@ -141,6 +141,8 @@ EXAMPLES.update(
         "repeat": Example(call=lambda f, x, y: f(x, 1, 2, 1, 1)),
         "contiguous": Example(call=lambda f, x, y: f(x)),
         "getitem": Example(call=lambda f, x, y: f(x, (slice(None), slice(0, 2)))),
+        "layer_norm": Example(module=lambda c: c(8), call=_unary((8,))),
+        "group_norm": Example(module=lambda c: c(2, 4), call=_unary(2)),
         "stochastic_depth": Example(
             module=lambda c: c(0.5, "row"), call=lambda f, x, y: f(x, 0.5, "row", False)
         ),
@@ -325,26 +327,29 @@ def test_float_rows_are_listed_with_their_reason(bayes):
         def __init__(self) -> None:
             super().__init__()
             self.conv = nn.Conv2d(3, 8, 1)
-            self.ln = nn.LayerNorm(8)
+            self.g = nn.Parameter(torch.ones(8))
             self.w = nn.Parameter(torch.randn(8, 8, 1, 1))
 
         def forward(self, x):
             y = self.conv(x)
-            y = self.ln(y.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+            y = F.layer_norm(y.permute(0, 2, 3, 1), (8,), self.g).permute(0, 3, 1, 2)
             y = F.conv2d(y, self.w.contiguous())  # a weight computed in the graph: float
-            return torch.softmax(y, 1) / 2.0
+            return torch.cumsum(torch.cumsum(y, 1), 2)
 
     with pytest.warns(fxq.fx.prepare.FloatOpWarning) as record:
         fxq.prepare_qat_fx(M(), QCONFIG)
     message = str(record[0].message)
     assert "4 op(s)" in message
     line = M.forward.__code__.co_firstlineno
-    assert f"ln (layer_norm, {__file__}:{line + 2}): no integer LayerNorm yet" in message
+    assert (
+        f"layer_norm (torch.nn.functional.layer_norm, {__file__}:{line + 2}): "
+        "torch.nn.functional.layer_norm with weight / bias tensors" in message
+    )
     assert (
         f"conv2d (torch.nn.functional.conv2d, {__file__}:{line + 3}): torch.nn.functional.conv2d "
         "with a weight tensor" in message
     )
-    assert "no integer softmax yet" in message and "no integer division yet" in message
+    assert "cumsum" in message and "no registry row" in message
     with pytest.raises(ValueError, match="4 op\\(s\\) have a qconfig but no integer"):
         fxq.prepare_qat_fx(M(), QCONFIG, float_ops="error")
     with warnings.catch_warnings():
@@ -356,10 +361,9 @@ def test_float_rows_are_listed_with_their_reason(bayes):
             {
                 "": default_qat_8bit_fake_quant_qconfig,
                 "module_type": {
-                    nn.LayerNorm: None,
+                    F.layer_norm: None,
                     F.conv2d: None,
-                    torch.softmax: None,
-                    operator.truediv: None,
+                    torch.cumsum: None,
                 },
             },
         )

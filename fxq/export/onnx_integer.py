@@ -513,6 +513,119 @@ class IntegerWriter:
         op_type = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div"}[a["fn"]]
         self.op(op_type, xs, outs[0])
 
+    # -- normalization and softmax -------------------------------------------------------------
+    def pow2_int(self, k: str) -> str:
+        """``2**k`` (int64) for an int64 tensor ``k`` in ``[0, 62]``."""
+        table = self.const(np.array([1 << i for i in range(63)], np.int64), hint="pow2")
+        return self.op("Gather", [table, k], axis=0)
+
+    def pow2_float(self, k: str) -> str:
+        """``2.0**k`` (float64, exact) for an int64 tensor ``k`` in ``[-100, 100]``."""
+        table = self.const(np.ldexp(1.0, np.arange(-100, 101)).astype(np.float64), hint="pow2f")
+        return self.op("Gather", [table, self.op("Add", [k, self.const(100, np.int64)])], axis=0)
+
+    def int_const(self, v: int) -> str:
+        return self.const(np.int64(v))
+
+    def round_double(self, v: str, rounding: str) -> str:
+        """``round(v)`` of an exact float64 value: half up ``floor(v + 1/2)`` or half even."""
+        if rounding == "half_up":
+            return self.op("Floor", [self.op("Add", [v, self.const(0.5, np.float64)])])
+        return self.op("Round", [v])
+
+    def shift_round_double(self, v: str, shift: str, rounding: str) -> str:
+        """``shift_round(v, shift)`` (either sign) of an int64 ``v`` below ``2**53`` -> float64."""
+        scaled = self.op("Mul", [self.cast(v, "float64"), self.pow2_float(self.op("Neg", [shift]))])
+        return self.round_double(scaled, rounding)
+
+    def bit_length(self, v: str) -> str:
+        """``floor(log2 v) + 1`` of a non-negative int64 tensor: the count of powers of two <= v."""
+        powers = self.const(np.array([1 << i for i in range(63)], np.int64), hint="pow2")
+        ge = self.op(
+            "GreaterOrEqual", [self.op("Unsqueeze", [v, self.const([-1], np.int64)]), powers]
+        )
+        return self.op(
+            "ReduceSum", [self.cast(ge, "int64"), self.const([-1], np.int64)], keepdims=0
+        )
+
+    def shift_round_wide(self, v: str, shift: str, rounding: str, node: Node) -> str:
+        """``shift_round(v, shift)`` of a non-negative int64 ``v`` of up to 62 bits (integer ops)."""
+        if rounding != "half_up":
+            raise ValueError(f"node {node.name!r}: only half-up rounding is exported for {node.op}")
+        lo, hi = self.int_const(0), self.int_const(62)
+        half = self.pow2_int(self.op("Clip", [self.op("Sub", [shift, self.int_const(1)]), lo, hi]))
+        right = self.op(
+            "Div", [self.op("Add", [v, half]), self.pow2_int(self.op("Clip", [shift, lo, hi]))]
+        )
+        left = self.op(
+            "Mul", [v, self.pow2_int(self.op("Clip", [self.op("Neg", [shift]), lo, hi]))]
+        )
+        return self.op("Where", [self.op("Greater", [shift, self.int_const(0)]), right, left])
+
+    def normalize_rows(self, rows: str, node: Node) -> str:
+        """``Z`` of ``docs/arithmetic.md`` 14 over the last axis of int64 ``rows`` -> float64."""
+        a, p = node.attrs, node.params
+        t, axes = a["index_bits"], self.const([-1], np.int64)
+        s1 = self.op("ReduceSum", [rows, axes], keepdims=1)
+        s2 = self.op("ReduceSum", [self.op("Mul", [rows, rows]), axes], keepdims=1)
+        n = self.int_const(a["n"])
+        d = self.op("Sub", [self.op("Mul", [rows, n]), s1])
+        v = self.op(
+            "Sub",
+            [
+                self.op("Mul", [s2, n]),
+                self.op("Sub", [self.op("Mul", [s1, s1]), self.int_const(a["eps_term"])]),
+            ],
+        )
+        v = self.op("Max", [v, self.int_const(1)])
+        # e = floor((b - T + 1) / 2): Div truncates, so shift the numerator positive first
+        b = self.bit_length(v)
+        e = self.op(
+            "Sub",
+            [
+                self.op("Div", [self.op("Add", [b, self.int_const(41 - t)]), self.int_const(2)]),
+                self.int_const(20),
+            ],
+        )
+        m = self.shift_round_wide(v, self.op("Mul", [e, self.int_const(2)]), a["rounding"], node)
+        index = self.op("Sub", [m, self.int_const(1 << (t - 2))])
+        r = self.op(
+            "Gather", [self.const(p["rsqrt_table"].astype(np.int64), hint="rsqrt"), index], axis=0
+        )
+        shift = self.op("Add", [e, self.int_const(a["fraction_bits"] - a["q_bits"])])
+        z = self.shift_round_double(self.op("Mul", [d, r]), shift, a["rounding"])
+        from .runtime import _RANGES
+
+        lo, hi = _RANGES[a["z_dtype"]]
+        return self.op(
+            "Clip", [z, self.const(float(lo), np.float64), self.const(float(hi), np.float64)]
+        )
+
+    def op_normalize(self, node: Node, outs: list[str]) -> None:
+        a, p = node.attrs, node.params
+        x = self.name(node.inputs[0])
+        x64 = self.cast(x, "int64")
+        if a["groups"] is None:
+            rows = self.op("Reshape", [x64, self.const(np.array([-1, a["n"]], np.int64))])
+            z = self.normalize_rows(rows, node)
+        else:
+            rows = self.op("Reshape", [x64, self.const(np.array([0, a["groups"], -1], np.int64))])
+            channels = p["weight"].shape[0] if p["weight"].size > 1 else p["bias"].shape[0]
+            z = self.op(
+                "Reshape",
+                [
+                    self.normalize_rows(rows, node),
+                    self.const(np.array([0, channels, -1], np.int64)),
+                ],
+            )
+        acc = self.op("Mul", [z, self.const(p["weight"].astype(np.float64), hint="weight")])
+        acc = self.sat32(
+            self.op("Add", [acc, self.const(p["bias"].astype(np.float64), hint="bias")])
+        )
+        r = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
+        tmp = self.requant(acc, r, a["dtype"], a["rounding"], None, None, self.fresh("normalized"))
+        self.op("Reshape", [tmp, self.op("Shape", [x])], outs[0])
+
     # -- model ---------------------------------------------------------------------------------
     def value_info(self, ir_name: str) -> Any:
         t = self.graph.tensors[ir_name]

@@ -261,6 +261,32 @@ class QDQWriter(IntegerWriter):
             self._sum_scales[node.outputs[0]] = self._sum_scales[node.inputs[0]]
         super().op_reshape(node, outs)
 
+    def op_normalize(self, node: Node, outs: list[str]) -> None:
+        """The float normalization (mean, variance, ``1 / sqrt``) with the int8 affine weight and
+        the int32 bias dequantized."""
+        a, p = node.attrs, node.params
+        x = self.name(node.inputs[0])
+        axes = self.const([-1], np.int64)
+        if a["groups"] is None:
+            rows = self.op("Reshape", [x, self.const(np.array([-1, a["n"]], np.int64))])
+        else:
+            rows = self.op("Reshape", [x, self.const(np.array([0, a["groups"], -1], np.int64))])
+        d = self.op("Sub", [rows, self.op("ReduceMean", [rows, axes], keepdims=1)])
+        var = self.op("ReduceMean", [self.op("Mul", [d, d]), axes], keepdims=1)
+        eps = self.const(np.float32(a["eps"]))
+        y = self.op("Div", [d, self.op("Sqrt", [self.op("Add", [var, eps])])])
+        if a["groups"] is not None:
+            channels = p["bias"].shape[0]
+            y = self.op("Reshape", [y, self.const(np.array([0, channels, -1], np.int64))])
+        s_w = p["weight_scale"].astype(np.float64)
+        w = (p["weight"].astype(np.float64) * s_w).astype(np.float32)
+        b = (p["bias"].astype(np.float64) * s_w * 2.0 ** -a["q_bits"]).astype(np.float32)
+        y = self.op(
+            "Add", [self.op("Mul", [y, self.const(w, hint="weight")]), self.const(b, hint="bias")]
+        )
+        y = self.op("Reshape", [y, self.op("Shape", [x])])
+        self.qdq(y, node.outputs[0], outs[0])
+
     def model(self) -> Any:
         self._sum_scales: dict[str, float] = {}
         wide = any(t.dtype == "int16" and t.scale is not None for t in self.graph.tensors.values())

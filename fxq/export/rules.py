@@ -18,7 +18,16 @@ from torch.utils._pytree import tree_flatten
 from fxq import registry
 from fxq.march import Rounding
 from fxq.qtensor import QTensor
-from fxq.quantized import activation, batchnorm, elementwise, interpolate, matmul, pooling, weighted
+from fxq.quantized import (
+    activation,
+    batchnorm,
+    elementwise,
+    interpolate,
+    matmul,
+    normalization,
+    pooling,
+    weighted,
+)
 from fxq.quantized import functional as qf
 from fxq.quantized import stubs as qstubs
 from fxq.quantized.base import multiplier_for
@@ -522,6 +531,49 @@ def _rule_interpolate(ex: _Exporter, m: interpolate.Interpolate, args, kwargs, r
     )
 
 
+# -- rules: normalization and softmax -------------------------------------------------------
+def _rule_normalization(ex: _Exporter, m: normalization._Normalization, args, kwargs, result):
+    x = args[0]
+    if isinstance(m, normalization.LayerNorm):
+        shape, eps = normalization.layer_norm_arguments(m.op, args[1:], kwargs)
+        n, groups, channel_shape = math.prod(shape), None, [math.prod(shape)]
+    else:
+        groups, eps = normalization.group_norm_arguments(m.op, args[1:], kwargs)
+        n, channel_shape = (x.numel() // x.shape[0]) // groups, [x.shape[1], 1]
+    if groups is not None and not ex.batched.get(ex.name_of(x), False):
+        raise ex.error("GroupNorm is exported for batched inputs only")
+    plan = m.plan(x, n, eps)
+
+    def per_channel(t: Tensor, dtype: Any) -> np.ndarray:
+        return _np(t, dtype).reshape(channel_shape if t.numel() > 1 else [1])
+
+    ex.emit(
+        "normalize",
+        [ex.name_of(x)],
+        [result],
+        {
+            "n": n,
+            "groups": groups,
+            "eps": eps,
+            "eps_term": plan.eps_term,
+            "q_bits": plan.q_bits,
+            "index_bits": qf.RSQRT_INDEX_BITS,
+            "fraction_bits": qf.RSQRT_FRACTION_BITS,
+            "z_dtype": m.z_dtype.name[1:],
+            "dtype": _dtype(result),
+            "rounding": _rounding(m),
+        },
+        {
+            "rsqrt_table": _np(qf.rsqrt_table(), np.int64),
+            "weight": per_channel(m.weight, np.int8),
+            "weight_scale": per_channel(m.weight_scale, np.float32),
+            "bias": per_channel(plan.bias, np.int32),
+            "multiplier": per_channel(plan.multiplier, np.int64),
+            "shift": per_channel(plan.shift, np.int64),
+        },
+    )
+
+
 #: integer module class -> export rule ``(exporter, module, args, kwargs, result)``
 RULES: dict[type, Callable[..., None]] = {
     qstubs.Quantize: _rule_quantize,
@@ -541,6 +593,8 @@ RULES: dict[type, Callable[..., None]] = {
     pooling.Mean: _rule_mean,
     pooling.Sum: _rule_sum,
     interpolate.Interpolate: _rule_interpolate,
+    normalization.LayerNorm: _rule_normalization,
+    normalization.GroupNorm: _rule_normalization,
 }
 for _cls in (
     weighted.Conv1d,

@@ -451,6 +451,41 @@ def _k_concat(node, inputs):
     return [np.concatenate(inputs, axis=node.attrs["axis"])]
 
 
+# -- normalization and softmax ------------------------------------------------------------------
+def _bit_length(v: np.ndarray) -> np.ndarray:
+    """``floor(log2(v)) + 1`` of non-negative int64 values, exactly (0 for 0)."""
+    b = np.frexp(v.astype(np.float64))[1].astype(np.int64)
+    over = (b > 0) & (np.left_shift(np.int64(1), np.maximum(b - 1, 0)) > v)
+    return b - over
+
+
+def _normalize_rows(x: np.ndarray, a: dict, table: np.ndarray) -> np.ndarray:
+    """``Z = sat(shift_round(D R, F + e - Q))`` over the last axis (``docs/arithmetic.md``, 14)."""
+    n, t, f, rounding = a["n"], a["index_bits"], a["fraction_bits"], a["rounding"]
+    s1 = x.sum(-1, keepdims=True)
+    s2 = (x * x).sum(-1, keepdims=True)
+    d = n * x - s1
+    v = np.maximum(n * s2 - s1 * s1 + a["eps_term"], 1)
+    e = (_bit_length(v) - t + 1) // 2
+    m = shift_round(v, 2 * e, rounding)
+    r = table.astype(np.int64)[m - (1 << (t - 2))]
+    z = shift_round(d * r, f + e - a["q_bits"], rounding)
+    return np.clip(z, *_RANGES[a["z_dtype"]])
+
+
+def _k_normalize(node, inputs):
+    a, p = node.attrs, node.params
+    x = inputs[0].astype(np.int64)
+    if a["groups"] is None:
+        z = _normalize_rows(x.reshape(-1, a["n"]), a, p["rsqrt_table"])
+    else:
+        rows = _normalize_rows(x.reshape(x.shape[0], a["groups"], -1), a, p["rsqrt_table"])
+        z = rows.reshape(x.shape[0], x.shape[1], -1)
+    acc = _sat32(z * p["weight"].astype(np.int64) + p["bias"].astype(np.int64))
+    y = _requant(acc, p["multiplier"], p["shift"], a["dtype"], a["rounding"])
+    return [y.reshape(x.shape)]
+
+
 #: op name -> kernel
 KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "quantize": _k_quantize,
@@ -473,4 +508,5 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "gather": _k_gather,
     "concat": _k_concat,
     "float": _k_float,
+    "normalize": _k_normalize,
 }

@@ -18,6 +18,8 @@ Conventions:
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -750,3 +752,205 @@ def linear_weights(
     one = 1 << INTERP_FRACTION_BITS
     w1 = torch.floor(lam * one + 0.5).to(torch.int64).clamp(0, one)
     return i0, i1, w1
+
+
+# =============================================================================
+# Normalization and softmax (docs/arithmetic.md, sections 14 and 15)
+# =============================================================================
+#
+# Every step is int64 arithmetic: sums, products, shifts with rounding, table
+# lookups and one exact integer division. The tables are built once from exact
+# rational arithmetic (Python integers), so every device and runtime gets the
+# same entries.
+
+#: rsqrt table: index bits ``T`` (mantissas in ``[2**(T-2), 2**T]``) and fraction bits ``F``
+RSQRT_INDEX_BITS = 10
+RSQRT_FRACTION_BITS = 19
+#: exp2 table of softmax: ``2**EXP_FRACTION_BITS`` entries of ``round(2**15 * 2**(-f / 2**P))``
+EXP_FRACTION_BITS = 8
+EXP_ONE_BITS = 15
+#: log table of log-softmax: mantissas in ``[2**(T-1), 2**T]``, values with ``LOG_FRACTION_BITS``
+LOG_INDEX_BITS = 10
+LOG_FRACTION_BITS = 16
+
+
+def shift_round_signed(v: Tensor, shift: Tensor | int, rounding: Rounding) -> Tensor:
+    """``shift_round`` for shifts of either sign: a negative shift is an exact left shift.
+
+    Args:
+        v: int64 tensor.
+        shift: int or int64 tensor broadcastable against ``v``.
+    """
+    s = torch.as_tensor(shift, dtype=torch.int64, device=v.device)
+    if not bool((s < 0).any()):
+        return shift_round(v, s, rounding)
+    left = torch.bitwise_left_shift(v, (-s).clamp(min=0))
+    return shift_round(left, s.clamp(min=0), rounding)
+
+
+def bit_length(v: Tensor) -> Tensor:
+    """``floor(log2(v)) + 1`` of a non-negative int64 tensor (0 for 0), exactly.
+
+    ``frexp`` of the float64 value, corrected where float64 rounded ``v`` up
+    to the next power of two.
+    """
+    b = torch.frexp(v.to(torch.float64)).exponent.to(torch.int64)
+    one = torch.ones((), dtype=torch.int64, device=v.device)
+    over = (b > 0) & (torch.bitwise_left_shift(one, (b - 1).clamp(min=0)) > v)
+    return b - over.to(torch.int64)
+
+
+def _round_half_up_fraction(num: int, den: int) -> int:
+    return (2 * num + den) // (2 * den)
+
+
+@functools.cache
+def _rsqrt_table() -> tuple[int, ...]:
+    """``R[m - 2**(T-2)] = round(2**F / sqrt(m))`` for ``m`` in ``[2**(T-2), 2**T]``, exact."""
+    out = []
+    lim = 1 << (2 * RSQRT_FRACTION_BITS + 2)  # (2 * 2**F)**2
+    for m in range(1 << (RSQRT_INDEX_BITS - 2), (1 << RSQRT_INDEX_BITS) + 1):
+        # the integer r with (2r - 1)**2 m <= 4**(F+1) < (2r + 1)**2 m: round half up of 2**F / sqrt(m)
+        r = math.isqrt(lim // m)  # close; fix by the exact test below
+        r = max(r // 2, 1)
+        while (2 * r + 1) ** 2 * m <= lim:
+            r += 1
+        while (2 * r - 1) ** 2 * m > lim:
+            r -= 1
+        out.append(r)
+    return tuple(out)
+
+
+def rsqrt_table(device=None) -> Tensor:
+    """The rsqrt table as an int64 tensor (``RSQRT_INDEX_BITS``, ``RSQRT_FRACTION_BITS``)."""
+    return torch.tensor(_rsqrt_table(), dtype=torch.int64, device=device)
+
+
+def integer_rsqrt(v: Tensor, rounding: Rounding) -> tuple[Tensor, Tensor]:
+    """``1 / sqrt(v) ~ R * 2**-(F + e)`` for positive int64 ``v``, by table lookup.
+
+    ``v = m * 4**e`` with the mantissa ``m = shift_round(v, 2e)`` (a left shift
+    for ``e < 0``) in ``[2**(T-2), 2**T]``, ``e = floor((bit_length(v) - T + 1) / 2)``;
+    ``R = rsqrt_table[m - 2**(T-2)]``.
+
+    Returns:
+        ``(R, e)`` as int64 tensors shaped like ``v``.
+    """
+    t = RSQRT_INDEX_BITS
+    e = torch.div(bit_length(v) - t + 1, 2, rounding_mode="floor")
+    m = shift_round_signed(v, 2 * e, rounding)
+    table = rsqrt_table(v.device)
+    return table[m - (1 << (t - 2))], e
+
+
+def norm_fraction_bits(n: int, z_bits: int) -> int:
+    """Fraction bits ``Q`` of the normalized values ``Z = round((x - mean) / std * 2**Q)``.
+
+    With int16 intermediates ``|Z|`` never saturates (``|x - mean| / std <= sqrt(n - 1)``);
+    with int8 ones (marches without int16) it saturates beyond 4 standard deviations.
+    """
+    h = 0
+    while 4**h < n - 1:
+        h += 1
+    if z_bits <= 8:
+        h = min(h, 2)
+    return z_bits - 1 - h
+
+
+def norm_eps_term(eps: float, n: int, in_scale: Tensor) -> int:
+    """``E = round(eps * n**2 / s_x**2)`` (float64, at most 2**60): eps in the units of ``V``."""
+    s = float(in_scale.reshape(-1)[0].to(torch.float64))
+    value = eps * float(n) ** 2 / (s * s)
+    return int(min(math.floor(value + 0.5), 1 << 60))
+
+
+def normalize_rows(
+    x: Tensor, eps_term: int, q_bits: int, z_dtype: QDType, rounding: Rounding
+) -> Tensor:
+    """Integer ``(x - mean) / sqrt(var + eps)`` over the last axis, with ``q_bits`` fraction bits.
+
+    With ``n`` the row length, ``S1 = sum x``, ``S2 = sum x**2``, ``D = n x - S1`` and
+    ``V = n S2 - S1**2 + E`` (``E = norm_eps_term``): ``(x - mean) / sqrt(var + eps) =
+    D / sqrt(V)``, so ``Z = sat(shift_round(D * R, F + e - Q))`` with ``(R, e) =
+    integer_rsqrt(max(V, 1))``.
+
+    Args:
+        x: integers (any dtype holding them exactly) ``[..., n]``.
+
+    Returns:
+        int64 ``Z`` in ``z_dtype``'s range, shaped like ``x``.
+
+    Raises:
+        ValueError: for rows too long for exact int64 sums (``n**2 * max|x|**2 >= 2**60``).
+    """
+    xi = x.to(torch.int64)
+    n = xi.shape[-1]
+    if n * n * (1 << 30) >= 1 << 61 and n * n * int(xi.abs().max()) ** 2 >= 1 << 60:
+        raise ValueError(f"cannot normalize rows of {n} elements exactly in int64")
+    s1 = xi.sum(-1, keepdim=True)
+    s2 = (xi * xi).sum(-1, keepdim=True)
+    d = n * xi - s1
+    v = (n * s2 - s1 * s1 + eps_term).clamp(min=1)
+    r, e = integer_rsqrt(v, rounding)
+    z = shift_round_signed(d * r, RSQRT_FRACTION_BITS + e - q_bits, rounding)
+    return z.clamp_(z_dtype.qmin, z_dtype.qmax)
+
+
+@functools.cache
+def _exp2_table() -> tuple[int, ...]:
+    """``T[f] = round(2**15 * 2**(-f / 2**P))`` for ``f`` in ``[0, 2**P)`` (float64, correctly
+    rounded: the values are far from ties)."""
+    p = 1 << EXP_FRACTION_BITS
+    return tuple(int(math.floor(2.0 ** (EXP_ONE_BITS - f / p) + 0.5)) for f in range(p))
+
+
+def exp2_table(device=None) -> Tensor:
+    return torch.tensor(_exp2_table(), dtype=torch.int64, device=device)
+
+
+def softmax_exp(u: Tensor, multiplier: Tensor, shift: Tensor, rounding: Rounding) -> Tensor:
+    """``E = round(2**15 * exp(-u s_x))`` for integers ``u >= 0`` (the distance to the row max).
+
+    ``t = shift_round(u * m, S)`` is ``u s_x / ln 2`` with ``P`` fraction bits
+    (``m 2**-S ~ s_x / ln 2 * 2**P``); its integer part ``k`` shifts the exp2 table's
+    entry for its fraction: ``E = shift_round(T[t mod 2**P], min(k, 40))``.
+    """
+    p = EXP_FRACTION_BITS
+    t = shift_round_signed(u * multiplier, shift, rounding)
+    k = (t >> p).clamp(max=40)
+    f = t & ((1 << p) - 1)
+    return shift_round(exp2_table(u.device)[f], k, rounding)
+
+
+def divide_round(num: Tensor, den: Tensor) -> Tensor:
+    """``floor(num / den + 1/2)`` of int64 tensors with ``num >= 0`` and ``den > 0``, exactly."""
+    return torch.div(2 * num + den, 2 * den, rounding_mode="floor")
+
+
+@functools.cache
+def _log_table() -> tuple[int, ...]:
+    """``L[m - 2**(T-1)] = round(ln(m / 2**T) * 2**P)`` for ``m`` in ``[2**(T-1), 2**T]``."""
+    t, p = LOG_INDEX_BITS, LOG_FRACTION_BITS
+    return tuple(
+        int(math.floor(math.log(m / (1 << t)) * (1 << p) + 0.5))
+        for m in range(1 << (t - 1), (1 << t) + 1)
+    )
+
+
+def log_table(device=None) -> Tensor:
+    return torch.tensor(_log_table(), dtype=torch.int64, device=device)
+
+
+LN2_FIXED = int(math.floor(math.log(2.0) * (1 << LOG_FRACTION_BITS) + 0.5))
+
+
+def integer_log(v: Tensor, rounding: Rounding) -> Tensor:
+    """``round(ln(v) * 2**P)`` (approximately) for positive int64 ``v``, by table lookup.
+
+    ``v = m * 2**e`` with ``m = shift_round(v, e)`` in ``[2**(T-1), 2**T]``,
+    ``e = bit_length(v) - T``: ``ln v = L[m - 2**(T-1)] + (e + T) ln 2``.
+    """
+    t = LOG_INDEX_BITS
+    e = bit_length(v) - t
+    m = shift_round_signed(v, e, rounding)
+    return log_table(v.device)[m - (1 << (t - 1))] + (e + t) * LN2_FIXED

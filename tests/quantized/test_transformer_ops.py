@@ -1,0 +1,180 @@
+"""Property tests of the transformer ops (``docs/arithmetic.md``, sections 14 to 17):
+LayerNorm / GroupNorm, softmax / log-softmax, attention and division.
+
+Each integer kernel is compared bit for bit with an independent reference in
+this file written with Python integers and ``fractions.Fraction`` (no reference
+calls the kernel it checks), and each op's converted model is compared with the
+float torch op (SQNR in dB on random inputs, thresholds stated per test) and
+with its QAT model in VALIDATION state (bit for bit).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxq
+from fxq.march import Rounding
+from fxq.qconfig import (
+    default_qat_8bit_fake_quant_qconfig as Q8,
+)
+from fxq.qconfig import (
+    default_qat_8bit_weight_16bit_act_fake_quant_qconfig as Q16,
+)
+from fxq.quantized import functional as qf
+
+HALF_UP = Rounding.HALF_UP
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- references (Python integers) ---------------------------------------------------------------
+def round_half_up(x: Fraction) -> int:
+    return math.floor(x + Fraction(1, 2))
+
+
+def ref_shift_round(v: int, s: int) -> int:
+    """``round(v / 2**s)`` half up, for shifts of either sign."""
+    return round_half_up(Fraction(v, 1) / Fraction(2) ** s)
+
+
+def ref_rsqrt_entry(m: int) -> int:
+    """``round(2**F / sqrt(m))`` half up: ``floor(2x)`` is ``isqrt(floor(4x**2))``."""
+    two_x = math.isqrt((1 << (2 * qf.RSQRT_FRACTION_BITS + 2)) // m)
+    return (two_x + 1) // 2
+
+
+def ref_normalize_row(row: list[int], eps_term: int, q: int, lo: int, hi: int) -> list[int]:
+    n = len(row)
+    s1, s2 = sum(row), sum(v * v for v in row)
+    v = max(n * s2 - s1 * s1 + eps_term, 1)
+    t = qf.RSQRT_INDEX_BITS
+    e = (v.bit_length() - t + 1) // 2
+    m = ref_shift_round(v, 2 * e)
+    assert (1 << (t - 2)) <= m <= (1 << t)
+    r = ref_rsqrt_entry(m)
+    out = []
+    for x in row:
+        z = ref_shift_round((n * x - s1) * r, qf.RSQRT_FRACTION_BITS + e - q)
+        out.append(min(max(z, lo), hi))
+    return out
+
+
+def sqnr(reference: torch.Tensor, got: torch.Tensor) -> float:
+    noise = (reference - got).double().pow(2).mean()
+    return float(10 * torch.log10(reference.double().pow(2).mean() / noise))
+
+
+def quantize_model(model: nn.Module, data: list, qconfig=Q8, example=None):
+    """Prepare, calibrate on ``data`` and convert; returns ``(qat in VALIDATION, integer)``."""
+    model.eval()
+    qat = fxq.prepare_qat_fx(model, {"": qconfig}, example_inputs=example)
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    with torch.no_grad():
+        for x in data:
+            qat(*x)
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return qat, fxq.convert_fx(qat)
+
+
+def dequantized(value):
+    return value.dequantize() if isinstance(value, fxq.QTensor) else value
+
+
+# -- LayerNorm / GroupNorm -------------------------------------------------------------------------
+def test_rsqrt_table_is_the_exact_rounding():
+    table = qf.rsqrt_table().tolist()
+    first = 1 << (qf.RSQRT_INDEX_BITS - 2)
+    assert table == [ref_rsqrt_entry(m) for m in range(first, (1 << qf.RSQRT_INDEX_BITS) + 1)]
+
+
+@given(
+    n=st.sampled_from([1, 2, 3, 7, 64, 100, 768]),
+    bits=st.sampled_from([8, 16]),
+    z_bits=st.sampled_from([8, 16]),
+    eps=st.sampled_from([0.0, 1e-6, 1e-5, 1e-2]),
+    scale=st.floats(1e-4, 0.5),
+    seed=st.integers(0, 2**31),
+    spread=st.sampled_from([0, 1, 3, None]),
+)
+@SETTINGS
+def test_normalize_rows_matches_the_integer_reference(n, bits, z_bits, eps, scale, seed, spread):
+    g = torch.Generator().manual_seed(seed)
+    qmax = (1 << (bits - 1)) - 1
+    if spread is None:
+        x = torch.randint(-qmax - 1, qmax + 1, (3, n), generator=g)
+    else:  # nearly constant rows: tiny variances, the eps term dominates
+        x = torch.randint(-spread, spread + 1, (3, n), generator=g) + int(qmax * 0.7)
+    z_dtype = fxq.qint16 if z_bits == 16 else fxq.qint8
+    q = qf.norm_fraction_bits(n, z_bits)
+    eps_term = qf.norm_eps_term(eps, n, torch.tensor([scale]))
+    got = qf.normalize_rows(x.float(), eps_term, q, z_dtype, HALF_UP)
+    expected = [
+        ref_normalize_row(row, eps_term, q, z_dtype.qmin, z_dtype.qmax) for row in x.tolist()
+    ]
+    assert got.tolist() == expected
+
+
+@given(v=st.integers(1, (1 << 61) - 1))
+@SETTINGS
+def test_integer_rsqrt_is_within_the_table_precision(v):
+    r, e = qf.integer_rsqrt(torch.tensor([v]), HALF_UP)
+    approx = Fraction(int(r)) / Fraction(2) ** (qf.RSQRT_FRACTION_BITS + int(e))
+    relative = abs(float(approx) * math.sqrt(v) - 1.0)
+    assert relative < 2.0**-8  # 10-bit mantissa rounding and the 19-bit entries
+    assert int(qf.bit_length(torch.tensor([v]))) == v.bit_length()
+
+
+class _Norm(nn.Module):
+    def __init__(self, op: nn.Module) -> None:
+        super().__init__()
+        self.quant = fxq.QuantStub()
+        self.op = op
+        if getattr(op, "weight", None) is not None:
+            with torch.no_grad():
+                op.weight.uniform_(0.5, 1.5)
+                if op.bias is not None:
+                    op.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        return self.op(self.quant(x))
+
+
+NORM_CASES = [
+    ("layer_norm", lambda: nn.LayerNorm(64), (4, 10, 64)),
+    ("layer_norm_2d", lambda: nn.LayerNorm((4, 16)), (4, 10, 4, 16)),
+    ("layer_norm_no_affine", lambda: nn.LayerNorm(64, elementwise_affine=False), (4, 10, 64)),
+    ("layer_norm_no_bias", lambda: nn.LayerNorm(64, bias=False), (4, 10, 64)),
+    ("group_norm", lambda: nn.GroupNorm(4, 16), (4, 16, 6, 6)),
+    ("group_norm_no_affine", lambda: nn.GroupNorm(2, 8, affine=False), (4, 8, 5)),
+]
+#: SQNR (dB) of the converted op against the float op: int8 output on every march, int16
+#: output (int16 input too) on bayes
+NORM_SQNR = {("bayes", "int8"): 33.0, ("bayes", "int16"): 55.0, ("bayes-e", "int8"): 33.0}
+NORM_SQNR[("bernoulli2", "int8")] = 29.0  # power-of-two scales waste up to one bit
+
+
+@pytest.mark.parametrize(("name", "make", "shape"), NORM_CASES, ids=[c[0] for c in NORM_CASES])
+@pytest.mark.parametrize(
+    ("march", "width"), list(NORM_SQNR), ids=[f"{m}-{w}" for m, w in NORM_SQNR]
+)
+def test_normalization_converts_bit_exactly_and_close_to_float(name, make, shape, march, width):
+    fxq.set_march(march)
+    torch.manual_seed(0)
+    model = _Norm(make())
+    offset = torch.randn(shape[-1])
+    data = [(torch.randn(shape) * 2 + offset,) for _ in range(4)]
+    qat, integer = quantize_model(model, data, Q16 if width == "int16" else Q8)
+    x = data[0][0]
+    with torch.no_grad():
+        expected, got, reference = qat(x), dequantized(integer(x)), model(x)
+    assert torch.equal(expected, got)
+    assert sqnr(reference, got) >= NORM_SQNR[(march, width)], sqnr(reference, got)
