@@ -476,6 +476,14 @@ def _table() -> list[OpRow]:
             functions=(F.group_norm,),
             refine=_refine_norm_weights,
         ),
+        _compute(
+            "softmax",
+            "Softmax",
+            "softmax",
+            modules=(nn.Softmax, nn.LogSoftmax),
+            functions=(F.softmax, torch.softmax, F.log_softmax, torch.log_softmax),
+            methods=("softmax", "log_softmax"),
+        ),
         # -- resampling --------------------------------------------------------------------
         _compute(
             "interpolate",
@@ -569,13 +577,6 @@ def _table() -> list[OpRow]:
             refine=_refine_functional_weight,
         ),
         _float(
-            "softmax",
-            "no integer softmax yet",
-            modules=(nn.Softmax, nn.LogSoftmax),
-            functions=(F.softmax, torch.softmax, F.log_softmax),
-            methods=("softmax", "log_softmax"),
-        ),
-        _float(
             "multihead_attention",
             "no integer attention yet",
             modules=(nn.MultiheadAttention,),
@@ -619,6 +620,8 @@ _DOCS = {
     "layer_norm": "int64 mean and variance, rsqrt table, int16 (bayes) / int8 normalized values, "
     "int8 per-channel affine, requantized",
     "group_norm": "as layer_norm, over each group; per-channel affine",
+    "softmax": "subtract max, exp2 table, int32 sum, exact integer division (log-softmax: "
+    "log table), 16-bit intermediates",
 }
 for _d in (1, 2, 3):
     _DOCS[f"avg_pool{_d}d"] = "int32 sum, requantized by scale / (kernel size)"

@@ -143,6 +143,7 @@ EXAMPLES.update(
         "getitem": Example(call=lambda f, x, y: f(x, (slice(None), slice(0, 2)))),
         "layer_norm": Example(module=lambda c: c(8), call=_unary((8,))),
         "group_norm": Example(module=lambda c: c(2, 4), call=_unary(2)),
+        "softmax": Example(module=lambda c: c(dim=1), call=_unary(1)),
         "stochastic_depth": Example(
             module=lambda c: c(0.5, "row"), call=lambda f, x, y: f(x, 0.5, "row", False)
         ),

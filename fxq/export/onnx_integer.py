@@ -626,6 +626,85 @@ class IntegerWriter:
         tmp = self.requant(acc, r, a["dtype"], a["rounding"], None, None, self.fresh("normalized"))
         self.op("Reshape", [tmp, self.op("Shape", [x])], outs[0])
 
+    def op_softmax(self, node: Node, outs: list[str]) -> None:
+        a, p = node.attrs, node.params
+        rounding = a["rounding"]
+        axes = self.const([a["axis"]], np.int64)
+        x = self.cast(self.name(node.inputs[0]), "int64")
+        keep = None
+        zero = self.int_const(0)
+        if a["causal"]:
+            shape = self.graph.tensors[node.inputs[0]].shape
+            keep = self.const(np.tril(np.ones((shape[-2], shape[-1]), dtype=bool)), hint="causal")
+            x = self.op("Where", [keep, x, self.int_const(np.iinfo(np.int64).min // 4)])
+        u = self.op("Sub", [self.op("ReduceMax", [x, axes], keepdims=1), x])
+        if keep is not None:
+            u = self.op("Where", [keep, u, zero])
+        product = self.op("Mul", [u, self.int_const(a["exp_multiplier"])])
+        t = self.cast(
+            self.shift_round_double(product, self.int_const(a["exp_shift"]), rounding), "int64"
+        )
+        one = self.int_const(1 << a["exp_fraction_bits"])
+        k = self.op("Min", [self.op("Div", [t, one]), self.int_const(40)])
+        f = self.op("Mod", [t, one])
+        entry = self.op(
+            "Gather", [self.const(p["exp2_table"].astype(np.int64), hint="exp2"), f], axis=0
+        )
+        e = self.cast(self.shift_round_double(entry, k, rounding), "int64")
+        if keep is not None:
+            e = self.op("Where", [keep, e, zero])
+        total = self.op("ReduceSum", [e, axes], keepdims=1)
+        if a["log"]:
+            ti = a["log_index_bits"]
+            ex = self.op("Sub", [self.bit_length(total), self.int_const(ti)])
+            m = self.shift_round_wide(total, ex, rounding, node)
+            index = self.op("Sub", [m, self.int_const(1 << (ti - 1))])
+            lg = self.op(
+                "Gather", [self.const(p["log_table"].astype(np.int64), hint="log"), index], axis=0
+            )
+            lg = self.op(
+                "Add",
+                [
+                    lg,
+                    self.op(
+                        "Mul", [self.op("Add", [ex, self.int_const(ti)]), self.int_const(a["ln2"])]
+                    ),
+                ],
+            )
+            lg = self.op("Add", [lg, self.int_const(a["log_offset"])])
+            v = self.cast(
+                self.shift_round_double(
+                    self.op("Mul", [u, self.int_const(a["log_multiplier"])]),
+                    self.int_const(a["log_shift"]),
+                    rounding,
+                ),
+                "int64",
+            )
+            acc = self.op(
+                "Mul",
+                [self.op("Neg", [self.op("Add", [v, lg])]), self.int_const(a["out_multiplier"])],
+            )
+            y = self.shift_round_double(acc, self.int_const(a["out_shift"]), rounding)
+        else:
+            g = a["out_shift"]
+            num = self.op("Mul", [e, self.int_const(a["out_multiplier"] << max(-g, 0))])
+            den = self.op(
+                "Mul", [self.op("Max", [total, self.int_const(1)]), self.int_const(1 << max(g, 0))]
+            )
+            two = self.int_const(2)
+            y = self.op(
+                "Div",
+                [self.op("Add", [self.op("Mul", [num, two]), den]), self.op("Mul", [den, two])],
+            )
+            y = self.cast(y, "float64")
+        from .runtime import _RANGES
+
+        lo, hi = _RANGES[a["dtype"]]
+        y = self.op(
+            "Clip", [y, self.const(float(lo), np.float64), self.const(float(hi), np.float64)]
+        )
+        self.cast(y, a["dtype"], outs[0])
+
     # -- model ---------------------------------------------------------------------------------
     def value_info(self, ir_name: str) -> Any:
         t = self.graph.tensors[ir_name]

@@ -287,6 +287,16 @@ class QDQWriter(IntegerWriter):
         y = self.op("Reshape", [y, self.op("Shape", [x])])
         self.qdq(y, node.outputs[0], outs[0])
 
+    def op_softmax(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        x = self.name(node.inputs[0])
+        if a["causal"]:
+            shape = self.graph.tensors[node.inputs[0]].shape
+            keep = self.const(np.tril(np.ones((shape[-2], shape[-1]), dtype=bool)), hint="causal")
+            x = self.op("Where", [keep, x, self.const(np.float32(-np.inf))])
+        y = self.op("LogSoftmax" if a["log"] else "Softmax", [x], axis=a["axis"])
+        self.qdq(y, node.outputs[0], outs[0])
+
     def model(self) -> Any:
         self._sum_scales: dict[str, float] = {}
         wide = any(t.dtype == "int16" and t.scale is not None for t in self.graph.tensors.values())

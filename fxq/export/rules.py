@@ -26,6 +26,7 @@ from fxq.quantized import (
     matmul,
     normalization,
     pooling,
+    softmax,
     weighted,
 )
 from fxq.quantized import functional as qf
@@ -574,6 +575,42 @@ def _rule_normalization(ex: _Exporter, m: normalization._Normalization, args, kw
     )
 
 
+def softmax_attrs(plan: softmax.SoftmaxPlan, log: bool, axis: int, rounding: str, dtype: str):
+    """The attributes and parameters of a ``softmax`` IR node."""
+    attrs = {
+        "axis": axis,
+        "log": log,
+        "causal": False,
+        "exp_multiplier": plan.exp_multiplier,
+        "exp_shift": plan.exp_shift,
+        "exp_fraction_bits": qf.EXP_FRACTION_BITS,
+        "out_multiplier": plan.out_multiplier,
+        "out_shift": plan.out_shift,
+        "log_multiplier": plan.log_multiplier,
+        "log_shift": plan.log_shift,
+        "dtype": dtype,
+        "rounding": rounding,
+    }
+    params = {"exp2_table": _np(qf.exp2_table(), np.int64)}
+    if log:
+        attrs.update(
+            log_index_bits=qf.LOG_INDEX_BITS,
+            log_offset=-qf.EXP_ONE_BITS * qf.LN2_FIXED,
+            ln2=qf.LN2_FIXED,
+        )
+        params["log_table"] = _np(qf.log_table(), np.int64)
+    return attrs, params
+
+
+def _rule_softmax(ex: _Exporter, m: softmax.Softmax, args, kwargs, result) -> None:
+    x = args[0]
+    axis = softmax.softmax_dim(m.op, args[1:], kwargs, x.dim())
+    if axis == 0 and ex.batched.get(ex.name_of(x), False):
+        raise ex.error("softmax over the batch dimension is not exported")
+    attrs, params = softmax_attrs(m.plan(x), m.log, axis, _rounding(m), _dtype(result))
+    ex.emit("softmax", [ex.name_of(x)], [result], attrs, params)
+
+
 #: integer module class -> export rule ``(exporter, module, args, kwargs, result)``
 RULES: dict[type, Callable[..., None]] = {
     qstubs.Quantize: _rule_quantize,
@@ -595,6 +632,7 @@ RULES: dict[type, Callable[..., None]] = {
     interpolate.Interpolate: _rule_interpolate,
     normalization.LayerNorm: _rule_normalization,
     normalization.GroupNorm: _rule_normalization,
+    softmax.Softmax: _rule_softmax,
 }
 for _cls in (
     weighted.Conv1d,

@@ -486,6 +486,47 @@ def _k_normalize(node, inputs):
     return [y.reshape(x.shape)]
 
 
+def _k_softmax(node, inputs):
+    """(Log-)softmax along ``axis`` (``docs/arithmetic.md``, 15); ``causal`` keeps ``j <= i``
+    over the last two axes."""
+    a, p = node.attrs, node.params
+    axis, rounding = a["axis"], a["rounding"]
+    x = inputs[0].astype(np.int64)
+    keep = None
+    if a["causal"]:
+        rows, cols = x.shape[-2], x.shape[-1]
+        keep = np.tril(np.ones((rows, cols), dtype=bool))
+        x = np.where(keep, x, np.iinfo(np.int64).min // 4)
+    u = x.max(axis=axis, keepdims=True) - x
+    if keep is not None:
+        u = np.where(keep, u, 0)
+    t = shift_round(u * np.int64(a["exp_multiplier"]), a["exp_shift"], rounding)
+    bits = a["exp_fraction_bits"]
+    e = shift_round(
+        p["exp2_table"].astype(np.int64)[t & ((1 << bits) - 1)], np.minimum(t >> bits, 40), rounding
+    )
+    if keep is not None:
+        e = np.where(keep, e, 0)
+    total = e.sum(axis=axis, keepdims=True)
+    if a["log"]:
+        ti = a["log_index_bits"]
+        ex = _bit_length(total) - ti
+        m = shift_round(total, ex, rounding)
+        lg = (
+            p["log_table"].astype(np.int64)[m - (1 << (ti - 1))]
+            + (ex + ti) * a["ln2"]
+            + a["log_offset"]
+        )
+        v = shift_round(u * np.int64(a["log_multiplier"]), a["log_shift"], rounding)
+        y = shift_round(-(v + lg) * np.int64(a["out_multiplier"]), a["out_shift"], rounding)
+    else:
+        g = a["out_shift"]
+        num = e * (np.int64(a["out_multiplier"]) << max(-g, 0))
+        den = np.maximum(total, 1) << max(g, 0)
+        y = (2 * num + den) // (2 * den)
+    return [np.clip(y, *_RANGES[a["dtype"]]).astype(DTYPES[a["dtype"]])]
+
+
 #: op name -> kernel
 KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "quantize": _k_quantize,
@@ -509,4 +550,5 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "concat": _k_concat,
     "float": _k_float,
     "normalize": _k_normalize,
+    "softmax": _k_softmax,
 }

@@ -908,7 +908,7 @@ def exp2_table(device=None) -> Tensor:
     return torch.tensor(_exp2_table(), dtype=torch.int64, device=device)
 
 
-def softmax_exp(u: Tensor, multiplier: Tensor, shift: Tensor, rounding: Rounding) -> Tensor:
+def softmax_exp(u: Tensor, multiplier: int, shift: int, rounding: Rounding) -> Tensor:
     """``E = round(2**15 * exp(-u s_x))`` for integers ``u >= 0`` (the distance to the row max).
 
     ``t = shift_round(u * m, S)`` is ``u s_x / ln 2`` with ``P`` fraction bits

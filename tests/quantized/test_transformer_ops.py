@@ -178,3 +178,121 @@ def test_normalization_converts_bit_exactly_and_close_to_float(name, make, shape
         expected, got, reference = qat(x), dequantized(integer(x)), model(x)
     assert torch.equal(expected, got)
     assert sqnr(reference, got) >= NORM_SQNR[(march, width)], sqnr(reference, got)
+
+
+# -- softmax / log-softmax ---------------------------------------------------------------------------
+def ref_exp2_entry(f: int) -> int:
+    """``round(2**15 * 2**(-f / 2**P))`` with 50-digit decimals (no entry is near a tie)."""
+    from decimal import Decimal, localcontext
+
+    with localcontext() as ctx:
+        ctx.prec = 50
+        value = (
+            Decimal(2) ** 15 * (-(Decimal(f) / (1 << qf.EXP_FRACTION_BITS)) * Decimal(2).ln()).exp()
+        )
+        return int((value + Decimal("0.5")).to_integral_value(rounding="ROUND_FLOOR"))
+
+
+def ref_softmax_row(row: list[int], plan, lo: int, hi: int, log: bool) -> list[int]:
+    p = qf.EXP_FRACTION_BITS
+    mx = max(row)
+    us = [mx - x for x in row]
+    es = []
+    for u in us:
+        t = ref_shift_round(u * plan.exp_multiplier, plan.exp_shift)
+        es.append(ref_shift_round(ref_exp2_entry(t % (1 << p)), min(t >> p, 40)))
+    total = sum(es)
+    out = []
+    for u, e in zip(us, es):
+        if log:
+            ti = qf.LOG_INDEX_BITS
+            ex = total.bit_length() - ti
+            m = ref_shift_round(total, ex)
+            lg = qf._log_table()[m - (1 << (ti - 1))] + (ex + ti - qf.EXP_ONE_BITS) * qf.LN2_FIXED
+            v = ref_shift_round(u * plan.log_multiplier, plan.log_shift)
+            y = ref_shift_round(-(v + lg) * plan.out_multiplier, plan.out_shift)
+        else:
+            value = Fraction(e * plan.out_multiplier, total) / Fraction(2) ** plan.out_shift
+            y = round_half_up(value)
+        out.append(min(max(y, lo), hi))
+    return out
+
+
+def test_exp2_and_log_tables_are_the_exact_rounding():
+    assert qf.exp2_table().tolist() == [ref_exp2_entry(f) for f in range(1 << qf.EXP_FRACTION_BITS)]
+    ti, scale = qf.LOG_INDEX_BITS, 1 << qf.LOG_FRACTION_BITS
+    for m, entry in zip(range(1 << (ti - 1), (1 << ti) + 1), qf._log_table()):
+        assert abs(entry - math.log(m / (1 << ti)) * scale) <= 0.5 + 1e-9
+
+
+class _Plans(nn.Module):
+    """A bare integer module on a march, for ``softmax_plan``'s error messages."""
+
+    def __init__(self, march: str) -> None:
+        super().__init__()
+        from fxq.quantized.base import QuantizedModule
+
+        self.inner = QuantizedModule(fxq.March(march))
+
+
+@given(
+    length=st.sampled_from([1, 2, 5, 64, 197]),
+    bits=st.sampled_from([8, 16]),
+    out_bits=st.sampled_from([8, 16]),
+    s_x=st.floats(1e-4, 0.5),
+    log=st.booleans(),
+    march=st.sampled_from(["bayes", "bernoulli2"]),
+    seed=st.integers(0, 2**31),
+)
+@SETTINGS
+def test_integer_softmax_matches_the_fraction_reference(
+    length, bits, out_bits, s_x, log, march, seed
+):
+    from fxq.quantized.softmax import integer_softmax, softmax_plan
+
+    if march == "bernoulli2":  # int8 only
+        bits = out_bits = 8
+
+    g = torch.Generator().manual_seed(seed)
+    qmax = (1 << (bits - 1)) - 1
+    x = torch.randint(-qmax - 1, qmax + 1, (2, length), generator=g)
+    out_dtype = fxq.qint16 if out_bits == 16 else fxq.qint8
+    s_y = torch.tensor([(20.0 if log else 1.0) / out_dtype.qmax])
+    module = _Plans(march).inner
+    plan = softmax_plan(module, torch.tensor([s_x]), s_y, log)
+    got = integer_softmax(x, 1, plan, out_dtype, HALF_UP, log)
+    expected = [ref_softmax_row(r, plan, out_dtype.qmin, out_dtype.qmax, log) for r in x.tolist()]
+    assert got.tolist() == expected
+
+
+class _Softmax(nn.Module):
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.quant = fxq.QuantStub()
+        self.op = op
+
+    def forward(self, x):
+        return self.op(self.quant(x))
+
+
+#: SQNR (dB) of the converted (log-)softmax against float, int8 / int16 in and out
+SOFTMAX_SQNR = {
+    ("softmax", "int8"): 30.0,
+    ("softmax", "int16"): 50.0,
+    ("log_softmax", "int8"): 30.0,
+    ("log_softmax", "int16"): 60.0,
+}
+
+
+@pytest.mark.parametrize("dim", [-1, 1, 0])
+@pytest.mark.parametrize(("kind", "width"), list(SOFTMAX_SQNR), ids=lambda v: str(v))
+def test_softmax_converts_bit_exactly_and_close_to_float(bayes, kind, width, dim):
+    op = nn.Softmax(dim) if kind == "softmax" else nn.LogSoftmax(dim)
+    model = _Softmax(op)
+    data = [(torch.randn(6, 10, 32) * 3,) for _ in range(4)]
+    qat, integer = quantize_model(model, data, Q16 if width == "int16" else Q8)
+    x = data[0][0]
+    with torch.no_grad():
+        expected, got, reference = qat(x), dequantized(integer(x)), model(x)
+    assert torch.equal(expected, got)
+    assert sqnr(reference, got) >= SOFTMAX_SQNR[(kind, width)], sqnr(reference, got)
