@@ -3,9 +3,11 @@
 A layer class that overrides ``forward`` (timm's ``BatchNormAct2d`` and
 ``Linear``, ``Conv2dSame``...) is traced through, so the graph holds
 ``F.batch_norm(x, self.running_mean, ...)`` / ``F.conv2d(x, self.weight, ...)``
-/ ``F.linear(x, self.weight, self.bias)`` with ``get_attr`` parameters. Such
-calls are one ``nn.BatchNorm*d`` / ``nn.Conv*d`` / ``nn.Linear`` computing the
-same thing on the same tensors; ``modularize_functional_layers`` replaces each
+/ ``F.linear(x, self.weight, self.bias)`` with ``get_attr`` parameters, and
+Hugging Face's ``Conv1D`` (GPT-2) ``torch.addmm(self.bias, x, self.weight)``.
+Such calls are one ``nn.BatchNorm*d`` / ``nn.Conv*d`` / ``nn.Linear`` computing
+the same thing on the same tensors (for ``addmm``: a linear holding the
+transposed weight, a new parameter); ``modularize_functional_layers`` replaces each
 by that module, so that fusion, QAT and convert treat it as any other layer
 (conv + batch_norm functional patterns fuse like the modules).
 
@@ -98,6 +100,21 @@ def _linear(gm: GraphModule, node: Node) -> nn.Module | None:
     return _take(linear, weight=weight, bias=bias_t)
 
 
+def _addmm(gm: GraphModule, node: Node) -> nn.Module | None:
+    """``torch.addmm(bias, x, weight)`` (Hugging Face's ``Conv1D``): a linear with weight ``weight.T``."""
+    bias, weight = _tensor_attr(gm, _arg(node, 0, "input")), _tensor_attr(gm, _arg(node, 2, "mat2"))
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    if weight is None or bias is None or weight.dim() != 2 or bias.dim() != 1:
+        return None
+    if beta != 1 or alpha != 1 or bias.shape[0] != weight.shape[1]:
+        return None
+    linear = nn.Linear(weight.shape[0], weight.shape[1], device="meta")
+    transposed = weight.detach().t().contiguous()
+    if isinstance(weight, nn.Parameter):
+        transposed = nn.Parameter(transposed, requires_grad=weight.requires_grad)
+    return _take(linear, weight=transposed, bias=bias)
+
+
 def _batch_norm(gm: GraphModule, node: Node, modules: dict[str, nn.Module]) -> nn.Module | None:
     mean, var = (
         _tensor_attr(gm, _arg(node, 1, "running_mean")),
@@ -157,7 +174,12 @@ _BUILDERS: dict[Any, Callable[..., nn.Module | None]] = {
     **{fn: lambda gm, node, modules: _conv(gm, node) for fn in _CONVS},
     F.linear: lambda gm, node, modules: _linear(gm, node),
     F.batch_norm: _batch_norm,
+    torch.addmm: lambda gm, node, modules: _addmm(gm, node),
 }
+#: the argument that is the layer's input, where it is not the first
+_INPUT_ARGUMENT = {torch.addmm: (1, "mat1")}
+#: the new module's name, where it is not the function's
+_MODULE_NAME = {torch.addmm: "linear"}
 
 
 def modularize_functional_layers(
@@ -198,12 +220,14 @@ def modularize_functional_layers(
             continue
         params = [a for a in node.all_input_nodes if a.op == "get_attr"]
         owner = params[0].target.rpartition(".")[0] if params else ""
-        name = node.target.__name__
+        name = _MODULE_NAME.get(node.target, node.target.__name__)
         path = unique_name(gm, owner, name)
         gm.get_submodule(owner).add_module(path.rpartition(".")[2], module)
         modules[path] = module
+        index, keyword = _INPUT_ARGUMENT.get(node.target, (0, "input"))
+        source = node.args[index] if len(node.args) > index else node.kwargs[keyword]
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_module(path, (node.args[0] if node.args else node.kwargs["input"],))
+            new = gm.graph.call_module(path, (source,))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

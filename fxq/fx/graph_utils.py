@@ -83,7 +83,10 @@ def infer_tensor_nodes(
     Static rules cover the common cases (``x.size()``, ``x.shape[0] * 2``,
     annotated int arguments, ``concrete_args``). With ``example_inputs``
     (positional, or a dict of keyword inputs) the float graph is also run once
-    (in eval mode, without gradients) and the observed types win.
+    (in eval mode, without gradients) and the observed types win; there an
+    integer or bool tensor (token ids, index arithmetic, masks) counts as a
+    Python value, never quantized, unless a module returns it (a ``QuantStub``
+    on uint8 frames).
     """
     is_tensor: dict[Node, bool] = {}
     for node in gm.graph.nodes:
@@ -140,13 +143,13 @@ def _get_attr(gm: nn.Module, target: str) -> Any:
     return obj
 
 
-def _holds_tensor(value: Any) -> bool:
+def _holds_tensor(value: Any, floating_only: bool = False) -> bool:
     if isinstance(value, torch.Tensor):
-        return True
+        return value.is_floating_point() or not floating_only
     if isinstance(value, (list, tuple)):
-        return any(_holds_tensor(v) for v in value)
+        return any(_holds_tensor(v, floating_only) for v in value)
     if isinstance(value, dict):
-        return any(_holds_tensor(v) for v in value.values())
+        return any(_holds_tensor(v, floating_only) for v in value.values())
     return False
 
 
@@ -180,7 +183,9 @@ def _observed_tensor_nodes(
 
         def run_node(self, n: Node) -> Any:
             out = super().run_node(n)
-            seen[n] = _holds_tensor(out)
+            # integer and bool tensors (token ids, index arithmetic, masks) are never quantized,
+            # unless a module takes them in (a QuantStub on uint8 camera frames)
+            seen[n] = _holds_tensor(out, floating_only=n.op != "call_module")
             return out
 
     modes = {m: m.training for m in gm.modules()}

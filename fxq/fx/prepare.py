@@ -124,7 +124,11 @@ def prepare_qat_fx(
         )
     if isinstance(example_inputs, Mapping) and not isinstance(work, GraphModule):
         concrete_args = {**concrete_args_for(work, dict(example_inputs)), **(concrete_args or {})}
-    gm = work if isinstance(work, GraphModule) else symbolic_trace(work, concrete_args)
+    gm = (
+        work
+        if isinstance(work, GraphModule)
+        else symbolic_trace(work, concrete_args, example_inputs=example_inputs)
+    )
     modularize_functional_layers(  # a functional layer with a qconfig of None stays as it is
         gm, keep=lambda node: resolver.resolve(owner_path(node), node.target).qconfig is None
     )

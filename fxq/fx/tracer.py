@@ -36,7 +36,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
@@ -45,6 +45,11 @@ from torch import nn
 from torch.fx import GraphModule
 from torch.fx.proxy import TraceError
 
+from fxq.fx.example_values import NO_VALUE, ExampleValues, MetaProxy
+from fxq.fx.example_values import iterate as example_iterate
+from fxq.fx.example_values import keys as example_keys
+from fxq.fx.example_values import to_bool as example_to_bool
+from fxq.fx.signature import keyword_forward, traced_parameters
 from fxq.registry import registry_class
 
 __all__ = [
@@ -248,12 +253,50 @@ def _is_internal(filename: str) -> bool:
 
 
 class Tracer(torch.fx.Tracer):
-    """torch.fx tracer that honours ``@fxq.fx_wrap()`` and fxq's leaf modules."""
+    """torch.fx tracer that honours ``@fxq.fx_wrap()`` and fxq's leaf modules.
 
-    def __init__(self, extra_leaf_types: tuple[type, ...] = ()) -> None:
+    Buffers are graph values (``get_attr``); Python questions about traced
+    values (``bool``, ``len``, ``float``, ``x.dtype``) are answered from fake
+    values of the example inputs and from constants (``fxq.fx.example_values``).
+    """
+
+    proxy_buffer_attributes = True
+
+    def __init__(
+        self,
+        extra_leaf_types: tuple[type, ...] = (),
+        example_inputs: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         self.extra_leaf_types = extra_leaf_types + _torchvision_leaves()
         self.uses_root_methods = False
+        #: fake and constant values of the recorded nodes (``fxq.fx.example_values``)
+        self.example_values = ExampleValues(example_inputs or {})
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return MetaProxy(node, self)
+
+    def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest, **kw):
+        """As torch.fx, and compute the node's fake and constant values (``example_values``)."""
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
+        opaque = kind == "call_function" and (
+            target is call_wrapped_method or is_fx_wrapped(target)
+        )
+        self.example_values.record(proxy.node, self.root, opaque=opaque)
+        return proxy
+
+    def to_bool(self, obj: torch.fx.Proxy) -> bool:
+        """A condition on shapes or dtypes is decided with the example inputs' metadata."""
+        known = example_to_bool(obj)
+        return super().to_bool(obj) if known is None else known
+
+    def iter(self, obj: torch.fx.Proxy) -> Iterator[Any]:
+        found = example_iterate(obj)
+        return super().iter(obj) if found is None else found
+
+    def keys(self, obj: torch.fx.Proxy) -> Any:
+        found = example_keys(obj)
+        return super().keys(obj) if found is NO_VALUE else found
 
     def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
         """Record the user's source line of every node (``node.meta["fxq_source"]``)."""
@@ -279,6 +322,29 @@ class Tracer(torch.fx.Tracer):
         if isinstance(m, (QuantStub, DeQuantStub)):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def create_args_for_root(
+        self,
+        root_fn: Callable[..., Any],
+        is_module: bool,
+        concrete_args: dict[str, Any] | tuple[Any, ...] | None = None,
+    ) -> tuple[Any, list[Any]]:
+        """As torch.fx, but a decorated ``forward`` or one with ``**kwargs`` is traced by keyword.
+
+        See ``fxq.fx.signature``: the graph takes the inner function's named
+        arguments, and ``**kwargs`` holds only what ``concrete_args`` names.
+        """
+        if not isinstance(concrete_args, tuple):
+            generated = keyword_forward(root_fn, concrete_args, is_module)
+            if generated is not None:
+                root_fn = generated
+        fn, args = super().create_args_for_root(root_fn, is_module, concrete_args)
+
+        @functools.wraps(fn)
+        def returning_graph_values(*a: Any) -> Any:
+            return _graph_output(fn(*a))
+
+        return returning_graph_values, args
 
     def create_arg(self, a: Any) -> Any:
         if a is getattr(self, "root", None) and isinstance(a, nn.Module):
@@ -356,6 +422,64 @@ class Tracer(torch.fx.Tracer):
             f"  at {filename}:{lineno}, in {func}{module_note}:\n"
             f"      {line}\n{cause}{_package_note(filename)}"
         )
+
+
+#: leaves a graph can return besides proxies and tensors
+_OUTPUT_LEAVES = (
+    str,
+    int,
+    float,
+    bool,
+    complex,
+    type(None),
+    slice,
+    range,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+    torch.fx.Proxy,
+    torch.Tensor,
+)
+
+
+def _graph_output(out: Any) -> Any:
+    """``out`` as a graph can return it, or an error naming what it cannot hold.
+
+    A graph returns tensors, Python scalars and lists, tuples and dicts of
+    them (a dict subclass such as Hugging Face's ``ModelOutput`` becomes a
+    plain dict). An object built during tracing that holds traced values
+    (Hugging Face's ``DynamicCache`` when ``use_cache`` is on) cannot be
+    returned, and the ops that fill it would run on every call.
+
+    Raises:
+        FxqTraceError: naming each such object and how not to build it.
+    """
+    found: list[str] = []
+
+    def check(value: Any, path: str) -> None:
+        if isinstance(value, _OUTPUT_LEAVES):
+            return
+        if isinstance(value, dict):
+            for k, v in value.items():
+                check(v, f"{path}[{k!r}]")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                check(v, f"{path}[{i}]")
+        else:
+            found.append(f"output{path} ({type(value).__name__})")
+
+    check(out, "")
+    if found:
+        raise FxqTraceError(
+            f"fxq.symbolic_trace: the model returns {', '.join(found)}, which a graph cannot "
+            "return (it is not a tensor, a Python scalar or a list, tuple or dict of them). "
+            "Make concrete the argument that asks for it, e.g. for a Hugging Face cache "
+            "concrete_args={'use_cache': False} (or prepare_qat_fx(..., concrete_args=...)), "
+            "or trace a wrapper module that returns its tensors."
+        )
+    return out
 
 
 _WRAP_ADVICE = (
@@ -436,7 +560,11 @@ def _package_note(filename: str) -> str:
     return ""
 
 
-def symbolic_trace(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> GraphModule:
+def symbolic_trace(
+    model: nn.Module,
+    concrete_args: dict[str, Any] | None = None,
+    example_inputs: Sequence[Any] | Mapping[str, Any] | None = None,
+) -> GraphModule:
     """Trace ``model`` into a ``torch.fx.GraphModule``, honouring ``@fxq.fx_wrap()``.
 
     Like ``torch.fx.symbolic_trace`` the result shares submodules with
@@ -449,6 +577,12 @@ def symbolic_trace(model: nn.Module, concrete_args: dict[str, Any] | None = None
             branch for that value. The graph module takes the argument as
             before (calling it with another value fails its check) and its
             default becomes the traced value, so it may be left out.
+        example_inputs: optional example inputs (positional, or a dict by
+            argument name). Only their metadata is used (shapes, dtypes,
+            ranks; see ``fxq.fx.example_values``): Python conditions on it,
+            such as ``if mask.ndim == 2`` or ``torch.finfo(x.dtype)``, are
+            decided with the example's values, while conditions on tensor
+            data still fail with advice.
 
     Raises:
         FxqTraceError: when tracing fails, with the source line and advice
@@ -459,13 +593,29 @@ def symbolic_trace(model: nn.Module, concrete_args: dict[str, Any] | None = None
         raise TypeError(f"fxq.symbolic_trace expects an nn.Module, got {type(model).__name__}")
     if concrete_args is not None:
         _check_concrete_args(model, concrete_args)
-    tracer = Tracer()
+    tracer = Tracer(example_inputs=_inputs_by_name(model, example_inputs, concrete_args))
     graph = tracer.trace(model, concrete_args)
     _mark_concrete_placeholders(graph, model, concrete_args or {})
     gm = GraphModule(model, graph, type(model).__name__)
     if tracer.uses_root_methods:
         _attach_root_state(gm, model)
     return gm
+
+
+def _inputs_by_name(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Mapping[str, Any] | None,
+    concrete_args: dict[str, Any] | None,
+) -> dict[str, Any] | None:
+    """Example inputs keyed by the graph's argument names (None when not given)."""
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, Mapping):
+        return dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    names = [p.name for p in traced_parameters(type(model).forward, concrete_args)]
+    return dict(zip(names, example_inputs))
 
 
 def _check_concrete_args(model: nn.Module, concrete_args: dict[str, Any]) -> None:
@@ -496,11 +646,7 @@ def _mark_concrete_placeholders(
     torch.fx renames a concrete argument's placeholder (``mask_1``); the
     graph module keeps the argument's own name so keyword calls still work.
     """
-    params = [
-        p
-        for p in inspect.signature(model.forward).parameters.values()
-        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
+    params = traced_parameters(type(model).forward, concrete_args)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, param in zip(placeholders, params):
         if param.name not in concrete_args:
