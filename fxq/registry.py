@@ -237,6 +237,21 @@ def _refine_norm_weights(row: OpRow, node: Node | None, module: nn.Module | None
     return dataclasses.replace(row, refine=None)
 
 
+def _refine_sdpa(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    mask, dropout = _arg(node, 3, "attn_mask"), _arg(node, 4, "dropout_p", 0.0)
+    gqa = _arg(node, 7, "enable_gqa", False)
+    if mask is not None:
+        return row.as_float(
+            "scaled_dot_product_attention with an attn_mask tensor: prepare would quantize the "
+            "mask as an activation; integer attention takes is_causal=True or no mask"
+        )
+    if isinstance(dropout, Node) or dropout:
+        return row.as_float("scaled_dot_product_attention with dropout_p > 0 (random in any mode)")
+    if isinstance(gqa, Node) or gqa:
+        return row.as_float("scaled_dot_product_attention with enable_gqa=True")
+    return dataclasses.replace(row, refine=None)
+
+
 def _refine_functional_weight(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
     what = target_name(node.target) if node is not None else row.name
     return row.as_float(
@@ -484,6 +499,13 @@ def _table() -> list[OpRow]:
             functions=(F.softmax, torch.softmax, F.log_softmax, torch.log_softmax),
             methods=("softmax", "log_softmax"),
         ),
+        _compute(
+            "scaled_dot_product_attention",
+            "ScaledDotProductAttention",
+            "attention",
+            functions=(F.scaled_dot_product_attention,),
+            refine=_refine_sdpa,
+        ),
         # -- resampling --------------------------------------------------------------------
         _compute(
             "interpolate",
@@ -578,9 +600,8 @@ def _table() -> list[OpRow]:
         ),
         _float(
             "multihead_attention",
-            "no integer attention yet",
+            "no integer nn.MultiheadAttention yet",
             modules=(nn.MultiheadAttention,),
-            functions=(F.scaled_dot_product_attention,),
         ),
         _float(
             "div",
@@ -620,6 +641,9 @@ _DOCS = {
     "layer_norm": "int64 mean and variance, rsqrt table, int16 (bayes) / int8 normalized values, "
     "int8 per-channel affine, requantized",
     "group_norm": "as layer_norm, over each group; per-channel affine",
+    "scaled_dot_product_attention": "integer q @ k^T (scale in the multiplier), integer softmax "
+    "(is_causal leaves out j > i), integer probabilities @ v; int16 scores and probabilities "
+    "(bayes)",
     "softmax": "subtract max, exp2 table, int32 sum, exact integer division (log-softmax: "
     "log table), 16-bit intermediates",
 }

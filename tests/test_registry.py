@@ -144,6 +144,10 @@ EXAMPLES.update(
         "layer_norm": Example(module=lambda c: c(8), call=_unary((8,))),
         "group_norm": Example(module=lambda c: c(2, 4), call=_unary(2)),
         "softmax": Example(module=lambda c: c(dim=1), call=_unary(1)),
+        "scaled_dot_product_attention": Example(
+            ((2, 2, 5, 8), (2, 2, 6, 8)),
+            call=lambda f, x, y: f(x, y, y) + f(x, x, x, is_causal=True, scale=0.5),
+        ),
         "stochastic_depth": Example(
             module=lambda c: c(0.5, "row"), call=lambda f, x, y: f(x, 0.5, "row", False)
         ),

@@ -200,6 +200,9 @@ class QDQWriter(IntegerWriter):
 
     def op_matmul(self, node: Node, outs: list[str]) -> None:
         y = self.op("MatMul", [self.name(i) for i in node.inputs])
+        factor = node.attrs.get("factor", 1.0)
+        if factor != 1.0:  # attention's scale, folded into the integer multiplier
+            y = self.op("Mul", [y, self.const(np.float32(factor))])
         self.qdq(y, node.outputs[0], outs[0])
 
     def op_clip(self, node: Node, outs: list[str]) -> None:

@@ -20,6 +20,7 @@ from fxq.march import Rounding
 from fxq.qtensor import QTensor
 from fxq.quantized import (
     activation,
+    attention,
     batchnorm,
     elementwise,
     interpolate,
@@ -611,6 +612,73 @@ def _rule_softmax(ex: _Exporter, m: softmax.Softmax, args, kwargs, result) -> No
     ex.emit("softmax", [ex.name_of(x)], [result], attrs, params)
 
 
+def _placeholder(shape, scale: Tensor, dtype) -> QTensor:
+    return QTensor(torch.zeros(tuple(shape), dtype=torch.float32), scale.reshape(1), dtype)
+
+
+def _emit_attention_core(ex, m, q, k, v, requants, soft, causal, result, inner, scale, suffix=""):
+    """IR nodes of ``attention.attention_core``: transpose, matmul, softmax, matmul."""
+    (m_s, k_s), (m_o, k_o) = requants
+    rank = k.dim()
+    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+    k_t = _placeholder([*k.shape[:-2], k.shape[-1], k.shape[-2]], k.scale, k.qdtype)
+    (kt_name,) = ex.emit(
+        "transpose", [ex.name_of(k)], [k_t], {"perm": perm}, suffix=f"{suffix}_key_t"
+    )
+    scores = _placeholder([*q.shape[:-1], k.shape[-2]], m.scores_scale, inner)
+    probs = _placeholder(scores.shape, m.probs_scale, inner)
+    (s_name,) = ex.emit(
+        "matmul",
+        [ex.name_of(q), kt_name],
+        [scores],
+        {
+            "multiplier": int(m_s.reshape(-1)[0]),
+            "shift": int(k_s.reshape(-1)[0]),
+            "factor": float(scale),
+            "dtype": _dtype(scores),
+            "rounding": _rounding(m),
+        },
+        suffix=f"{suffix}_scores",
+    )
+    attrs, params = softmax_attrs(soft, False, rank - 1, _rounding(m), _dtype(probs))
+    attrs["causal"] = bool(causal)
+    (p_name,) = ex.emit("softmax", [s_name], [probs], attrs, params, suffix=f"{suffix}_probs")
+    ex.emit(
+        "matmul",
+        [p_name, ex.name_of(v)],
+        [result],
+        {
+            "multiplier": int(m_o.reshape(-1)[0]),
+            "shift": int(k_o.reshape(-1)[0]),
+            "dtype": _dtype(result),
+            "rounding": _rounding(m),
+        },
+        suffix=suffix,
+    )
+    return probs
+
+
+def _rule_sdpa(ex: _Exporter, m: attention.ScaledDotProductAttention, args, kwargs, result):
+    q, k, v = args[:3]
+    options = attention.sdpa_arguments(args[3:], kwargs)
+    scale = options["scale"]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    m_s, k_s, soft, m_o, k_o = m.plan(q, k, v, scale)
+    _emit_attention_core(
+        ex,
+        m,
+        q,
+        k,
+        v,
+        ((m_s, k_s), (m_o, k_o)),
+        soft,
+        options["is_causal"],
+        result,
+        m.inner_dtype,
+        scale,
+    )
+
+
 #: integer module class -> export rule ``(exporter, module, args, kwargs, result)``
 RULES: dict[type, Callable[..., None]] = {
     qstubs.Quantize: _rule_quantize,
@@ -633,6 +701,7 @@ RULES: dict[type, Callable[..., None]] = {
     normalization.LayerNorm: _rule_normalization,
     normalization.GroupNorm: _rule_normalization,
     softmax.Softmax: _rule_softmax,
+    attention.ScaledDotProductAttention: _rule_sdpa,
 }
 for _cls in (
     weighted.Conv1d,

@@ -16,6 +16,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -296,3 +297,70 @@ def test_softmax_converts_bit_exactly_and_close_to_float(bayes, kind, width, dim
         expected, got, reference = qat(x), dequantized(integer(x)), model(x)
     assert torch.equal(expected, got)
     assert sqnr(reference, got) >= SOFTMAX_SQNR[(kind, width)], sqnr(reference, got)
+
+
+# -- attention -------------------------------------------------------------------------------------
+def ref_matmul_requant(a: list, b: list, m: int, s: int, lo: int, hi: int) -> list:
+    out = []
+    for row in a:
+        line = []
+        for j in range(len(b[0])):
+            acc = sum(x * b[k][j] for k, x in enumerate(row))
+            acc = min(max(acc, -(1 << 31)), (1 << 31) - 1)
+            line.append(min(max(ref_shift_round(acc * m, s), lo), hi))
+        out.append(line)
+    return out
+
+
+class _Attention(nn.Module):
+    def __init__(self, causal: bool, scale: float | None) -> None:
+        super().__init__()
+        self.causal, self.scale = causal, scale
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale)
+
+
+#: SQNR (dB) of the converted attention against float (int8 q, k, v and output)
+SDPA_SQNR = {"bayes": 30.0, "bayes-e": 24.0}
+
+
+@pytest.mark.parametrize("march", list(SDPA_SQNR))
+@pytest.mark.parametrize(("causal", "scale"), [(False, None), (True, None), (True, 0.2)])
+def test_attention_matches_the_integer_reference_and_float(march, causal, scale):
+    fxq.set_march(march)
+    model = _Attention(causal, scale)
+    data = [tuple(torch.randn(2, 2, 7, 16) for _ in range(3)) for _ in range(3)]
+    qat, integer = quantize_model(model, data)
+    x = data[0]
+    with torch.no_grad():
+        expected, got, reference = qat(*x), integer(*x), model(*x)
+    got = dequantized(got)
+    assert torch.equal(expected, got)
+    assert sqnr(reference, got) >= SDPA_SQNR[march], sqnr(reference, got)
+
+    # the integer reference, head by head: scores, softmax (causal: j <= i), output
+    module = next(m for m in integer.modules() if type(m).__name__ == "ScaledDotProductAttention")
+    qs = [
+        fxq.QTensor.quantize(t, fq.scale, fq.dtype, HALF_UP) for t, fq in zip(x, _input_quants(qat))
+    ]
+    m_s, k_s, soft, m_o, k_o = module.plan(*qs, scale or 1 / math.sqrt(16))
+    inner, out = module.inner_dtype, module.out_dtype
+    got_int = torch.round(got / module.output_scale).to(torch.int64)
+    for b in range(2):
+        for h in range(2):
+            q, k, v = (t.int_repr()[b, h].tolist() for t in qs)
+            kt = [list(col) for col in zip(*k)]
+            scores = ref_matmul_requant(q, kt, int(m_s), int(k_s), inner.qmin, inner.qmax)
+            probs = []
+            for i, row in enumerate(scores):
+                kept = row[: i + 1] if causal else row
+                p = ref_softmax_row(kept, soft, inner.qmin, inner.qmax, log=False)
+                probs.append(p + [0] * (len(row) - len(kept)))
+            y = ref_matmul_requant(probs, v, int(m_o), int(k_o), out.qmin, out.qmax)
+            assert got_int[b, h].tolist() == y
+
+
+def _input_quants(qat: nn.Module) -> list:
+    module = next(m for m in qat.modules() if type(m).__name__ == "ScaledDotProductAttention")
+    return list(module.input_quants)
