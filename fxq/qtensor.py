@@ -84,7 +84,9 @@ class QTensor:
                     f"QTensor of {qdtype.name} needs {qdtype.storage} storage, got {data.dtype}"
                 )
             self._int, self._float = data, None
-        scale = torch.as_tensor(scale, dtype=torch.float32, device=data.device).reshape(-1)
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=data.device)
+        if scale.dim() != 1:  # no op on a [1] / [C] scale (under torch.export it stays real)
+            scale = scale.reshape(-1)
         if scale.numel() != 1:
             if axis is None:
                 raise ValueError("a per-channel QTensor needs its channel axis")

@@ -12,6 +12,13 @@ Dtypes: integer modules keep the dtype of every buffer under ``.half()``,
 ``.to(torch.bfloat16)``, ``.double()`` and the like (``QuantizedModule._apply``),
 so a converted model computes the same integers whatever dtype it was
 "converted" to; device moves apply as usual.
+
+``torch.export``: an integer module derives multipliers, tables and its fast path
+from the *values* of its scales in Python, which a fake tensor does not have.
+While ``torch.export`` traces, a module therefore reads its buffers as the real
+tensors that export swapped out (``_Buffers`` remembers them), and builds its
+derived parameters outside the trace: the integer model is captured with its
+scales and integer parameters as constants of the exported program.
 """
 
 from __future__ import annotations
@@ -22,13 +29,16 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from fxq.dtypes import QDType, as_qdtype
 from fxq.march import March, spec_for
 from fxq.observer import keep_dtypes
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
+from fxq.quantized import native  # registers the custom ops exported programs call
 
 __all__ = [
     "QuantizedModule",
@@ -46,6 +56,32 @@ _T = TypeVar("_T")
 
 #: how many input scales a module keeps derived parameters for
 _CACHE_SIZE = 16
+
+
+class _Buffers(dict):
+    """A module's ``_buffers`` that remembers the real tensors a graph capture swaps out.
+
+    ``torch.export`` replaces every buffer with a fake tensor (no values) while it
+    traces and puts the real one back afterwards, both by item assignment. The real
+    tensors stay readable through ``real`` meanwhile (``QuantizedModule.__getattr__``).
+    """
+
+    __slots__ = ("real",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.real: dict[str, Tensor] = {}
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        old = self.get(name)
+        if type(value) is Tensor or not isinstance(value, Tensor):
+            self.real.pop(name, None)  # a real tensor (or None) comes (back)
+        elif type(old) is Tensor:
+            self.real[name] = old  # a fake / functional stand-in replaces the real tensor
+        super().__setitem__(name, value)
+
+    def __reduce__(self) -> tuple:
+        return (_Buffers, (dict(self),))
 
 
 class QuantizedModule(nn.Module):
@@ -67,8 +103,24 @@ class QuantizedModule(nn.Module):
 
     def __init__(self, march: March, name: str = "") -> None:
         super().__init__()
+        self.__dict__["_buffers"] = _Buffers()
         self.march = march
         self.name = name
+
+    def __getattr__(self, name: str) -> Any:
+        value = super().__getattr__(name)
+        if type(value) is Tensor or not isinstance(value, Tensor):
+            return value  # the eager path: one type check
+        buffers = self.__dict__["_buffers"]
+        if isinstance(buffers, _Buffers) and torch.compiler.is_exporting():
+            return buffers.real.get(name, value)  # the real tensor export swapped out
+        return value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_exporting() or _active(_FoldConstants):
+            return super().__call__(*args, **kwargs)
+        with _FoldConstants():
+            return super().__call__(*args, **kwargs)
 
     @property
     def spec(self):
@@ -112,6 +164,8 @@ class QuantizedModule(nn.Module):
         version counters of the module's buffers, so in-place edits of a buffer
         (``scale.fill_``) are seen.
         """
+        if torch.compiler.is_exporting():
+            return build()  # constants of the exported program (_FoldConstants), not cached
         cache: dict = self.__dict__.setdefault("_derived", {})
         full = (key, tuple(_version(b) for b in self._buffers.values() if b is not None))
         value = cache.get(full)
@@ -120,6 +174,33 @@ class QuantizedModule(nn.Module):
                 cache.pop(next(iter(cache)))
             value = cache[full] = build()
         return value
+
+
+class _FoldConstants(TorchFunctionMode):
+    """While ``torch.export`` traces an integer module: what does not depend on the traced
+    inputs runs at once on real tensors, and only the rest is recorded.
+
+    A torch call whose tensor arguments are all real (scales, window counts, lookup
+    tables, multipliers: the module's buffers and what is computed from them) runs
+    eagerly, outside the trace, so Python may read its values (``float(x.scale)``,
+    ``torch.equal``, cache keys). A call that touches a traced tensor is recorded; the
+    real tensors it reads become constants of the exported program.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if all(type(t) is Tensor for t in tree_leaves((args, kwargs)) if _traceable(t)):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _active(mode: type) -> bool:
+    return any(isinstance(m, mode) for m in _get_current_function_mode_stack())
+
+
+def _traceable(value: Any) -> bool:
+    return isinstance(value, (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _version(t: Tensor) -> int:
@@ -144,7 +225,9 @@ def check_input(
     Raises:
         TypeError: ``x`` is not a QTensor, or is wider than ``dtype``.
         ValueError: ``x`` has per-channel scales.
+        fxq.quantized.native.ExporterError: under ``torch.onnx.export``.
     """
+    native.refuse_onnx_export()
     if not isinstance(x, QTensor):
         raise TypeError(
             f"{_describe(module)} expects a QTensor as input {index}, got "
@@ -305,8 +388,8 @@ def warn_if_saturated(
             magnitudes) and what to do about it; a callable is only called when
             the warning is issued.
     """
-    if module.__dict__.get("_warned_saturation"):
-        return
+    if module.__dict__.get("_warned_saturation") or torch.compiler.is_compiling():
+        return  # a graph capture has no values to count
     hits = int((acc.abs() >= _INT32_LIMIT).sum())
     if hits:
         module.__dict__["_warned_saturation"] = True

@@ -7,6 +7,15 @@ system C compiler into ``~/.cache/fxq`` (or ``$FXQ_CACHE_DIR``) and computes
 exactly what ``fxq.quantized.functional.requantize_exact`` computes in torch
 (the tests compare both bit for bit). Without a compiler, or with
 ``FXQ_NATIVE=0``, fxq uses the torch path: same results, slower.
+
+Graph captures: the kernels are also the torch custom ops ``fxq::requantize``
+and ``fxq::requantize_add`` (``torch.library``, with fake implementations), so
+``torch.export`` and ``torch.compile`` record each requantization as one op
+instead of running opaque C code on fake tensors. The ops run the C kernel where
+it is loaded and otherwise the same computation in torch; an exported program
+that contains them needs ``import fxq`` to run (or to ``torch.export.load``).
+``torch.jit.trace`` records the torch path; ``torch.onnx.export`` raises
+``ExporterError`` (see ``refuse_onnx_export``).
 """
 
 from __future__ import annotations
@@ -23,11 +32,12 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["available", "requantize", "requantize_add"]
+__all__ = ["available", "requantize", "requantize_add", "ExporterError", "refuse_onnx_export"]
 
 _SOURCE = Path(__file__).with_name("native_kernels.c")
 # -fno-math-errno / -fno-trapping-math let floor() vectorize; neither changes an
@@ -139,13 +149,15 @@ class ExporterError(RuntimeError):
     """torch's own ONNX exporter was asked to export an fxq integer model."""
 
 
-def _capturing(acc: Tensor) -> bool:
-    """Whether a graph capture is running, in which the C kernel (opaque to torch) must not run.
+def refuse_onnx_export() -> None:
+    """Raise ``ExporterError`` while ``torch.onnx.export`` (either exporter) traces.
 
-    ``torch.jit.trace``, ``torch.export`` and ``torch.compile`` then record the torch path
-    (identical results). ``torch.onnx.export`` raises ``ExporterError``: fxq's integer
-    arithmetic (``frexp`` / ``ldexp``, float64 rounding) has no faithful ONNX translation
-    there; ``fxq.export.to_onnx`` writes one that onnxruntime runs bit for bit.
+    fxq's integer arithmetic (float64 rounding, ``ldexp``, the custom ops) has no
+    faithful translation in torch's ONNX exporters; ``fxq.export.to_onnx`` writes
+    integer ONNX that onnxruntime runs bit for bit.
+
+    Raises:
+        ExporterError: pointing to ``fxq.export.to_onnx``.
     """
     if torch.onnx.is_in_onnx_export():
         raise ExporterError(
@@ -154,12 +166,22 @@ def _capturing(acc: Tensor) -> bool:
             "fxq.export.to_onnx(model, example_inputs, 'model.onnx'), which writes integer ONNX "
             "that onnxruntime runs bit for bit, or fxq.export.to_graph for fxq's integer graph"
         )
-    return (
-        torch.jit.is_tracing()
-        or torch.compiler.is_compiling()
-        or type(acc) is not Tensor  # fake / meta / subclass tensors: no data to read
-        or acc.device.type == "meta"
-    )
+
+
+def _capture() -> str | None:
+    """How a graph capture that is running wants the requantization, if one is running.
+
+    ``"op"``: ``torch.export`` / ``torch.compile`` record the custom op. ``"torch"``:
+    ``torch.jit.trace`` records the torch path (it cannot see into the C kernel), and
+    so do fake / meta tensors met outside a capture (no data to read).
+
+    Raises:
+        ExporterError: under ``torch.onnx.export``.
+    """
+    refuse_onnx_export()
+    if torch.compiler.is_compiling():
+        return "op"
+    return "torch" if torch.jit.is_tracing() else None
 
 
 def requantize(
@@ -171,20 +193,87 @@ def requantize(
     half_even: bool,
     out_dtype: torch.dtype,
 ) -> Tensor | None:
-    """One-pass ``clamp(round(acc * r), lo, hi)`` on the CPU, or None when not applicable.
+    """One-pass ``clamp(round(acc * r), lo, hi)``, or None when not applicable.
+
+    Eager CPU tensors run the C kernel; under ``torch.export`` / ``torch.compile`` the
+    result is the custom op ``fxq::requantize``; otherwise (no kernel, another device,
+    ``torch.jit.trace``) None, and the caller computes the same in torch.
 
     Args:
-        acc: float32 / float64 CPU tensor of exact integers.
+        acc: float32 / float64 tensor of exact integers.
         r: float64 per-channel (or single) factors ``m * 2**-shift``.
         channel_axis: the axis ``r`` runs along.
         out_dtype: int8 / int16 storage, or float32 for exact integers in float32.
+
+    Raises:
+        ExporterError: under ``torch.onnx.export``.
     """
     func = _FUNCS.get((acc.dtype, out_dtype))
-    if func is None or acc.device.type != "cpu" or r.device.type != "cpu" or _capturing(acc):
+    if func is None:
+        return None
+    capture = _capture()
+    if capture == "op":
+        return torch.ops.fxq.requantize(
+            acc, r, channel_axis, int(lo), int(hi), bool(half_even), out_dtype
+        )
+    if capture or not _eager_cpu(acc, r):
         return None
     lib = _library()
     if lib is None:
         return None
+    return _run_requantize(lib, func, acc, r, channel_axis, lo, hi, half_even, out_dtype)
+
+
+def requantize_add(
+    acc: Tensor,
+    residual: Tensor,
+    rr: Tensor,
+    r: Tensor,
+    channel_axis: int,
+    lo: int,
+    hi: int,
+    half_even: bool,
+) -> Tensor | None:
+    """One-pass requantization with a fused residual, as float32 exact integers, or None.
+
+    ``out = clamp(round(sat32(acc + round(residual * rr)) * r), lo, hi)``; the custom
+    op ``fxq::requantize_add`` under ``torch.export`` / ``torch.compile`` (as ``requantize``).
+
+    Raises:
+        ExporterError: under ``torch.onnx.export``.
+    """
+    func = _ADD_FUNCS.get(acc.dtype)
+    if func is None or residual.dtype is not torch.float32 or residual.shape != acc.shape:
+        return None
+    capture = _capture()
+    if capture == "op":
+        return torch.ops.fxq.requantize_add(
+            acc, residual, rr, r, channel_axis, int(lo), int(hi), bool(half_even)
+        )
+    if capture or not _eager_cpu(acc, residual, r, rr):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    return _run_requantize_add(lib, func, acc, residual, rr, r, channel_axis, lo, hi, half_even)
+
+
+def _eager_cpu(*tensors: Tensor) -> bool:
+    """Plain CPU tensors with data (not fake, meta or a subclass)."""
+    return all(type(t) is Tensor and t.device.type == "cpu" for t in tensors)
+
+
+def _run_requantize(
+    lib: ctypes.CDLL,
+    func: str,
+    acc: Tensor,
+    r: Tensor,
+    channel_axis: int | None,
+    lo: int,
+    hi: int,
+    half_even: bool,
+    out_dtype: torch.dtype,
+) -> Tensor:
     acc = acc.contiguous()
     r, (outer, channels, inner) = _layout(acc, r, channel_axis)
     out = torch.empty(acc.shape, dtype=out_dtype)
@@ -203,7 +292,9 @@ def requantize(
     return out
 
 
-def requantize_add(
+def _run_requantize_add(
+    lib: ctypes.CDLL,
+    func: str,
     acc: Tensor,
     residual: Tensor,
     rr: Tensor,
@@ -212,24 +303,7 @@ def requantize_add(
     lo: int,
     hi: int,
     half_even: bool,
-) -> Tensor | None:
-    """One-pass requantization with a fused residual, as float32 exact integers, or None.
-
-    ``out = clamp(round(sat32(acc + round(residual * rr)) * r), lo, hi)``.
-    """
-    func = _ADD_FUNCS.get(acc.dtype)
-    if (
-        func is None
-        or residual.dtype is not torch.float32
-        or residual.shape != acc.shape
-        or acc.device.type != "cpu"
-        or residual.device.type != "cpu"
-        or _capturing(acc)
-    ):
-        return None
-    lib = _library()
-    if lib is None:
-        return None
+) -> Tensor:
     acc, residual = acc.contiguous(), residual.contiguous()
     r, (outer, channels, inner) = _layout(acc, r, channel_axis)
     rr, _ = _layout(acc, rr, channel_axis)
@@ -267,3 +341,73 @@ def _layout(
     if r.numel() == 1:
         r = r.reshape(1).expand(channels).contiguous()
     return r, (outer, channels, inner)
+
+
+# -- the kernels as torch custom ops (graph captures) ----------------------------------------
+
+
+def _broadcast(r: Tensor, ndim: int, channel_axis: int | None) -> Tensor:
+    r = r.to(torch.float64)
+    if channel_axis is None or r.numel() == 1:
+        return r.reshape(())
+    shape = [1] * ndim
+    shape[channel_axis % ndim] = r.numel()
+    return r.reshape(shape)
+
+
+def _round(v: Tensor, half_even: bool) -> Tensor:
+    """The C kernel's rounding of exact float64 products: ``nearbyint`` or ``floor(v + 0.5)``."""
+    return v.round_() if half_even else v.add_(0.5).floor_()
+
+
+@torch.library.custom_op("fxq::requantize", mutates_args=())
+def _requantize_op(
+    acc: Tensor,
+    r: Tensor,
+    channel_axis: Optional[int],  # noqa: UP045 (torch.library reads the annotation)
+    lo: int,
+    hi: int,
+    half_even: bool,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """``requantize`` as one op: the C kernel on the CPU where loaded, else torch (same values)."""
+    func = _FUNCS.get((acc.dtype, out_dtype))
+    lib = _library() if func is not None and acc.device.type == "cpu" else None
+    if lib is not None:
+        return _run_requantize(lib, func, acc, r.cpu(), channel_axis, lo, hi, half_even, out_dtype)
+    v = _round(acc.to(torch.float64) * _broadcast(r, acc.dim(), channel_axis), half_even)
+    return v.clamp_(lo, hi).to(out_dtype).contiguous()
+
+
+@_requantize_op.register_fake
+def _(acc, r, channel_axis, lo, hi, half_even, out_dtype):
+    return torch.empty_like(acc, dtype=out_dtype, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("fxq::requantize_add", mutates_args=())
+def _requantize_add_op(
+    acc: Tensor,
+    residual: Tensor,
+    rr: Tensor,
+    r: Tensor,
+    channel_axis: int,
+    lo: int,
+    hi: int,
+    half_even: bool,
+) -> Tensor:
+    """``requantize_add`` as one op: the C kernel on the CPU where loaded, else torch."""
+    func = _ADD_FUNCS.get(acc.dtype)
+    lib = _library() if func is not None and acc.device.type == "cpu" else None
+    if lib is not None:
+        return _run_requantize_add(
+            lib, func, acc, residual, rr.cpu(), r.cpu(), channel_axis, lo, hi, half_even
+        )
+    term = _round(residual.to(torch.float64) * _broadcast(rr, acc.dim(), channel_axis), half_even)
+    total = (acc.to(torch.float64) + term).clamp_(-(1 << 31), (1 << 31) - 1)
+    v = _round(total * _broadcast(r, acc.dim(), channel_axis), half_even)
+    return v.clamp_(lo, hi).to(torch.float32).contiguous()
+
+
+@_requantize_add_op.register_fake
+def _(acc, residual, rr, r, channel_axis, lo, hi, half_even):
+    return torch.empty_like(acc, dtype=torch.float32, memory_format=torch.contiguous_format)

@@ -30,7 +30,11 @@ _ADAPTIVE_MODULES = {1: nn.AdaptiveAvgPool1d, 2: nn.AdaptiveAvgPool2d, 3: nn.Ada
 def _requant_by_count(
     module: FunctionalQuantized, sums: Tensor, counts: Tensor, x: QTensor
 ) -> QTensor:
-    """``clamp(shift_round(sums * M_d, S_d))`` with one multiplier per distinct count ``d``."""
+    """``clamp(shift_round(sums * M_d, S_d))`` with one multiplier per distinct count ``d``.
+
+    ``counts`` broadcasts against ``sums`` and depends on shapes only, never on the
+    input's values (under ``torch.export`` it is a constant; see ``fxq.quantized.base``).
+    """
     (s_x,) = module.scale_values(x)
     distinct, inverse = torch.unique(counts.to(torch.float64).cpu(), return_inverse=True)
     factors = module.derived(
@@ -124,14 +128,17 @@ class AvgPool(FunctionalQuantized):
             sums, counts = sums.squeeze(2), counts.squeeze(2)
         if unbatched:
             sums, counts = sums.squeeze(0), counts.squeeze(0)
-        return _requant_by_count(self, sums, counts.expand_as(sums), x)
+        return _requant_by_count(self, sums, counts, x)
 
 
-def window_sums_adaptive(x: Tensor, output_size: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+def window_sums_adaptive(
+    x: Tensor, output_size: tuple[int, ...], expand: bool = True
+) -> tuple[Tensor, Tensor]:
     """Exact window sums and counts of adaptive average pooling (float64).
 
     Window ``i`` of a dimension of size ``n`` pooled to ``o`` spans
-    ``[floor(i n / o), ceil((i + 1) n / o))``, as in torch.
+    ``[floor(i n / o), ceil((i + 1) n / o))``, as in torch. The counts have the
+    sums' shape, or (``expand=False``) a shape that broadcasts against it.
     """
     sums = x.to(torch.float64)
     counts = torch.ones((), dtype=torch.float64, device=x.device)
@@ -148,7 +155,7 @@ def window_sums_adaptive(x: Tensor, output_size: tuple[int, ...]) -> tuple[Tenso
         shape = [1] * x.dim()
         shape[axis] = o
         counts = counts * (ends - starts).to(torch.float64).reshape(shape)
-    return sums, counts.expand_as(sums)
+    return sums, counts.expand_as(sums) if expand else counts
 
 
 class AdaptiveAvgPool(FunctionalQuantized):
@@ -161,7 +168,7 @@ class AdaptiveAvgPool(FunctionalQuantized):
             size = args[0] if args else kwargs["output_size"]
         dims = _pool_dims(self, _ADAPTIVE, _ADAPTIVE_MODULES) or x.dim() - 2
         size = (size,) * dims if isinstance(size, int) or size is None else tuple(size)
-        sums, counts = window_sums_adaptive(x.values(), size)
+        sums, counts = window_sums_adaptive(x.values(), size, expand=False)
         return _requant_by_count(self, sums, counts, x)
 
 
@@ -179,7 +186,7 @@ class Mean(FunctionalQuantized):
         dims = _reduce_dims(x, kwargs.pop("axis", dim))
         count = math.prod(x.shape[d] for d in dims)
         sums = x.values().to(torch.float64).sum(dims, keepdim=keepdim)
-        return _requant_by_count(self, sums, torch.full_like(sums, float(count)), x)
+        return _requant_by_count(self, sums, torch.tensor(float(count), dtype=torch.float64), x)
 
 
 class Sum(FunctionalQuantized):
@@ -188,4 +195,4 @@ class Sum(FunctionalQuantized):
     def forward(self, x: QTensor, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> QTensor:
         dims = _reduce_dims(x, kwargs.pop("axis", dim))
         sums = x.values().to(torch.float64).sum(dims, keepdim=keepdim)
-        return _requant_by_count(self, sums, torch.ones_like(sums), x)
+        return _requant_by_count(self, sums, torch.ones((), dtype=torch.float64), x)
