@@ -79,40 +79,84 @@ def quantized_values(gm: GraphModule) -> list[QuantizedValue]:
 
 
 class _SuffixRunner(Interpreter):
-    """Runs a graph once keeping every value, then re-runs it from any node on."""
+    """Runs a graph once keeping every value, then re-runs only what one node affects.
+
+    ``run_from(node)`` runs ``node`` and the nodes that read its value, directly or
+    through others (in run order); every other node's value is the one of the base
+    run. When the base run overwrote a node's value in place after computing it
+    (``x.add_(y)`` on a value others read too), the cache does not hold what each
+    reader saw, and ``run_from`` runs the whole graph instead: each result equals a
+    full forward with the change.
+    """
 
     def __init__(self, gm: GraphModule) -> None:
         super().__init__(gm, garbage_collect_values=False)
         self.nodes = list(gm.graph.nodes)
         self.position = {n: i for i, n in enumerate(self.nodes)}
         self.base: dict[Node, Any] = {}
+        self.base_output: Any = None
+        self.overwritten = False
+        self._affected: dict[Node, list[Node]] = {}
+        self._versions: dict[Node, Any] | None = None
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         return call_function_bound(self.module, target, args, kwargs)
 
+    def run_node(self, n: Node) -> Any:
+        value = super().run_node(n)
+        if self._versions is not None:
+            self._versions[n] = _versions(value)
+        return value
+
     def run_base(self, *args: Any) -> Any:
-        self.env = {}
-        out = self.run(*args)
+        """Run the whole graph and keep every node's value."""
+        self._versions = {}
+        try:
+            self.base_output = self.run(*args)
+        finally:
+            versions, self._versions = self._versions, None
         self.base = dict(self.env)
-        return out
+        self.overwritten = any(v != _versions(self.base[n]) for n, v in versions.items())
+        return self.base_output
+
+    def affected(self, node: Node) -> list[Node]:
+        """``node`` and every node that reads its value, directly or not, in run order."""
+        if node not in self._affected:
+            found = {node}
+            for n in self.nodes[self.position[node] + 1 :]:
+                if any(i in found for i in n.all_input_nodes):
+                    found.add(n)
+            self._affected[node] = [n for n in self.nodes if n in found]
+        return self._affected[node]
 
     def run_from(self, node: Node | None, *args: Any) -> Any:
-        """The output when the nodes from ``node`` on run again (everything before reused)."""
-        if node is None:
+        """The output when ``node`` and what it affects run again (the rest reused)."""
+        if node is None or self.overwritten:
             return self.run(*args)
-        start = self.position[node]
+        nodes = self.affected(node)
         env = dict(self.base)
-        for n in self.nodes[start:]:
+        changed = set(nodes)
+        for n in nodes:
             for inp in n.all_input_nodes:
-                if self.position[inp] < start and env[inp] is self.base[inp]:
+                if inp not in changed and env[inp] is self.base[inp]:
                     env[inp] = _clone(self.base[inp])  # a later in-place op must not touch it
         self.env = env
-        for n in self.nodes[start:]:
+        for n in nodes:
             if n.op == "output":
                 args_, _ = self.fetch_args_kwargs_from_env(n)
                 return args_[0]
             env[n] = self.run_node(n)
-        raise RuntimeError("the graph has no output node")
+        return self.base_output  # the value never reaches the output
+
+
+def _versions(value: Any) -> Any:
+    """The version counters of the tensors in ``value`` (in-place ops bump them; tensors
+    made under ``torch.inference_mode`` have none: an in-place op there goes unseen)."""
+    if isinstance(value, Tensor):
+        return None if value.is_inference() else value._version
+    if isinstance(value, (tuple, list)):
+        return tuple(_versions(v) for v in value)
+    return None
 
 
 def _clone(value: Any) -> Any:

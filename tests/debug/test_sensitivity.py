@@ -1,12 +1,18 @@
-"""sensitivity: the bad value ranked first, cached prefixes equal to full runs."""
+"""sensitivity: the bad value ranked first, every row equal to a full forward per value."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import fxq
 from fxq.debug import sensitivity
+from fxq.debug.compare import float_fake_quant
+from fxq.debug.sensitivity import quantized_values
 from fxq.fake_quantize import bypass
 from tests.debug.models import SharedConvNet, batches, calibrated, clip_output, float_chain
 from tests.debug.test_similarity import parse_html
@@ -100,3 +106,100 @@ def test_bad_arguments(clipped):
         sensitivity(model, prepared, data[0], mode="one")
     with pytest.raises(TypeError, match="prepare_qat_fx"):
         sensitivity(model, model, data[0])
+
+
+class BranchNet(nn.Module):
+    """A stem feeding two branches that meet again: a value in one branch leaves the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.left = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 1))
+        self.right = nn.Sequential(nn.Conv2d(8, 8, 1), nn.ReLU())
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        both = torch.cat([self.left(x), self.right(x)], 1)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(both, 1), 1))
+
+
+class InPlaceNet(nn.Module):
+    """A value overwritten in place after another layer has read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        x = self.stem(x)
+        y = self.conv(x)
+        x.neg_()  # after conv has read x (an op left float: prepare keeps it in place)
+        return torch.cat([x, y], 1)
+
+
+@contextlib.contextmanager
+def only_this(fq, mode, dtype):
+    """``fq`` toggled against the baseline, as the docstring of ``sensitivity`` states it."""
+    saved = (fq.__dict__.get("bypassed"), fq.dtype, fq.scale.clone())
+    if dtype is not None:
+        with torch.no_grad():
+            fq.scale.mul_(fq.dtype.qmax / dtype.qmax)
+        fq.dtype = dtype
+    else:
+        fq.bypassed = mode == "float_one"
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            fq.__dict__.pop("bypassed", None)
+        else:
+            fq.bypassed = saved[0]
+        fq.dtype = saved[1]
+        with torch.no_grad():
+            fq.scale.copy_(saved[2])
+
+
+def brute_force(model, prepared, data, mode="quantize_one", dtype=None):
+    """The model-output SQNR of every value: one full forward of every batch per value."""
+    with torch.no_grad():
+        ref = torch.cat([model(x).flatten() for x in data])
+    fxq.set_fake_quantize(prepared, "validation")
+    baseline = bypass if mode == "quantize_one" and dtype is None else float_fake_quant
+    found = {}
+    for value in quantized_values(prepared):
+        if dtype is not None and value.kind == "weight":
+            continue
+        with torch.no_grad(), baseline(prepared), only_this(value.fake_quant, mode, dtype):
+            out = torch.cat([prepared(x).flatten() for x in data])
+        found[(value.name, value.kind)] = sqnr(ref, out)
+    return found
+
+
+def assert_as_brute_force(model, prepared, data, **kwargs):
+    rows = sensitivity(model, prepared, data, **kwargs)
+    expected = brute_force(model, prepared, data, **kwargs)
+    assert {(r["name"], r["kind"]) for r in rows} == set(expected)
+    for r in rows:
+        assert r["sqnr"] == pytest.approx(expected[(r["name"], r["kind"])], abs=1e-6), r
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["quantize_one", "float_one", "int16"])
+def test_every_row_equals_a_full_forward(clipped, mode):
+    model, prepared, data = clipped
+    kwargs = {"dtype": fxq.qint16} if mode == "int16" else {"mode": mode}
+    rows = assert_as_brute_force(model, prepared, data[:2], **kwargs)
+    assert len({r["sqnr"] for r in rows}) > len(rows) // 2  # the values do differ
+
+
+@pytest.mark.filterwarnings("ignore:.*no integer implementation")  # InPlaceNet's neg_
+@pytest.mark.parametrize("net", [BranchNet, InPlaceNet])
+def test_branches_and_in_place_ops_give_what_a_full_run_gives(bayes, net):
+    torch.manual_seed(0)
+    data = batches()
+    model = net().eval()
+    prepared = calibrated(model, data)
+    for mode in ("quantize_one", "float_one"):
+        assert_as_brute_force(model, prepared, data[:2], mode=mode)
