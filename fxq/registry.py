@@ -5,7 +5,7 @@ functions, ``Tensor`` method names), its qconfig key (``OpRow.name``: the
 aliases ``torch.add``, ``operator.add``, ``x.add(y)`` and ``x += y`` are one
 key), what kind of op it is (``Kind``), its QAT class and its integer class,
 the role it plays in fusions, how a ``QTensor`` runs it when it is a
-pass-through, and a slot for its export rule. Every pass reads this table:
+pass-through, and (``OpRow.export``) its export rule. Every pass reads this table:
 
 * ``prepare_qat_fx`` asks ``row_for(node)`` what to do with each node;
 * ``convert_fx`` lowers a QAT module to ``integer_class_for(type(qat))``;
@@ -118,8 +118,10 @@ class OpRow:
             arguments (an interpolation mode, clamp bounds) and returns the row
             that applies to this call (e.g. a FLOAT variant with a reason).
         reason: why a FLOAT row stays float (shown in warnings and summaries).
-        export: the export rule (filled by ``fxq.export``; None until then).
         doc: a one-line description.
+
+    ``export`` (a property) is the op's export rule, which ``fxq.export`` keeps
+    (by integer class, and by row name for pass-through ops that compute on values).
     """
 
     name: str
@@ -133,7 +135,6 @@ class OpRow:
     qtensor: str | None = None
     refine: Callable[[OpRow, Node | None, nn.Module | None], OpRow] | None = None
     reason: str = ""
-    export: Any = None
     doc: str = ""
 
     def __post_init__(self) -> None:
@@ -152,6 +153,16 @@ class OpRow:
     def integer_class(self) -> type:
         """The fxq.quantized class (imported on first use)."""
         return _import(self.integer)
+
+    @property
+    def export(self) -> Callable[..., None] | None:
+        """How ``fxq.export.to_graph`` exports this op, or None where it has no rule.
+
+        Looked up in ``fxq.export`` on first use (``fxq.export.build.rule_for_row``),
+        which this module does not import: the rule of the integer class for a
+        quantized op, the value or movement rule for a pass-through op.
+        """
+        return _import(_EXPORT_RULE_FOR_ROW)(self)
 
     @property
     def targets(self) -> tuple[Any, ...]:
@@ -175,8 +186,12 @@ class OpRow:
         )
 
 
+#: where fxq.export keeps the export rules (a layer above this module)
+_EXPORT_RULE_FOR_ROW = "fxq.export.build.rule_for_row"
+
+
 @functools.cache
-def _import(path: str | None) -> type:
+def _import(path: str | None) -> Any:
     if path is None:
         raise KeyError("this op has no class of that kind")
     module, _, name = path.rpartition(".")

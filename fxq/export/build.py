@@ -47,7 +47,7 @@ from fxq.qtensor import QTensor
 from fxq.quantized.base import Standalone
 from fxq.registry import Kind
 
-__all__ = ["to_graph", "ExportError", "RULES", "VALUE_RULES", "FLOAT_RULES"]
+__all__ = ["to_graph", "ExportError", "RULES", "VALUE_RULES", "FLOAT_RULES", "rule_for_row"]
 
 
 class ExportError(RuntimeError):
@@ -217,17 +217,14 @@ class _Exporter(Interpreter):
                     f"registry row {row.name!r} ({row.kind.value}) on an integer tensor has no "
                     "export rule"
                 )
-            rule = value_rule(row.name)
-            if rule is not None:
-                rule(self, n, module, args, kwargs, result)
-            elif row.qtensor == "custom" and row.name not in MOVEMENT_CUSTOM_ROWS:
+            rule = rule_for_row(row)
+            if rule is None:
                 raise self.error(
                     f"pass-through row {row.name!r} has no export rule (add it to "
                     "fxq.export.moves.VALUE_RULES, or to MOVEMENT_CUSTOM_ROWS if it only moves "
                     "integers)"
                 )
-            else:
-                _movement(self, n, module, args, kwargs, result)
+            rule(self, n, module, args, kwargs, result)
             return
         if any(isinstance(v, Tensor) for v in leaves):
             target = type(module) if module is not None else n.target
@@ -247,6 +244,28 @@ class _Exporter(Interpreter):
                 )
             _float_op(self, fn, args, kwargs, result)
         # anything else computes Python values (shapes), which are baked into the graph
+
+
+def rule_for_row(row: registry.OpRow) -> Any:
+    """The export rule of a registry row (``OpRow.export`` reads it here), or None.
+
+    * a row with an integer class: ``RULES[row.integer_class]``, called as
+      ``rule(exporter, module, args, kwargs, result)``;
+    * a pass-through row: its ``VALUE_RULES`` entry, else the movement rule (a
+      ``"custom"`` row only when listed in ``MOVEMENT_CUSTOM_ROWS``), called as
+      ``rule(exporter, node, module, args, kwargs, result)``;
+    * any other row (float ops, shapes, rows refined per call): None.
+    """
+    if row.integer is not None:
+        return RULES.get(row.integer_class)
+    if row.kind is not Kind.PASSTHROUGH:
+        return None
+    rule = value_rule(row.name)
+    if rule is not None:
+        return rule
+    if row.qtensor == "custom" and row.name not in MOVEMENT_CUSTOM_ROWS:
+        return None
+    return _movement
 
 
 # -- entry point ---------------------------------------------------------------------------------
