@@ -7,15 +7,22 @@
   onnxruntime runs bit for bit like the integer model.
 
 Both equal ``quantized(*example_inputs)`` bit for bit.
+
+Without torch installed only ``load``, ``IntegerGraph`` and its runtime are here
+(``python -m fxq.export.run``): ``fxq.export.graph`` and ``fxq.export.runtime``
+import numpy and the standard library only.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
-from fxq.export.build import ExportError, to_graph
 from fxq.export.graph import IntegerGraph, Node, TensorInfo, load
+
+if importlib.util.find_spec("torch") is not None:
+    from fxq.export.build import ExportError, to_graph
 
 __all__ = ["to_graph", "to_onnx", "load", "IntegerGraph", "Node", "TensorInfo", "ExportError"]
 
