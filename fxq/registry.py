@@ -267,6 +267,28 @@ def _refine_sdpa(row: OpRow, node: Node | None, module: nn.Module | None) -> OpR
     return dataclasses.replace(row, refine=None)
 
 
+def _refine_mha(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    if module is not None:
+        unsupported = [
+            what
+            for what, bad in (
+                ("different kdim / vdim", not module._qkv_same_embed_dim),
+                ("bias_k / bias_v", module.bias_k is not None),
+                ("add_zero_attn", module.add_zero_attn),
+            )
+            if bad
+        ]
+        if unsupported:
+            return row.as_float(f"nn.MultiheadAttention with {', '.join(unsupported)}")
+    masks = [_arg(node, 3, "key_padding_mask"), _arg(node, 5, "attn_mask")]
+    if any(m is not None for m in masks):
+        return row.as_float(
+            "nn.MultiheadAttention with a key_padding_mask / attn_mask tensor: prepare would "
+            "quantize the mask as an activation; integer attention takes no mask"
+        )
+    return dataclasses.replace(row, refine=None)
+
+
 def _refine_functional_weight(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
     what = target_name(node.target) if node is not None else row.name
     return row.as_float(
@@ -521,6 +543,13 @@ def _table() -> list[OpRow]:
             functions=(F.scaled_dot_product_attention,),
             refine=_refine_sdpa,
         ),
+        _compute(
+            "multihead_attention",
+            "MultiheadAttention",
+            "attention",
+            modules=(nn.MultiheadAttention,),
+            refine=_refine_mha,
+        ),
         # -- resampling --------------------------------------------------------------------
         _compute(
             "interpolate",
@@ -614,11 +643,6 @@ def _table() -> list[OpRow]:
             refine=_refine_functional_weight,
         ),
         _float(
-            "multihead_attention",
-            "no integer nn.MultiheadAttention yet",
-            modules=(nn.MultiheadAttention,),
-        ),
-        _float(
             "div",
             "no integer division yet",
             functions=(operator.truediv, operator.itruediv, torch.div, torch.true_divide),
@@ -659,6 +683,9 @@ _DOCS = {
     "scaled_dot_product_attention": "integer q @ k^T (scale in the multiplier), integer softmax "
     "(is_causal leaves out j > i), integer probabilities @ v; int16 scores and probabilities "
     "(bayes)",
+    "multihead_attention": "int8 per-channel q / k / v and output projections with int32 biases, "
+    "integer attention per head as scaled_dot_product_attention; returns the integer "
+    "probabilities as weights",
     "softmax": "subtract max, exp2 table, int32 sum, exact integer division (log-softmax: "
     "log table), 16-bit intermediates",
 }

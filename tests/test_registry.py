@@ -62,6 +62,20 @@ def _first(*args: Any) -> Callable[..., Any]:
     return lambda f, x, y: f(x, *args)[0]
 
 
+class _SelfAttention(nn.Module):
+    """``mha(x, x, x)``: its output and its head-averaged weights (``need_weights``), summed
+    with a second call's output (``need_weights=False``) so the test compares one tensor."""
+
+    def __init__(self, mha: nn.MultiheadAttention) -> None:
+        super().__init__()
+        self.mha = mha
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, weights = self.mha(x, x, x)
+        plain, _ = self.mha(x, x, x, need_weights=False)
+        return torch.cat([out, plain, weights], -1)
+
+
 D1, D2, D3 = (2, 4, 8), (2, 4, 8, 8), (2, 4, 4, 6, 6)
 _BY_DIM = {1: D1, 2: D2, 3: D3}
 
@@ -144,6 +158,9 @@ EXAMPLES.update(
         "layer_norm": Example(module=lambda c: c(8), call=_unary((8,))),
         "group_norm": Example(module=lambda c: c(2, 4), call=_unary(2)),
         "softmax": Example(module=lambda c: c(dim=1), call=_unary(1)),
+        "multihead_attention": Example(
+            ((2, 5, 8),), module=lambda c: _SelfAttention(c(8, 2, batch_first=True))
+        ),
         "scaled_dot_product_attention": Example(
             ((2, 2, 5, 8), (2, 2, 6, 8)),
             call=lambda f, x, y: f(x, y, y) + f(x, x, x, is_causal=True, scale=0.5),

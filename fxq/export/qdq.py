@@ -17,8 +17,9 @@ class QDQWriter(IntegerWriter):
     """The QuantizeLinear / DequantizeLinear form (``mode="qdq"``, opset 21).
 
     Every tensor is float32. Each quantized tensor is ``DequantizeLinear(QuantizeLinear(v))``
-    at its scale (zero point 0, int8 / int16); weights are int8 initializers with a
-    per-channel ``DequantizeLinear`` (axis 0), biases int32 at ``s_x * s_w``; the ops between
+    at its scale (zero point 0, int8 / int16); conv weights are int8 initializers with a
+    per-channel ``DequantizeLinear`` (axis 0), linear weights float initializers holding
+    ``int8 * scale`` exactly (see ``op_linear``), biases int32 at ``s_x * s_w``; the ops between
     compute in float (Conv, MatMul, Add, Mul, Sigmoid, ...). This is what other
     accelerator compilers ingest; onnxruntime runs it with QuantizeLinear's rounding
     (half to even) and float arithmetic, so it differs from the integer model by a few
@@ -164,7 +165,12 @@ class QDQWriter(IntegerWriter):
         self._finish_float(node, y, d + 2, 1, outs[0])
 
     def op_linear(self, node: Node, outs: list[str]) -> None:
-        w = self.op("Transpose", [self.dq_weight(node)], perm=[1, 0])
+        # the weight as a float initializer holding exactly int8 * scale: onnxruntime 1.32 fuses
+        # a per-channel DequantizeLinear weight into its integer MatMul kernels wrongly (tens
+        # of LSB off, with either weight layout), so the MatMul gets no weight QDQ pair
+        p = node.params
+        wf = p["weight"].astype(np.float32) * p["weight_scale"].astype(np.float32)[:, None]
+        w = self.const(np.ascontiguousarray(wf.T), hint="weight")
         y = self.op("MatMul", [self.name(node.inputs[0]), w])
         bias = self.dq_bias(node)
         if bias:
@@ -297,7 +303,16 @@ class QDQWriter(IntegerWriter):
             shape = self.graph.tensors[node.inputs[0]].shape
             keep = self.const(np.tril(np.ones((shape[-2], shape[-1]), dtype=bool)), hint="causal")
             x = self.op("Where", [keep, x, self.const(np.float32(-np.inf))])
-        y = self.op("LogSoftmax" if a["log"] else "Softmax", [x], axis=a["axis"])
+        # written out (Exp, ReduceSum, Div) so that onnxruntime does not fuse the pair into its
+        # own 8-bit QLinearSoftmax, whose numerics differ from both
+        axes = self.const([a["axis"]], np.int64)
+        shifted = self.op("Sub", [x, self.op("ReduceMax", [x, axes], keepdims=1)])
+        exp = self.op("Exp", [shifted])
+        total = self.op("ReduceSum", [exp, axes], keepdims=1)
+        if a["log"]:
+            y = self.op("Sub", [shifted, self.op("Log", [total])])
+        else:
+            y = self.op("Div", [exp, total])
         self.qdq(y, node.outputs[0], outs[0])
 
     def model(self) -> Any:

@@ -679,6 +679,116 @@ def _rule_sdpa(ex: _Exporter, m: attention.ScaledDotProductAttention, args, kwar
     )
 
 
+def _emit_linear(ex, m, x, weight, weight_scale, bias, mult, shift, result, suffix: str) -> str:
+    params = {
+        "weight": _np(weight, np.int8),
+        "weight_scale": _np(weight_scale, np.float32).reshape(-1),
+        "multiplier": _np(mult, np.int32),
+        "shift": _np(shift, np.int32),
+    }
+    if bias is not None:
+        params["bias"] = _np(bias, np.int32)
+    attrs = {
+        "out_dtype": _dtype(result),
+        "rounding": _rounding(m),
+        "lo": None,
+        "hi": None,
+        "float_max": None,
+        "activation": None,
+    }
+    (name,) = ex.emit("linear", [ex.name_of(x)], [result], attrs, params, suffix=suffix)
+    return name
+
+
+def _rule_mha(ex: _Exporter, m: attention.MultiheadAttention, args, kwargs, result) -> None:
+    query, key, value = args[:3]
+    if not m.batch_first:
+        raise ex.error("nn.MultiheadAttention is exported with batch_first=True only")
+    plan = m.plan(query, key, value)
+    e, h = m.embed_dim, m.num_heads
+    heads = []
+    for x, name, (w, b, mult, shift) in zip((query, key, value), "qkv", plan["proj"]):
+        scale = getattr(m, f"{name}_scale")
+        proj = _placeholder(x.shape, scale, m.proj_dtype)
+        _emit_linear(ex, m, x, w, _part_scale(m, name), b, mult, shift, proj, f"_{name}_proj")
+        split = _placeholder([x.shape[0], x.shape[1], h, e // h], scale, m.proj_dtype)
+        ex.emit(
+            "reshape",
+            [ex.name_of(proj)],
+            [split],
+            {"shape": [0, x.shape[1], h, e // h]},
+            suffix=f"_{name}_split",
+        )
+        head = _placeholder([x.shape[0], h, x.shape[1], e // h], scale, m.proj_dtype)
+        ex.emit(
+            "transpose",
+            [ex.name_of(split)],
+            [head],
+            {"perm": [0, 2, 1, 3]},
+            suffix=f"_{name}_heads",
+        )
+        heads.append(head)
+    q, k, v = heads
+    ctx = _placeholder(q.shape, m.context_scale, m.proj_dtype)
+    probs = _emit_attention_core(
+        ex,
+        m,
+        q,
+        k,
+        v,
+        (plan["scores"], plan["context"]),
+        plan["softmax"],
+        False,
+        ctx,
+        m.inner_dtype,
+        1.0 / math.sqrt(e // h),
+        suffix="_attention",
+    )
+    merged_t = _placeholder([q.shape[0], q.shape[2], h, e // h], m.context_scale, m.proj_dtype)
+    ex.emit("transpose", [ex.name_of(ctx)], [merged_t], {"perm": [0, 2, 1, 3]}, suffix="_merge_t")
+    merged = _placeholder([q.shape[0], q.shape[2], e], m.context_scale, m.proj_dtype)
+    ex.emit(
+        "reshape", [ex.name_of(merged_t)], [merged], {"shape": [0, q.shape[2], e]}, suffix="_merge"
+    )
+    out, weights = result
+    w, b, mult, shift = plan["out"]
+    _emit_linear(ex, m, merged, w, m.out_weight_scale, b, mult, shift, out, "")
+    if weights is None:
+        return
+    source = ex.name_of(probs)
+    if weights.dim() == 3:  # the mean over heads: an exact sum, then s_p / (H s_y)
+        sums = torch.zeros((probs.shape[0], 1, *probs.shape[2:]), dtype=torch.int64)
+        (source,) = ex.emit(
+            "axis_matmul",
+            [source],
+            [sums],
+            {"axes": [1]},
+            {"matrix_0": np.ones((h, 1), np.int32)},
+            suffix="_weights_sum",
+        )
+        flat = torch.zeros(tuple(weights.shape), dtype=torch.int64)
+        (source,) = ex.emit(
+            "reshape", [source], [flat], {"shape": [0, *weights.shape[1:]]}, suffix="_weights_flat"
+        )
+        mult, shift = plan["weights_mean"]
+    else:
+        mult, shift = plan["weights"]
+    ex.emit(
+        "requantize",
+        [source],
+        [weights],
+        {"dtype": _dtype(weights), "rounding": _rounding(m), "lo": None, "hi": None},
+        {"multiplier": _np(mult, np.int64), "shift": _np(shift, np.int64)},
+        suffix="_weights",
+    )
+
+
+def _part_scale(m: attention.MultiheadAttention, name: str) -> Tensor:
+    e = m.embed_dim
+    i = "qkv".index(name)
+    return m.in_weight_scale[i * e : (i + 1) * e]
+
+
 #: integer module class -> export rule ``(exporter, module, args, kwargs, result)``
 RULES: dict[type, Callable[..., None]] = {
     qstubs.Quantize: _rule_quantize,
@@ -702,6 +812,7 @@ RULES: dict[type, Callable[..., None]] = {
     normalization.GroupNorm: _rule_normalization,
     softmax.Softmax: _rule_softmax,
     attention.ScaledDotProductAttention: _rule_sdpa,
+    attention.MultiheadAttention: _rule_mha,
 }
 for _cls in (
     weighted.Conv1d,

@@ -14,15 +14,17 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fxq.dtypes import QDType, qint16
-from fxq.fake_quantize import FakeQuantize
-from fxq.qat.base import FunctionalQAT
+from fxq.fake_quantize import FakeQuantize, FakeQuantState
+from fxq.qat.base import FunctionalQAT, quantize_bias
 from fxq.qconfig import QConfig
-from fxq.quantized.attention import causal_keep, sdpa_arguments
+from fxq.quantized import functional as qf
+from fxq.quantized.attention import causal_keep, mha_arguments, sdpa_arguments
 
-__all__ = ["ScaledDotProductAttention", "inner_dtype"]
+__all__ = ["ScaledDotProductAttention", "MultiheadAttention", "inner_dtype", "mha_arguments"]
 
 
 def inner_dtype(qat: FunctionalQAT) -> QDType:
@@ -63,3 +65,92 @@ class ScaledDotProductAttention(FunctionalQAT):
         scores = self.scores_quant(torch.matmul(q, k.transpose(-2, -1)) * scale)
         probs = self.probs_quant(attention_probs(scores, bool(options["is_causal"])))
         return self.quantize_output(torch.matmul(probs, v))
+
+
+class MultiheadAttention(FunctionalQAT):
+    """``nn.MultiheadAttention`` (one embedding size for q, k, v; no masks; no bias_k / bias_v /
+    zero attention) decomposed into quantized projections, matmuls and softmax.
+
+    Fake quants: ``in_proj_weight_fake_quant`` / ``out_proj_weight_fake_quant`` (int8 per
+    output channel), ``q_quant``, ``k_quant``, ``v_quant`` (projections), ``scores_quant``,
+    ``probs_quant`` (int16 where the march has int16), ``context_quant`` (merged heads),
+    ``activation_post_process`` (the output projection). Biases are fake-quantized to int32
+    at ``s_in * s_w``. Returned attention weights (``need_weights``) are requantized to the
+    output's scale and dtype: prepare gives each graph value one fake quant, and the
+    output tuple is one value.
+    """
+
+    def __init__(self, qconfig: QConfig, fn: Any = None, module: nn.Module | None = None) -> None:
+        super().__init__(qconfig, fn, module)
+        e = module.embed_dim
+        self.in_proj_weight_fake_quant = qconfig.weight(ch_axis=0, num_channels=3 * e)
+        self.out_proj_weight_fake_quant = qconfig.weight(ch_axis=0, num_channels=e)
+        for name in ("q_quant", "k_quant", "v_quant", "context_quant"):
+            setattr(self, name, qconfig.activation())
+        dtype = inner_dtype(self)
+        self.scores_quant = _inner_quant(qconfig, dtype)
+        self.probs_quant = _inner_quant(qconfig, dtype)
+
+    def _bias(self, bias: Tensor | None, input_scale: Tensor | None, weight_scale: Tensor):
+        if bias is None:
+            return None
+        return quantize_bias(bias, input_scale, weight_scale, self.state, self.march)
+
+    def validation_forward(self, *args: Any, **kwargs: Any):
+        from fxq.qat.base import _autocast_off, _exact_float_inputs
+        from fxq.qtensor import QTensor
+        from fxq.quantized.base import quantize_tensors
+
+        twin = self.integer_twin()
+        args, kwargs = _exact_float_inputs((args, kwargs), False)
+        quants = [q for q in self._input_quants if q is not None]
+        args, kwargs = quantize_tensors(
+            (args, kwargs), [q.scale for q in quants], [q.dtype for q in quants], self.spec.rounding
+        )
+        with torch.no_grad(), _autocast_off(self._device()):
+            out, weights = twin(*args, **kwargs)
+        return out.dequantize(), (weights.dequantize() if isinstance(weights, QTensor) else None)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any):
+        if self.validating():
+            return self.validation_forward(query, key, value, *args, **kwargs)
+        mha = self.op
+        options = mha_arguments(args, kwargs)
+        if mha.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        # [L, B, E] -> [B, H, L, d]
+        e, h = mha.embed_dim, mha.num_heads
+        w = self.in_proj_weight_fake_quant(mha.in_proj_weight)
+        s_w = self.in_proj_weight_fake_quant.scale
+        b = mha.in_proj_bias
+        heads = []
+        for i, (x, fq) in enumerate(
+            zip((query, key, value), (self.q_quant, self.k_quant, self.v_quant))
+        ):
+            part = slice(i * e, (i + 1) * e)
+            bias = self._bias(None if b is None else b[part], self.input_scale(i), s_w[part])
+            y = fq(F.linear(x, w[part], bias))
+            heads.append(y.reshape(y.shape[0], y.shape[1], h, e // h).permute(1, 2, 0, 3))
+        q, k, v = heads
+        scale = 1.0 / math.sqrt(e // h)
+        scores = self.scores_quant(torch.matmul(q, k.transpose(-2, -1)) * scale)
+        probs = self.probs_quant(attention_probs(scores, False))
+        dropped = F.dropout(probs, mha.dropout, self.training) if mha.dropout else probs
+        ctx = torch.matmul(dropped, v).permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], e)
+        ctx = self.context_quant(ctx)
+        wo = self.out_proj_weight_fake_quant(mha.out_proj.weight)
+        bo = self._bias(
+            mha.out_proj.bias, self.context_quant.scale, self.out_proj_weight_fake_quant.scale
+        )
+        out = self.quantize_output(F.linear(ctx, wo, bo))
+        if mha.batch_first:
+            out = out.transpose(0, 1)
+        weights = None
+        if options["need_weights"]:  # on the output's grid: one fake quant per graph value
+            weights = probs.mean(1) if options["average_attn_weights"] else probs
+            if self.state is not FakeQuantState.CALIBRATION:
+                fq = self.activation_post_process
+                weights = qf.fake_quantize(
+                    weights, fq.scale, fq.dtype.qmin, fq.dtype.qmax, self.spec.rounding
+                )[0]
+        return out, weights

@@ -14,17 +14,19 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fxq.dtypes import QDType, as_qdtype
+from fxq.dtypes import QDType, as_qdtype, qint8, qint32
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
-from fxq.quantized.base import QuantizedModule, multiplier_for
+from fxq.quantized.base import QuantizedModule, multiplier_for, require_finite
 from fxq.quantized.ops_base import FunctionalQuantized
 from fxq.quantized.softmax import SoftmaxPlan, integer_softmax, softmax_plan
 
 __all__ = [
     "ScaledDotProductAttention",
+    "MultiheadAttention",
     "sdpa_arguments",
     "integer_matmul",
     "causal_keep",
@@ -36,6 +38,21 @@ def sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
     names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     defaults = (None, 0.0, False, None, False)
     values = dict(zip(names, defaults))
+    values.update(zip(names, args))
+    values.update({k: v for k, v in kwargs.items() if k in values})
+    return values
+
+
+def mha_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of an ``nn.MultiheadAttention`` call after ``(query, key, value)``."""
+    names = (
+        "key_padding_mask",
+        "need_weights",
+        "attn_mask",
+        "average_attn_weights",
+        "is_causal",
+    )
+    values = dict(zip(names, (None, True, None, True, False)))
     values.update(zip(names, args))
     values.update({k: v for k, v in kwargs.items() if k in values})
     return values
@@ -146,3 +163,162 @@ def attention_core(
         out_dtype or module.out_dtype,
     )
     return out, probs
+
+
+def integer_linear(
+    module: QuantizedModule,
+    x: Tensor,
+    x_bits: int,
+    weight: Tensor,
+    bias: Tensor | None,
+    multiplier: Tensor,
+    shift: Tensor,
+    out_dtype: QDType,
+) -> Tensor:
+    """``sat(shift_round(sat32(x W^T + B) M[c], S[c]))`` per output channel; float32 integers."""
+    w_abs = int(weight.to(torch.int64).abs().sum(1).max())
+    b_abs = int(bias.abs().max()) if bias is not None else 0
+    plan = qf.plan_accumulation(x_bits, w_abs, b_abs)
+    acc = qf.accumulate(lambda a, w, b: F.linear(a, w, b), x, weight, bias, plan, channel_axis=-1)
+    acc = qf.saturate_int32(acc)
+    return qf.requantize_exact(
+        acc, multiplier, shift, out_dtype, module.rounding, channel_axis=-1, as_float=True
+    )
+
+
+class MultiheadAttention(FunctionalQuantized):
+    """Integer ``nn.MultiheadAttention``: integer q / k / v projections (int8 weights per
+    channel, int32 biases), per-head integer attention (``attention_core``), merged heads and
+    the integer output projection. Returns ``(output, weights)`` like the float module; the
+    weights are the integer probabilities (or their sum over heads) requantized to the
+    output's scale (by ``s_p / s_y``, or ``s_p / (H s_y)`` for the mean over heads).
+    """
+
+    def __init__(self, qat: nn.Module) -> None:
+        super().__init__(qat)
+        mha = qat.op
+        require_finite(
+            qat,
+            {
+                "in_proj_weight": mha.in_proj_weight,
+                "in_proj_bias": mha.in_proj_bias,
+                "out_proj.weight": mha.out_proj.weight,
+                "out_proj.bias": mha.out_proj.bias,
+            },
+        )
+        self.num_heads, self.embed_dim, self.batch_first = (
+            mha.num_heads,
+            mha.embed_dim,
+            mha.batch_first,
+        )
+        for prefix, w, b, fq in (
+            ("in", mha.in_proj_weight, mha.in_proj_bias, qat.in_proj_weight_fake_quant),
+            ("out", mha.out_proj.weight, mha.out_proj.bias, qat.out_proj_weight_fake_quant),
+        ):
+            s_w = fq.scale.detach().clone().reshape(-1)
+            self.register_buffer(
+                f"{prefix}_weight", qf.quantize(w.detach(), s_w, qint8, self.rounding, ch_axis=0)
+            )
+            self.register_buffer(f"{prefix}_weight_scale", s_w)
+            self.register_buffer(
+                f"{prefix}_float_bias", None if b is None else b.detach().double().clone()
+            )
+        for name in ("q", "k", "v", "scores", "probs", "context"):
+            fq = getattr(qat, f"{name}_quant")
+            self.register_buffer(f"{name}_scale", fq.scale.detach().clone().reshape(1))
+        self.proj_dtype_name = qat.q_quant.dtype.name
+        self.inner_dtype_name = qat.scores_quant.dtype.name
+
+    @property
+    def inner_dtype(self) -> QDType:
+        return as_qdtype(self.inner_dtype_name)
+
+    @property
+    def proj_dtype(self) -> QDType:
+        return as_qdtype(self.proj_dtype_name)
+
+    def _bias(self, prefix: str, part: slice, acc_scale: Tensor) -> Tensor | None:
+        b = getattr(self, f"{prefix}_float_bias")
+        if b is None:
+            return None
+        return qf.quantize(b[part], acc_scale, qint32, self.rounding, ch_axis=0).to(torch.int64)
+
+    def plan(self, query: QTensor, key: QTensor, value: QTensor) -> dict[str, Any]:
+        """Every integer constant for these input scales (cached per scale)."""
+        key_ = self.scale_values(query, key, value)
+        return self.derived(key_, lambda: self._derive([query.scale, key.scale, value.scale]))
+
+    def _derive(self, scales: list[Tensor]) -> dict[str, Any]:
+        e, h = self.embed_dim, self.num_heads
+        out: dict[str, Any] = {"proj": []}
+        for i, (s_in, name) in enumerate(zip(scales, "qkv")):
+            part = slice(i * e, (i + 1) * e)
+            acc_scale = s_in.double().reshape(1) * self.in_weight_scale[part].double()
+            s_p = getattr(self, f"{name}_scale").double()
+            m, s = multiplier_for(
+                self,
+                acc_scale / s_p,
+                {"input": s_in, "weight": self.in_weight_scale[part], name: s_p},
+            )
+            out["proj"].append((self.in_weight[part], self._bias("in", part, acc_scale), m, s))
+        s_q, s_k, s_v = (getattr(self, f"{n}_scale").double() for n in "qkv")
+        s_s, s_p, s_c = (
+            self.scores_scale.double(),
+            self.probs_scale.double(),
+            self.context_scale.double(),
+        )
+        out["scores"] = multiplier_for(
+            self, s_q * s_k / math.sqrt(e // h) / s_s, {"q": s_q, "k": s_k, "scores": s_s}
+        )
+        out["softmax"] = softmax_plan(self, self.scores_scale, self.probs_scale, log=False)
+        out["context"] = multiplier_for(
+            self, s_p * s_v / s_c, {"probabilities": s_p, "v": s_v, "context": s_c}
+        )
+        acc_scale = s_c * self.out_weight_scale.double()
+        s_y = self.output_scale.double()
+        m, s = multiplier_for(self, acc_scale / s_y, {"context": s_c, "output": s_y})
+        out["out"] = (self.out_weight, self._bias("out", slice(None), acc_scale), m, s)
+        roles = {"probabilities": s_p, "output": s_y}
+        out["weights"] = multiplier_for(self, s_p / s_y, roles)
+        out["weights_mean"] = multiplier_for(self, s_p / (h * s_y), roles)
+        return out
+
+    def forward(self, query: QTensor, key: QTensor, value: QTensor, *args: Any, **kwargs: Any):
+        options = mha_arguments(args, kwargs)
+        if query.dim() != 3:
+            raise ValueError(
+                f"MultiheadAttention {self.name!r}: integer attention takes batched (3-d) inputs"
+            )
+        plan = self.plan(query, key, value)
+        e, h = self.embed_dim, self.num_heads
+        heads = []
+        for x, name, (w, b, m, s) in zip((query, key, value), "qkv", plan["proj"]):
+            vals = x.values() if self.batch_first else x.values().transpose(0, 1)  # [B, L, E]
+            y = integer_linear(self, vals, x.qdtype.bits, w, b, m, s, self.proj_dtype)
+            y = y.reshape(y.shape[0], y.shape[1], h, e // h).transpose(1, 2)  # [B, H, L, d]
+            heads.append(QTensor(y, getattr(self, f"{name}_scale"), self.proj_dtype))
+        ctx, probs = attention_core(
+            self,
+            *heads,
+            plan["scores"],
+            plan["softmax"],
+            plan["context"],
+            self.inner_dtype,
+            False,
+            self.proj_dtype,
+        )
+        ctx = ctx.transpose(1, 2).reshape(ctx.shape[0], ctx.shape[2], e)  # [B, L, E]
+        w, b, m, s = plan["out"]
+        y = integer_linear(self, ctx, self.proj_dtype.bits, w, b, m, s, self.out_dtype)
+        if not self.batch_first:
+            y = y.transpose(0, 1)
+        weights = None
+        if options["need_weights"]:  # requantized to the output's grid (see the QAT module)
+            if options["average_attn_weights"]:
+                probs, (m, s) = probs.sum(1), plan["weights_mean"]
+            else:
+                m, s = plan["weights"]
+            weights = self.wrap(
+                qf.requantize_exact(probs, m, s, self.out_dtype, self.rounding, as_float=True)
+            )
+        return self.wrap(y), weights

@@ -364,3 +364,47 @@ def test_attention_matches_the_integer_reference_and_float(march, causal, scale)
 def _input_quants(qat: nn.Module) -> list:
     module = next(m for m in qat.modules() if type(m).__name__ == "ScaledDotProductAttention")
     return list(module.input_quants)
+
+
+class _MHA(nn.Module):
+    def __init__(self, batch_first: bool, need_weights: bool, average: bool) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=batch_first)
+        self.need_weights, self.average = need_weights, average
+
+    def forward(self, q, kv):
+        return self.mha(
+            q, kv, kv, need_weights=self.need_weights, average_attn_weights=self.average
+        )
+
+
+#: SQNR (dB) of the converted nn.MultiheadAttention against float: output, attention weights
+MHA_SQNR = {"bayes": (25.0, 25.0), "bayes-e": (20.0, 14.0)}
+
+
+@pytest.mark.parametrize("march", list(MHA_SQNR))
+@pytest.mark.parametrize(
+    ("batch_first", "need_weights", "average"),
+    [(True, False, True), (False, True, True), (True, True, False)],
+)
+def test_multihead_attention_converts_bit_exactly_and_close_to_float(
+    march, batch_first, need_weights, average
+):
+    fxq.set_march(march)
+    torch.manual_seed(0)
+    model = _MHA(batch_first, need_weights, average)
+    shape_q, shape_kv = ((2, 6, 32), (2, 9, 32)) if batch_first else ((6, 2, 32), (9, 2, 32))
+    data = [(torch.randn(shape_q), torch.randn(shape_kv)) for _ in range(3)]
+    qat, integer = quantize_model(model, data)
+    x = data[0]
+    with torch.no_grad():
+        expected, got, reference = qat(*x), integer(*x), model(*x)
+    got = [dequantized(v) for v in got]
+    assert torch.equal(expected[0], got[0])
+    assert sqnr(reference[0], got[0]) >= MHA_SQNR[march][0], sqnr(reference[0], got[0])
+    if not need_weights:
+        assert expected[1] is None and got[1] is None
+        return
+    assert torch.equal(expected[1], got[1])
+    assert got[1].shape == reference[1].shape
+    assert sqnr(reference[1], got[1]) >= MHA_SQNR[march][1], sqnr(reference[1], got[1])
