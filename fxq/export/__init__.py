@@ -21,10 +21,12 @@ from typing import Any
 
 from fxq.export.graph import IntegerGraph, Node, TensorInfo, load
 
+__all__ = ["load", "IntegerGraph", "Node", "TensorInfo"]
+
 if importlib.util.find_spec("torch") is not None:
     from fxq.export.build import ExportError, to_graph
 
-__all__ = ["to_graph", "to_onnx", "load", "IntegerGraph", "Node", "TensorInfo", "ExportError"]
+    __all__ += ["to_graph", "to_onnx", "ExportError"]
 
 
 def to_onnx(
