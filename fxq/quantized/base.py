@@ -13,12 +13,14 @@ Dtypes: integer modules keep the dtype of every buffer under ``.half()``,
 so a converted model computes the same integers whatever dtype it was
 "converted" to; device moves apply as usual.
 
-``torch.export``: an integer module derives multipliers, tables and its fast path
-from the *values* of its scales in Python, which a fake tensor does not have.
-While ``torch.export`` traces, a module therefore reads its buffers as the real
-tensors that export swapped out (``_Buffers`` remembers them), and builds its
-derived parameters outside the trace: the integer model is captured with its
-scales and integer parameters as constants of the exported program.
+``torch.export``: an integer module decides in Python from the *values* of its
+scales (the fast path, multipliers and tables derived per scale, window counts),
+which the fake tensors export traces with do not have. While ``torch.export``
+traces, a module therefore reads its buffers as the real tensors export swapped
+out (``_Buffers`` remembers them), and every torch call on real tensors only runs
+at once, outside the trace (``_FoldConstants``): the exported program computes
+from the input, with the module's parameters and everything derived from them
+as constants.
 """
 
 from __future__ import annotations
