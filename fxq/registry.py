@@ -289,6 +289,13 @@ def _refine_mha(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRo
     return dataclasses.replace(row, refine=None)
 
 
+def _refine_div(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    mode = _arg(node, 2, "rounding_mode")
+    if mode is not None:
+        return row.as_float(f"division with rounding_mode={mode!r} (an integer quotient)")
+    return dataclasses.replace(row, refine=None)
+
+
 def _refine_functional_weight(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
     what = target_name(node.target) if node is not None else row.name
     return row.as_float(
@@ -449,6 +456,14 @@ def _table() -> list[OpRow]:
             methods=("mul", "mul_"),
         ),
         _compute("cat", "Cat", "elementwise", functions=(torch.cat, torch.concat)),
+        _compute(
+            "div",
+            "Div",
+            "division",
+            functions=(operator.truediv, operator.itruediv, torch.div, torch.true_divide),
+            methods=("div", "div_", "true_divide"),
+            refine=_refine_div,
+        ),
         _compute(
             "matmul",
             "MatMul",
@@ -642,12 +657,6 @@ def _table() -> list[OpRow]:
             functions=(F.conv1d, F.conv2d, F.conv3d, F.linear),
             refine=_refine_functional_weight,
         ),
-        _float(
-            "div",
-            "no integer division yet",
-            functions=(operator.truediv, operator.itruediv, torch.div, torch.true_divide),
-            methods=("div", "div_", "true_divide"),
-        ),
         # -- Python values -------------------------------------------------------------------
         OpRow("getattr", Kind.NONTENSOR, functions=(getattr, len), doc="shapes and attributes"),
         OpRow("tensor_metadata", Kind.NONTENSOR, methods=tuple(sorted(NONTENSOR_METHODS))),
@@ -686,6 +695,8 @@ _DOCS = {
     "multihead_attention": "int8 per-channel q / k / v and output projections with int32 biases, "
     "integer attention per head as scaled_dot_product_attention; returns the integer "
     "probabilities as weights",
+    "div": "tensor / tensor and number / tensor: one exact integer division; tensor / number: "
+    "a multiplier",
     "softmax": "subtract max, exp2 table, int32 sum, exact integer division (log-softmax: "
     "log table), 16-bit intermediates",
 }

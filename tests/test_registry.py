@@ -58,6 +58,14 @@ def _binary(f: Callable, x: torch.Tensor, y: torch.Tensor, **v: Any) -> torch.Te
     return f(x.clone(), y)  # clone: in-place forms must not touch the model input
 
 
+def _divisions(f: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """tensor / tensor, tensor / number and (``/``) number / tensor; in-place forms: the first."""
+    if f is operator.itruediv or getattr(f, "__name__", "") == "div_":
+        return f(x.clone(), y)
+    out = f(x, y) + f(x, -4.0)
+    return out + f(2.0, y) if f is operator.truediv else out
+
+
 def _first(*args: Any) -> Callable[..., Any]:
     return lambda f, x, y: f(x, *args)[0]
 
@@ -107,6 +115,7 @@ EXAMPLES.update(
         "sub": Example((D2, D2), call=_binary),
         "mul": Example((D2, D2), call=_binary),
         "cat": Example((D2, D2), call=lambda f, x, y: f([x, y], 1)),
+        "div": Example((D2, D2), call=lambda f, x, y: _divisions(f, x, y * y + 0.5)),
         "matmul": Example(((2, 4, 8), (2, 8, 5)), call=_binary),
         "mean": Example(call=_unary(-1, keepdim=True)),
         "sum": Example(call=_unary(-1)),

@@ -705,6 +705,50 @@ class IntegerWriter:
         )
         self.cast(y, a["dtype"], outs[0])
 
+    def op_divide(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        from .runtime import _RANGES
+
+        lo, hi = _RANGES[a["dtype"]]
+        if a["numerator"] is None:
+            num = self.op(
+                "Mul",
+                [self.cast(self.name(node.inputs[0]), "int64"), self.int_const(a["multiplier"])],
+            )
+            den = self.cast(self.name(node.inputs[1]), "int64")
+        else:
+            num = self.int_const(a["numerator"])
+            den = self.cast(self.name(node.inputs[0]), "int64")
+        shift = a["shift"]
+        if shift < 0:
+            num = self.op("Mul", [num, self.int_const(1 << -shift)])
+        zero = self.int_const(0)
+        sign = self.op(
+            "Where", [self.op("Less", [den, zero]), self.int_const(-1), self.int_const(1)]
+        )
+        n = self.op("Mul", [num, sign])
+        d = self.op("Mul", [self.op("Abs", [den]), self.int_const(1 << max(shift, 0))])
+        is_zero = self.op("Equal", [d, zero])
+        safe = self.op("Where", [is_zero, self.int_const(1), d])
+        # floor((2n + d) / 2d) with a possibly negative numerator: Mod (divisor's sign) first
+        two = self.int_const(2)
+        top = self.op("Add", [self.op("Mul", [n, two]), safe])
+        bottom = self.op("Mul", [safe, two])
+        q = self.op("Div", [self.op("Sub", [top, self.op("Mod", [top, bottom])]), bottom])
+        saturated = self.op(
+            "Where",
+            [
+                self.op("Greater", [n, zero]),
+                self.int_const(hi),
+                self.op("Where", [self.op("Less", [n, zero]), self.int_const(lo), zero]),
+            ],
+        )
+        q = self.op(
+            "Clip",
+            [self.op("Where", [is_zero, saturated, q]), self.int_const(lo), self.int_const(hi)],
+        )
+        self.cast(q, a["dtype"], outs[0])
+
     # -- model ---------------------------------------------------------------------------------
     def value_info(self, ir_name: str) -> Any:
         t = self.graph.tensors[ir_name]

@@ -315,6 +315,14 @@ class QDQWriter(IntegerWriter):
             y = self.op("Div", [exp, total])
         self.qdq(y, node.outputs[0], outs[0])
 
+    def op_divide(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        if a["numerator"] is None:
+            xs = [self.name(i) for i in node.inputs]
+        else:
+            xs = [self.const(np.float32(a["scalar"])), self.name(node.inputs[0])]
+        self.qdq(self.op("Div", xs), node.outputs[0], outs[0])
+
     def model(self) -> Any:
         self._sum_scales: dict[str, float] = {}
         wide = any(t.dtype == "int16" and t.scale is not None for t in self.graph.tensors.values())

@@ -22,6 +22,7 @@ from fxq.quantized import (
     activation,
     attention,
     batchnorm,
+    division,
     elementwise,
     interpolate,
     matmul,
@@ -789,6 +790,23 @@ def _part_scale(m: attention.MultiheadAttention, name: str) -> Tensor:
     return m.in_weight_scale[i * e : (i + 1) * e]
 
 
+def _rule_div(ex: _Exporter, m: division.Div, args, kwargs, result) -> None:
+    a, b = division.divide_operands(args, kwargs)
+    form, mult, shift, sign = m.plan(a, b)
+    mult, shift = int(mult.reshape(-1)[0]), int(shift.reshape(-1)[0])
+    common = {"multiplier": mult, "shift": shift, "dtype": _dtype(result), "rounding": _rounding(m)}
+    if form == "divisor":  # a multiplication by s_a / (|c| s_y), negated for c < 0
+        ex.emit(
+            "mul", [ex.name_of(a)], [result], {**common, "sign": sign, "scalar": 1.0 / float(b)}
+        )
+        return
+    if form == "tensor":
+        ex.emit("divide", [ex.name_of(a), ex.name_of(b)], [result], {**common, "numerator": None})
+        return
+    attrs = {**common, "numerator": sign * mult, "scalar": float(a)}
+    ex.emit("divide", [ex.name_of(b)], [result], attrs)
+
+
 #: integer module class -> export rule ``(exporter, module, args, kwargs, result)``
 RULES: dict[type, Callable[..., None]] = {
     qstubs.Quantize: _rule_quantize,
@@ -813,6 +831,7 @@ RULES: dict[type, Callable[..., None]] = {
     softmax.Softmax: _rule_softmax,
     attention.ScaledDotProductAttention: _rule_sdpa,
     attention.MultiheadAttention: _rule_mha,
+    division.Div: _rule_div,
 }
 for _cls in (
     weighted.Conv1d,

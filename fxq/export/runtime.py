@@ -527,6 +527,27 @@ def _k_softmax(node, inputs):
     return [np.clip(y, *_RANGES[a["dtype"]]).astype(DTYPES[a["dtype"]])]
 
 
+def _k_divide(node, inputs):
+    """``sat(round(N / (B 2**S)))`` exactly (``docs/arithmetic.md``, 17): ``N = A m`` for two
+    inputs, the constant ``numerator`` for one; ``B = 0`` saturates by the sign of ``N``."""
+    a = node.attrs
+    lo, hi = _RANGES[a["dtype"]]
+    if a["numerator"] is None:
+        num, den = inputs[0].astype(np.int64) * np.int64(a["multiplier"]), inputs[1]
+    else:
+        num, den = np.int64(a["numerator"]), inputs[0]
+    num, den = np.broadcast_arrays(num, den.astype(np.int64))
+    shift = a["shift"]
+    if shift < 0:
+        num = num << -shift
+    sign = np.where(den < 0, -1, 1)
+    n, d = num * sign, np.abs(den) << max(shift, 0)
+    safe = np.where(d == 0, 1, d)
+    q = (2 * n + safe) // (2 * safe)
+    q = np.where(d == 0, np.where(n > 0, hi, np.where(n < 0, lo, 0)), q)
+    return [np.clip(q, lo, hi).astype(DTYPES[a["dtype"]])]
+
+
 #: op name -> kernel
 KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "quantize": _k_quantize,
@@ -551,4 +572,5 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "float": _k_float,
     "normalize": _k_normalize,
     "softmax": _k_softmax,
+    "divide": _k_divide,
 }

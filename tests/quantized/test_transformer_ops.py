@@ -498,3 +498,66 @@ def test_hand_written_block_is_fully_integer_bit_exact_and_close_to_float(bayes)
         expected, got, reference = qat(x), dequantized(integer(x)), model(x)
     assert torch.equal(expected, got)
     assert sqnr(reference, got) >= 40.0, sqnr(reference, got)
+
+
+# -- division ------------------------------------------------------------------------------------------
+@given(
+    bits=st.sampled_from([8, 16]),
+    m=st.integers(1, 32767),
+    shift=st.integers(-8, 31),
+    seed=st.integers(0, 2**31),
+)
+@SETTINGS
+def test_divide_exact_matches_the_fraction_reference(bits, m, shift, seed):
+    from fxq.quantized.division import divide_exact
+
+    g = torch.Generator().manual_seed(seed)
+    qmax = (1 << (bits - 1)) - 1
+    a = torch.randint(-qmax - 1, qmax + 1, (64,), generator=g)
+    b = torch.randint(-qmax - 1, qmax + 1, (64,), generator=g)
+    b[:4] = torch.tensor([0, 0, 1, -1])
+    a[:2] = torch.tensor([0, 5])
+    got = divide_exact(a * m, b, shift, -128, 127)
+    for x, y, z in zip(a.tolist(), b.tolist(), got.tolist()):
+        if y == 0:
+            expected = 0 if x == 0 else (127 if x > 0 else -128)
+        else:
+            expected = min(max(round_half_up(Fraction(x * m, y) / Fraction(2) ** shift), -128), 127)
+        assert z == expected
+
+
+#: SQNR (dB) of the converted division against float, int8 (the int8 denominator's own
+#: rounding dominates: 0.5 + y**2 at a scale of about 0.08) and int16 activations (bayes)
+DIV_SQNR = {"tensor": (18.0, 50.0), "divisor": (33.0, 64.0), "numerator": (18.0, 50.0)}
+
+
+class _Divide(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+
+    def forward(self, x, y):
+        y = y * y + 0.5  # a denominator away from 0
+        if self.form == "tensor":
+            return x / y
+        if self.form == "divisor":
+            return x / -3.0
+        return 2.0 / y
+
+
+@pytest.mark.parametrize(
+    ("march", "width"),
+    [("bayes", "int8"), ("bayes", "int16"), ("bayes-e", "int8"), ("bernoulli2", "int8")],
+)
+@pytest.mark.parametrize("form", list(DIV_SQNR))
+def test_division_converts_bit_exactly_and_close_to_float(march, width, form):
+    fxq.set_march(march)
+    model = _Divide(form)
+    data = [(torch.randn(4, 64), torch.randn(4, 64)) for _ in range(3)]
+    qat, integer = quantize_model(model, data, Q16 if width == "int16" else Q8)
+    x = data[0]
+    with torch.no_grad():
+        expected, got, reference = qat(*x), dequantized(integer(*x)), model(*x)
+    assert torch.equal(expected, got)
+    threshold = DIV_SQNR[form][width == "int16"] - (4.0 if march == "bernoulli2" else 0.0)
+    assert sqnr(reference, got) >= threshold, sqnr(reference, got)
