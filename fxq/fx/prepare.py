@@ -34,6 +34,7 @@ from torch.fx import GraphModule, Node
 
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, set_fake_quantize
 from fxq.fused import Fused
+from fxq.fx.foreign import adopt_graph_module
 from fxq.fx.functional_layers import modularize_functional_layers
 from fxq.fx.fuse import fuse_graph_module
 from fxq.fx.graph_utils import (
@@ -45,7 +46,6 @@ from fxq.fx.graph_utils import (
     unique_name,
 )
 from fxq.fx.tracer import (
-    concrete_args_for,
     is_fx_wrapped,
     is_opaque_call,
     symbolic_trace,
@@ -78,7 +78,11 @@ def prepare_qat_fx(
     """Turn a float model into a QAT model for the current march.
 
     Args:
-        model: the float model (not modified).
+        model: the float model (not modified): an ``nn.Module``, or a
+            ``torch.fx.GraphModule`` traced already, by ``fxq.symbolic_trace``
+            or by another FX tracer (``torch.fx.symbolic_trace`` with its own
+            ``concrete_args``, a ``torch.fx.Tracer`` subclass; see
+            ``fxq.fx.foreign``), which is then used as it is.
         qconfig_dict: see ``fxq.qconfig``; may be None when modules carry
             ``qconfig`` attributes (e.g. ``model.qconfig = ...``).
         example_inputs: optional inputs, positional (a sequence) or keyword
@@ -122,13 +126,10 @@ def prepare_qat_fx(
             "prepare_qat_fx: nothing to quantize. Pass a qconfig_dict, e.g. "
             "{'': fxq.qconfig.default_qat_8bit_fake_quant_qconfig}, or set model.qconfig"
         )
-    if isinstance(example_inputs, Mapping) and not isinstance(work, GraphModule):
-        concrete_args = {**concrete_args_for(work, dict(example_inputs)), **(concrete_args or {})}
-    gm = (
-        work
-        if isinstance(work, GraphModule)
-        else symbolic_trace(work, concrete_args, example_inputs=example_inputs)
-    )
+    if isinstance(work, GraphModule):  # traced already, by fxq or another FX tracer
+        gm = adopt_graph_module(work)
+    else:
+        gm = symbolic_trace(work, concrete_args, example_inputs=example_inputs)
     modularize_functional_layers(  # a functional layer with a qconfig of None stays as it is
         gm, keep=lambda node: resolver.resolve(owner_path(node), node.target).qconfig is None
     )
@@ -318,13 +319,21 @@ class _Preparer:
     def _quantize_inputs(self, node: Node, qconfig: QConfig) -> list[FakeQuantize]:
         """Fake quants of the node's tensor inputs, inserting stubs for float ones."""
         quants: list[FakeQuantize] = []
+        inserted: list[FakeQuantize] = []
         for inp in tensor_inputs(node, self.is_tensor):
             fq = self.fq_of.get(inp)
             if fq is None:
                 stub_node = self._border_quantizer(inp, node, qconfig)
                 node.replace_input_with(inp, stub_node)
                 fq = self.fq_of[stub_node]
+                inserted.append(fq)
             quants.append(fq)
+        for fq in inserted:
+            # a float value that was all zeros during calibration (BERT's additive attention
+            # mask on unpadded batches, made by a float op) takes the largest scale of the
+            # other inputs it meets, so later non-zero values are not crushed to the floor
+            others = tuple(q for q in quants if q is not fq and q not in fq.zero_range_inputs)
+            fq.zero_range_inputs = tuple(fq.zero_range_inputs) + others
         return quants
 
     def _border_quantizer(self, producer: Node, consumer: Node, qconfig: QConfig) -> Node:

@@ -578,7 +578,8 @@ def symbolic_trace(
             before (calling it with another value fails its check) and its
             default becomes the traced value, so it may be left out.
         example_inputs: optional example inputs (positional, or a dict by
-            argument name). Only their metadata is used (shapes, dtypes,
+            argument name; with a dict, the arguments it leaves out are traced
+            at their defaults, as with ``concrete_args``). Only their metadata is used (shapes, dtypes,
             ranks; see ``fxq.fx.example_values``): Python conditions on it,
             such as ``if mask.ndim == 2`` or ``torch.finfo(x.dtype)``, are
             decided with the example's values, while conditions on tensor
@@ -593,6 +594,8 @@ def symbolic_trace(
         raise TypeError(f"fxq.symbolic_trace expects an nn.Module, got {type(model).__name__}")
     if concrete_args is not None:
         _check_concrete_args(model, concrete_args)
+    if isinstance(example_inputs, Mapping):  # keyword inputs: the arguments not given are concrete
+        concrete_args = {**concrete_args_for(model, dict(example_inputs)), **(concrete_args or {})}
     tracer = Tracer(example_inputs=_inputs_by_name(model, example_inputs, concrete_args))
     graph = tracer.trace(model, concrete_args)
     _mark_concrete_placeholders(graph, model, concrete_args or {})

