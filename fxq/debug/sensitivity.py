@@ -245,11 +245,18 @@ def sensitivity(
     The quantized computation is the training-time float fake-quant arithmetic
     (``float_fake_quant``), which the integer model matches closely; it is fast.
 
-    Cost: one full forward of the baseline per batch, then for every value a
-    forward of the part of the graph from that value's layer to the output (the
-    values before it are cached): about ``1 + V/2`` forwards per batch for ``V``
-    quantized values, and the cached activations of one batch in memory. Pass a
-    list of batches to bound memory (e.g. 96 crops as 6 batches of 16).
+    Cost: per batch, one forward of the float model and one of the baseline
+    (every node's value is cached), then for every value a run of its layer and
+    of the nodes that read its output, directly or not (the rest comes from the
+    cache): on a chain about ``2 + V/2`` forwards per batch for ``V`` quantized
+    values, less where a value's branch leaves the others. The convolutions are
+    nearly all of it. Memory: the cached values of one batch; pass a list of
+    batches to bound it (e.g. 96 crops as 6 batches of 16). Measured with
+    ``benchmarks/sensitivity_speed.py`` (two threads): MobileNetV2, 108 values, on
+    one batch of 16 crops of 224 pixels: 25 s on an idle two-core machine (one float
+    forward of the batch: 0.47 s), so about 2.5 minutes for 96 crops in 6 batches
+    of 16 (the batches are independent); on a machine shared with other jobs the
+    wall time grows with the load (see ``docs/debugging.md``).
 
     Args:
         float_model: the float model (its outputs are the reference).
