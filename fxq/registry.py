@@ -457,6 +457,12 @@ def _table() -> list[OpRow]:
         ),
         _compute("cat", "Cat", "elementwise", functions=(torch.cat, torch.concat)),
         _compute(
+            "maximum", "Maximum", "elementwise", functions=(torch.maximum,), methods=("maximum",)
+        ),
+        _compute(
+            "minimum", "Minimum", "elementwise", functions=(torch.minimum,), methods=("minimum",)
+        ),
+        _compute(
             "div",
             "Div",
             "division",
@@ -526,6 +532,7 @@ def _table() -> list[OpRow]:
         _lut("elu", (nn.ELU,), (F.elu,)),
         _lut("softplus", (nn.Softplus,), (F.softplus,)),
         _lut("mish", (nn.Mish,), (F.mish,)),
+        _lut("abs", (), (torch.abs,), ("abs", "abs_")),
         # -- normalization ---------------------------------------------------------------
         _compute(
             "layer_norm",
@@ -677,6 +684,8 @@ _DOCS = {
     "sub": "as add, with the second multiplier negated",
     "mul": "int32 product at s_a * s_b, requantized",
     "cat": "every input requantized to the output scale",
+    "maximum": "both inputs requantized to the output scale, then the larger",
+    "minimum": "both inputs requantized to the output scale, then the smaller",
     "matmul": "exact integer accumulation, requantized",
     "mean": "int32 sum, requantized by scale / count",
     "sum": "int32 sum, requantized",
@@ -695,6 +704,8 @@ _DOCS = {
     "multihead_attention": "int8 per-channel q / k / v and output projections with int32 biases, "
     "integer attention per head as scaled_dot_product_attention; returns the integer "
     "probabilities as weights",
+    "abs": "|x| by lookup table (exact where the output scale is the input's; the int16 "
+    "segments have a knot at 0)",
     "div": "tensor / tensor and number / tensor: one exact integer division; tensor / number: "
     "a multiplier",
     "softmax": "subtract max, exp2 table, int32 sum, exact integer division (log-softmax: "

@@ -115,6 +115,8 @@ EXAMPLES.update(
         "sub": Example((D2, D2), call=_binary),
         "mul": Example((D2, D2), call=_binary),
         "cat": Example((D2, D2), call=lambda f, x, y: f([x, y], 1)),
+        "maximum": Example((D2, D2), call=lambda f, x, y: f(x, y * 2)),
+        "minimum": Example((D2, D2), call=lambda f, x, y: f(x, y * 2)),
         "div": Example((D2, D2), call=lambda f, x, y: _divisions(f, x, y * y + 0.5)),
         "matmul": Example(((2, 4, 8), (2, 8, 5)), call=_binary),
         "mean": Example(call=_unary(-1, keepdim=True)),
@@ -191,6 +193,7 @@ for _name in (
     "elu",
     "softplus",
     "mish",
+    "abs",
 ):
     EXAMPLES[_name] = Example(module=lambda c: c(), call=lambda f, x, y: f(x.clone()))
 

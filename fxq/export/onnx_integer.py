@@ -749,6 +749,11 @@ class IntegerWriter:
         )
         self.cast(q, a["dtype"], outs[0])
 
+    def op_extremum(self, node: Node, outs: list[str]) -> None:
+        op_type = "Max" if node.attrs["fn"] == "maximum" else "Min"
+        xs = [self.as_float(i) for i in node.inputs]
+        self.cast(self.op(op_type, xs), self.store(node.outputs[0]), outs[0])
+
     # -- model ---------------------------------------------------------------------------------
     def value_info(self, ir_name: str) -> Any:
         t = self.graph.tensors[ir_name]

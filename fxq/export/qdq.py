@@ -17,9 +17,8 @@ class QDQWriter(IntegerWriter):
     """The QuantizeLinear / DequantizeLinear form (``mode="qdq"``, opset 21).
 
     Every tensor is float32. Each quantized tensor is ``DequantizeLinear(QuantizeLinear(v))``
-    at its scale (zero point 0, int8 / int16); conv weights are int8 initializers with a
-    per-channel ``DequantizeLinear`` (axis 0), linear weights float initializers holding
-    ``int8 * scale`` exactly (see ``op_linear``), biases int32 at ``s_x * s_w``; the ops between
+    at its scale (zero point 0, int8 / int16); weights are float initializers holding
+    ``int8 * scale`` exactly (see ``dq_weight``), biases int32 at ``s_x * s_w``; the ops between
     compute in float (Conv, MatMul, Add, Mul, Sigmoid, ...). This is what other
     accelerator compilers ingest; onnxruntime runs it with QuantizeLinear's rounding
     (half to even) and float arithmetic, so it differs from the integer model by a few
@@ -58,20 +57,19 @@ class QDQWriter(IntegerWriter):
         return self.op("DequantizeLinear", [self.op("QuantizeLinear", [v, s, zp]), s, zp], out)
 
     def dq_weight(self, node: Node, transposed: bool = False) -> str:
+        """The weight as a float initializer holding ``int8 * scale`` exactly (what a
+        per-channel ``DequantizeLinear`` computes): onnxruntime 1.32 rewrites a per-channel
+        int8 weight pair into its own integer kernels wrongly (conv and linear came out
+        7 to 54 LSB off), so weights get no Q / DQ pair of their own."""
         p = node.params
         w, sw = p["weight"], p["weight_scale"].astype(np.float32)
-        if transposed:  # per-channel axis moves with the groups: a float initializer
+        wf = w.astype(np.float32) * sw.reshape(-1, *[1] * (w.ndim - 1))
+        if transposed:  # per-channel axis moves with the groups
             g = node.attrs["groups"]
             k = w.shape[2:]
-            wf = w.astype(np.float32) * sw.reshape(-1, *[1] * (w.ndim - 1))
             wt = wf.reshape(g, w.shape[0] // g, w.shape[1], *k).swapaxes(1, 2)
             return self.const(wt.reshape(g * w.shape[1], w.shape[0] // g, *k), hint="weight")
-        zp = self.const(np.zeros(sw.shape, np.int8), hint="zp")
-        return self.op(
-            "DequantizeLinear",
-            [self.const(w, hint="weight"), self.const(sw, hint="wscale"), zp],
-            axis=0,
-        )
+        return self.const(wf, hint="weight")
 
     def dq_bias(self, node: Node) -> str | None:
         p = node.params
@@ -165,12 +163,7 @@ class QDQWriter(IntegerWriter):
         self._finish_float(node, y, d + 2, 1, outs[0])
 
     def op_linear(self, node: Node, outs: list[str]) -> None:
-        # the weight as a float initializer holding exactly int8 * scale: onnxruntime 1.32 fuses
-        # a per-channel DequantizeLinear weight into its integer MatMul kernels wrongly (tens
-        # of LSB off, with either weight layout), so the MatMul gets no weight QDQ pair
-        p = node.params
-        wf = p["weight"].astype(np.float32) * p["weight_scale"].astype(np.float32)[:, None]
-        w = self.const(np.ascontiguousarray(wf.T), hint="weight")
+        w = self.op("Transpose", [self.dq_weight(node)], perm=[1, 0])
         y = self.op("MatMul", [self.name(node.inputs[0]), w])
         bias = self.dq_bias(node)
         if bias:
@@ -220,7 +213,13 @@ class QDQWriter(IntegerWriter):
         a = node.attrs
         fn, args = a.get("function"), a.get("function_args", {})
         c = lambda v: self.const(v, np.float32)  # noqa: E731
-        simple = {"sigmoid": "Sigmoid", "tanh": "Tanh", "exp": "Exp", "mish": "Mish"}
+        simple = {
+            "sigmoid": "Sigmoid",
+            "tanh": "Tanh",
+            "exp": "Exp",
+            "mish": "Mish",
+            "abs": "Abs",
+        }
         if fn in simple:
             return self.op(simple[fn], [x])
         if fn == "hardswish":
@@ -322,6 +321,10 @@ class QDQWriter(IntegerWriter):
         else:
             xs = [self.const(np.float32(a["scalar"])), self.name(node.inputs[0])]
         self.qdq(self.op("Div", xs), node.outputs[0], outs[0])
+
+    def op_extremum(self, node: Node, outs: list[str]) -> None:
+        op_type = "Max" if node.attrs["fn"] == "maximum" else "Min"
+        self.qdq(self.op(op_type, [self.name(i) for i in node.inputs]), node.outputs[0], outs[0])
 
     def model(self) -> Any:
         self._sum_scales: dict[str, float] = {}

@@ -807,6 +807,28 @@ def _rule_div(ex: _Exporter, m: division.Div, args, kwargs, result) -> None:
     ex.emit("divide", [ex.name_of(b)], [result], attrs)
 
 
+def _rule_extremum(ex: _Exporter, m: elementwise.Maximum, args, kwargs, result) -> None:
+    a = args[0] if args else kwargs["input"]
+    b = args[1] if len(args) > 1 else kwargs["other"]
+    names = []
+    for i, t in enumerate((a, b)):
+        if torch.equal(t.scale, m.output_scale.to(t.scale.device)) and t.qdtype is m.out_dtype:
+            names.append(ex.name_of(t))
+            continue
+        mult, s = m.rescale(t.scale)
+        tmp = _placeholder(t.shape, m.output_scale, m.out_dtype)
+        names += ex.emit(
+            "requantize",
+            [ex.name_of(t)],
+            [tmp],
+            {"dtype": _dtype(tmp), "rounding": _rounding(m), "lo": None, "hi": None},
+            {"multiplier": _np(mult, np.int64), "shift": _np(s, np.int64)},
+            suffix=f"_requant{i}",
+        )
+    fn = "minimum" if isinstance(m, elementwise.Minimum) else "maximum"
+    ex.emit("extremum", names, [result], {"fn": fn})
+
+
 #: integer module class -> export rule ``(exporter, module, args, kwargs, result)``
 RULES: dict[type, Callable[..., None]] = {
     qstubs.Quantize: _rule_quantize,
@@ -832,6 +854,8 @@ RULES: dict[type, Callable[..., None]] = {
     attention.ScaledDotProductAttention: _rule_sdpa,
     attention.MultiheadAttention: _rule_mha,
     division.Div: _rule_div,
+    elementwise.Maximum: _rule_extremum,
+    elementwise.Minimum: _rule_extremum,
 }
 for _cls in (
     weighted.Conv1d,

@@ -548,6 +548,12 @@ def _k_divide(node, inputs):
     return [np.clip(q, lo, hi).astype(DTYPES[a["dtype"]])]
 
 
+def _k_extremum(node, inputs):
+    """``maximum`` / ``minimum`` of inputs already at the output's scale."""
+    pick = np.maximum if node.attrs["fn"] == "maximum" else np.minimum
+    return [pick(inputs[0], inputs[1])]
+
+
 #: op name -> kernel
 KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "quantize": _k_quantize,
@@ -573,4 +579,5 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "normalize": _k_normalize,
     "softmax": _k_softmax,
     "divide": _k_divide,
+    "extremum": _k_extremum,
 }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fxq.qat.base import FunctionalQAT
 
-__all__ = ["Add", "Sub", "Mul", "Cat"]
+__all__ = ["Add", "Sub", "Mul", "Cat", "Maximum", "Minimum"]
 
 
 class Add(FunctionalQAT):
@@ -26,3 +26,11 @@ class Mul(FunctionalQAT):
 
 class Cat(FunctionalQAT):
     """``torch.cat(tensors, dim)``; every input is requantized to the output scale."""
+
+
+class Maximum(FunctionalQAT):
+    """``torch.maximum(a, b)``; both inputs are requantized to the output scale."""
+
+
+class Minimum(FunctionalQAT):
+    """``torch.minimum(a, b)``; both inputs are requantized to the output scale."""

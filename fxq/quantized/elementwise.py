@@ -22,7 +22,7 @@ from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
 from fxq.quantized.ops_base import FunctionalQuantized
 
-__all__ = ["Add", "Sub", "Mul", "Cat"]
+__all__ = ["Add", "Sub", "Mul", "Cat", "Maximum", "Minimum"]
 
 
 def _operands(args: tuple, kwargs: dict) -> tuple[Any, Any, float]:
@@ -141,3 +141,37 @@ class Cat(FunctionalQuantized):
     def _derive(self, s_x: Tensor) -> tuple[Tensor, Tensor]:
         s_y = self.output_scale
         return multiplier_for(self, qf.scale_ratio(s_x, s_y), {"input": s_x, "output": s_y})
+
+
+class Maximum(FunctionalQuantized):
+    """Integer ``torch.maximum``: both inputs requantized to the output scale, then the larger."""
+
+    _PICK = staticmethod(torch.maximum)
+
+    def forward(self, *args: Any, **kwargs: Any) -> QTensor:
+        a = args[0] if args else kwargs["input"]
+        b = args[1] if len(args) > 1 else kwargs["other"]
+        scales = self.scale_values(a, b)
+        values = []
+        for t, s in zip((a, b), scales):
+            if torch.equal(t.scale, self.output_scale.to(t.scale.device)) and (
+                t.qdtype is self.out_dtype
+            ):
+                values.append(t.values())
+                continue
+            m, n = self.derived((s,), lambda t=t: self.rescale(t.scale))
+            values.append(
+                qf.requantize_exact(t.values(), m, n, self.out_dtype, self.rounding, as_float=True)
+            )
+        return self.wrap(self._PICK(*values))
+
+    def rescale(self, s_x: Tensor) -> tuple[Tensor, Tensor]:
+        """Multiplier and shift of ``s_x / s_y``."""
+        s_y = self.output_scale
+        return multiplier_for(self, qf.scale_ratio(s_x, s_y), {"input": s_x, "output": s_y})
+
+
+class Minimum(Maximum):
+    """Integer ``torch.minimum``: both inputs requantized to the output scale, then the smaller."""
+
+    _PICK = staticmethod(torch.minimum)
