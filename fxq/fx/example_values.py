@@ -155,8 +155,15 @@ def _run(node: Node, root: nn.Module, args: tuple, kwargs: dict) -> Any:
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
-        if node.op == "call_module":
-            return root.get_submodule(node.target)(*args, **kwargs)
+        if node.op == "call_module":  # in eval mode: no running statistics or counters change
+            module = root.get_submodule(node.target)
+            modes = {m: m.training for m in module.modules()}
+            module.eval()
+            try:
+                return module(*args, **kwargs)
+            finally:
+                for m, mode in modes.items():
+                    m.training = mode
     except Exception:  # data-dependent, unsupported on fake tensors, ...: unknown
         return NO_VALUE
     return NO_VALUE

@@ -205,6 +205,14 @@ def test_conditions_on_tensor_data_still_fail_with_advice():
         fxq.symbolic_trace(DataDependent(), example_inputs=(torch.randn(2, 3),))
 
 
+def test_tracing_with_example_inputs_leaves_the_model_unchanged():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5)).train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    gm = fxq.symbolic_trace(model, example_inputs=(torch.randn(2, 3, 8, 8) * 5 + 3,))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert model.training and model[1].training and gm.training
+
+
 # -- GraphModules from other tracers ---------------------------------------------------------
 class _Net(nn.Module):
     def __init__(self) -> None:
