@@ -1,27 +1,36 @@
-"""Post-training quantization accuracy on pretrained models and real photos.
+"""Post-training quantization accuracy on pretrained models and real photos, against peers.
 
     python benchmarks/ptq_accuracy.py                     # MobileNetV2 and EfficientNet-Lite0
-    python benchmarks/ptq_accuracy.py --models mobilenet_v2 --calib 96 --eval 128
+    python benchmarks/ptq_accuracy.py --models mobilenet_v2 --calib 96 --eval 140
+    python benchmarks/ptq_accuracy.py --methods default best --peers nncf --markdown out.md
 
 For each model, in one process and on the same data (calibration and
 evaluation crops of the photographs shipped with scikit-image, with different
-seeds), it prints for torch.ao's x86 default PTQ, a weight-only int8
-reference, and fxq's observers (min_max, percentile, mse, kl, mix),
-``auto_calibrate`` and ``weight_reconstruction``:
+seeds), it measures
 
-* SQNR of the logits against the float model (dB),
-* top-1 agreement with the float model,
-* top-1 agreement on the photos where the float model is confident (p > 0.5),
-* calibration time.
+* peers (each skipped with a printed note when its package is missing; they
+  are in the ``bench`` extra): NNCF's ``nncf.quantize`` default, and NNCF with
+  every activation quantizer forced signed (fxq's marches have signed
+  activations only); torchao's PT2E ``X86InductorQuantizer`` (torch.ao's PT2E
+  when torchao is absent); torch.ao's FX x86 default; a weight-only int8
+  reference;
+* fxq: ``ptq`` (``default`` and ``best``), the observers alone
+  (``min_max``, the qconfig default, ``mean_min_max``, ``percentile``, ``mse``,
+  ``kl``, ``mix``), ``auto_calibrate``, ``percentile+learned_rounding``, and
+  int16 mixed precision (``mixed_int16``: ``mixed_precision`` with a 10% budget,
+  then ``ptq`` default; its time includes the sensitivity);
 
-fxq rows are measured on the converted integer model (bit-exact with the QAT
-model in VALIDATION state).
+and reports the SQNR of the logits against the float model (dB), top-1
+agreement with the float model, agreement where the float model is confident
+(p > 0.5), and the calibration time. fxq rows are measured on the converted
+integer model (bit-exact with the QAT model in VALIDATION state), march bayes.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import time
 import warnings
 from collections.abc import Callable
@@ -31,7 +40,13 @@ from tabulate import tabulate
 from torch import nn
 
 import fxq
-from fxq.calibration import auto_calibrate, calibrate, weight_reconstruction
+from fxq.calibration import (
+    auto_calibrate,
+    calibrate,
+    mixed_precision,
+    ptq,
+    weight_reconstruction,
+)
 from fxq.qconfig import get_default_qconfig
 from fxq.utils.sample_data import imagenet_normalize, photo_crops, pretrained_mobilenet_v2
 
@@ -70,6 +85,51 @@ def torch_ao_int8(model: nn.Module, calib: list[torch.Tensor]) -> nn.Module:
         return convert_fx(prepared)
 
 
+def pt2e_x86(model: nn.Module, calib: list[torch.Tensor]) -> nn.Module:
+    """PT2E with the X86Inductor quantizer's default config (torchao's, else torch.ao's)."""
+    if importlib.util.find_spec("torchao") is not None:
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+        from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
+    else:
+        from torch.ao.quantization.quantize_pt2e import convert_pt2e, prepare_pt2e
+        from torch.ao.quantization.quantizer import x86_inductor_quantizer as xiq
+    quantizer = xiq.X86InductorQuantizer().set_global(
+        xiq.get_default_x86_inductor_quantization_config()
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = torch.export.export(copy.deepcopy(model).eval(), (calib[0],)).module()
+        prepared = prepare_pt2e(exported, quantizer)
+        with torch.no_grad():
+            for batch in calib:
+                prepared(batch)
+        return convert_pt2e(prepared)
+
+
+def nncf_int8(model: nn.Module, calib: list[torch.Tensor], signed: bool) -> nn.Module:
+    """``nncf.quantize`` with its defaults; ``signed`` forces every activation quantizer signed."""
+    import nncf
+    from nncf.quantization.advanced_parameters import (
+        AdvancedQuantizationParameters,
+        QuantizationParameters,
+    )
+
+    advanced = None
+    if signed:
+        advanced = AdvancedQuantizationParameters(
+            activations_quantization_params=QuantizationParameters(signedness_to_force=True)
+        )
+    samples = sum(len(b) for b in calib)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return nncf.quantize(
+            copy.deepcopy(model).eval(),
+            nncf.Dataset(calib),
+            subset_size=samples,
+            advanced_parameters=advanced,
+        )
+
+
 def weight_only_int8(model: nn.Module) -> nn.Module:
     """Per-channel int8 weights (round half up), float activations: the reference ceiling."""
     out = copy.deepcopy(model)
@@ -82,18 +142,22 @@ def weight_only_int8(model: nn.Module) -> nn.Module:
     return out
 
 
+OBSERVER_METHODS = ("min_max", "mean_min_max", "percentile", "mse", "kl", "mix")
+
+
 def fxq_method(model: nn.Module, calib: list[torch.Tensor], method: str, iters: int) -> nn.Module:
     fxq.set_march("bayes")
-    observer = {
-        "min_max": "min_max",
-        "percentile": "percentile",
-        "mse": "mse",
-        "kl": "kl",
-        "mix": "mix",
-        "mean_min_max": "mean_min_max",
-    }.get(method.split("+")[0], "min_max")
-    prepared = fxq.prepare_qat_fx(model, {"": get_default_qconfig(activation_observer=observer)})
-    if method == "auto_calibrate":
+    base = method.split("+")[0]
+    observer = base if base in OBSERVER_METHODS else "min_max"
+    qconfig_dict = {"": get_default_qconfig(activation_observer=observer)}
+    if method == "mixed_int16":
+        prepared = ptq(fxq.prepare_qat_fx(model, qconfig_dict), calib, show_progress=False)
+        sample = [torch.cat(calib)[::3]]  # a third of the crops rank the activations
+        qconfig_dict = mixed_precision(model, prepared, sample, int16_budget=0.1)
+    prepared = fxq.prepare_qat_fx(model, qconfig_dict)
+    if method in ("default", "best", "mixed_int16"):
+        ptq(prepared, calib, method="best" if method == "best" else "default", show_progress=False)
+    elif method == "auto_calibrate":
         auto_calibrate(prepared, calib, eval_batches=1, show=False, show_progress=False)
     else:
         calibrate(prepared, calib, show_progress=False)
@@ -115,6 +179,9 @@ def evaluate(
 
 
 METHODS = (
+    "default",
+    "best",
+    "mixed_int16",
     "min_max",
     "mean_min_max",
     "percentile",
@@ -124,22 +191,37 @@ METHODS = (
     "auto_calibrate",
     "percentile+learned_rounding",
 )
+LABELS = {
+    "default": "fxq ptq default",
+    "best": "fxq ptq best",
+    "mixed_int16": "fxq mixed precision (10% int16)",
+    "min_max": "fxq min_max (qconfig default, calibrate)",
+}
+PEERS = {
+    "nncf": ("NNCF default", "nncf", lambda m, c: nncf_int8(m, c, signed=False)),
+    "nncf_signed": ("NNCF, signed activations", "nncf", lambda m, c: nncf_int8(m, c, signed=True)),
+    "pt2e": ("PT2E X86InductorQuantizer", None, pt2e_x86),
+    "torch_ao": ("torch.ao FX x86 default", None, torch_ao_int8),
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mobilenet_v2", "efficientnet_lite0"])
     parser.add_argument("--calib", type=int, default=96, help="calibration crops")
-    parser.add_argument("--eval", type=int, default=128, help="held-out evaluation crops")
+    parser.add_argument("--eval", type=int, default=140, help="held-out evaluation crops")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument(
         "--iters", type=int, default=200, help="learned-rounding iterations per layer"
     )
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--peers", nargs="*", default=list(PEERS))
+    parser.add_argument("--markdown", help="also write the tables as markdown to this file")
     args = parser.parse_args()
     torch.manual_seed(0)
     calib_rgb = photo_crops(args.calib, seed=0, normalize=False)
     eval_rgb = photo_crops(args.eval, seed=1, normalize=False)
+    markdown: list[str] = []
     for name in args.models:
         model, normalize = load_model(name)
         calib = list(normalize(calib_rgb).split(args.batch))
@@ -152,41 +234,50 @@ def main() -> None:
         def report(
             label: str,
             quantized: nn.Module,
-            seconds: float,
+            seconds: float | None,
             held=held,
             ref=ref,
-            rows=rows,
             confident=confident,
-        ) -> float:
+            rows=rows,
+            name=name,
+        ) -> None:
             db, agree, sure = evaluate(quantized, held, ref, confident, args.batch)
-            rows.append([label, f"{db:.2f}", f"{agree:.1f}", sure, f"{seconds:.1f}"])
-            return db
+            secs = "-" if seconds is None else f"{seconds:.1f}"
+            rows.append([label, f"{db:.2f}", f"{agree:.1f}", sure, secs])
+            print(f"  {name}: {label}: {db:.2f} dB, {secs} s", flush=True)
 
-        t0 = time.perf_counter()
-        baseline = torch_ao_int8(model, calib)
-        ao_db = report("torch.ao x86 default", baseline, time.perf_counter() - t0)
-        ceiling = report("weight-only int8 (reference)", weight_only_int8(model), 0.0)
-        results: dict[str, float] = {}
+        for key in args.peers:
+            label, package, build = PEERS[key]
+            if package is not None and importlib.util.find_spec(package) is None:
+                print(
+                    f"  {name}: {label} skipped: `{package}` is not installed (pip install "
+                    "-e .[bench] -c constraints.txt)"
+                )
+                continue
+            t0 = time.perf_counter()
+            try:
+                quantized = build(model, calib)
+            except Exception as e:  # a peer that cannot take the model is reported, not fatal
+                print(f"  {name}: {label} failed: {type(e).__name__}: {e}")
+                continue
+            report(label, quantized, time.perf_counter() - t0)
+        report("weight-only int8 (reference)", weight_only_int8(model), None)
         for method in args.methods:
             t0 = time.perf_counter()
             quantized = fxq_method(model, calib, method, args.iters)
-            results[method] = report(f"fxq {method}", quantized, time.perf_counter() - t0)
-        print(
-            f"\n{name}: {args.calib} calibration crops, {args.eval} held-out crops "
-            f"({int(confident.sum())} where the float model is confident), {torch.get_num_threads()} threads"
+            report(LABELS.get(method, f"fxq {method}"), quantized, time.perf_counter() - t0)
+        title = (
+            f"{name}: {args.calib} calibration crops, {args.eval} held-out crops "
+            f"({int(confident.sum())} where the float model is confident), "
+            f"{torch.get_num_threads()} threads"
         )
-        print(
-            tabulate(
-                rows, headers=["method", "SQNR dB", "top-1 agree %", "confident agree %", "calib s"]
-            )
-        )
-        if "min_max" in results:
-            print(f"fxq default (min_max) vs torch.ao: {results['min_max'] - ao_db:+.2f} dB")
-        best = max(results, key=results.get)
-        print(
-            f"best fxq ({best}) vs torch.ao: {results[best] - ao_db:+.2f} dB; "
-            f"vs weight-only int8: {results[best] - ceiling:+.2f} dB"
-        )
+        headers = ["method", "SQNR dB", "top-1 agree %", "confident agree %", "calib s"]
+        print(f"\n{title}")
+        print(tabulate(rows, headers=headers))
+        markdown += [f"### {title}", "", tabulate(rows, headers=headers, tablefmt="github"), ""]
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(markdown))
 
 
 if __name__ == "__main__":

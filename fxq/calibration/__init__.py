@@ -10,7 +10,12 @@
 * ``weight_reconstruction(model, data)``: learned weight rounding (AdaRound-style)
   and bias correction;
 * ``bias_correction(model, data)``: each layer's mean output matched to the
-  float model's, layer by layer (empirical bias correction).
+  float model's (layer by layer, or NNCF's fast form);
+* ``ptq(model, data, method="default" | "best")``: the post-training recipes
+  in one call (wide model outputs, per-sample mean ranges, fast bias
+  correction; ``"best"`` adds learned rounding);
+* ``mixed_precision(float_model, calib_model, data, int16_budget=0.1)``: a
+  qconfig_dict giving int16 (or float) to the most sensitive activations.
 
 Only the observers are imported with the package; the runners (which use the
 QAT modules and the FX passes) are imported on first use (PEP 562), so that
@@ -30,6 +35,8 @@ __all__ = [
     "weight_reconstruction",
     "bias_correction",
     "batch_arguments",
+    "ptq",
+    "mixed_precision",
 ]
 
 # public name -> the submodule that defines it
@@ -39,6 +46,8 @@ _LAZY = {
     "auto_calibrate": "fxq.calibration.auto",
     "weight_reconstruction": "fxq.calibration.reconstruction",
     "bias_correction": "fxq.calibration.bias_correction",
+    "ptq": "fxq.calibration.ptq",
+    "mixed_precision": "fxq.calibration.mixed_precision",
 }
 
 

@@ -259,19 +259,24 @@ def _bias_shift(layer: WeightedQAT, quant_in: list[tuple[Tensor, ...]]) -> Tenso
 
 
 @contextlib.contextmanager
-def layerwise_session(model: nn.Module) -> Iterator[nn.Module]:
+def layerwise_session(model: nn.Module, copy_reference: bool = True) -> Iterator[nn.Module | None]:
     """Eval mode and VALIDATION for a layer-by-layer algorithm; yields the float reference.
 
     The reference is an untouched copy (the model itself changes layer after
-    layer, its targets must not). Training flags and fake-quant states are
-    put back on exit; on a failure (an exception, Ctrl-C) every weight and bias
-    is too, and biases the algorithm created are removed.
+    layer, its targets must not); ``copy_reference=False`` yields None and
+    keeps only a copy of the parameters and buffers, for the restore. Training
+    flags and fake-quant states are put back on exit; on a failure (an
+    exception, Ctrl-C) every weight and bias is too, and biases the algorithm
+    created are removed.
     """
     states = {m: m.state for m in model.modules() if hasattr(m, "set_fake_quant_state")}
     training = model.training
     model.eval()
     set_fake_quantize(model, FakeQuantState.VALIDATION)
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model) if copy_reference else None
+    saved = (
+        None if copy_reference else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    )
     biasless = [m for m in model.modules() if isinstance(m, WeightedQAT) and m.bias is None]
     completed = False
     try:
@@ -281,7 +286,7 @@ def layerwise_session(model: nn.Module) -> Iterator[nn.Module]:
         if not completed:  # a failure leaves the model as it was
             for m in biasless:
                 m.bias = None
-            model.load_state_dict(reference.state_dict())
+            model.load_state_dict(reference.state_dict() if saved is None else saved)
         for m, state in states.items():
             m.set_fake_quant_state(state)
         model.train(training)

@@ -1,0 +1,157 @@
+"""``mixed_precision``: int16 (or float) for the activations where it helps the output most.
+
+``fxq.debug.sensitivity(..., dtype=fxq.qint16)`` measures, for every
+activation of a calibrated model, the model-output SQNR when only that
+activation is raised to int16 (its range kept, its step 256 times finer).
+``mixed_precision`` ranks the activations by it and returns a qconfig_dict
+that gives int16 to the best ones within a budget, and optionally leaves the
+ones whose quantization costs most in float (``float_budget``, for hybrid
+deployment where the accelerator hands some ops to the CPU).
+
+Budgets are fractions of the model's quantized activations **counted as
+tensors** (fake quants), not of their bytes: ``int16_budget=0.1`` on a model
+with 60 quantized activations raises at most 6 of them. A budget of 0 changes
+nothing (the returned dict then prepares the same model as before).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.fx import GraphModule
+
+from fxq.dtypes import qint16
+from fxq.march import spec_for
+from fxq.qat.base import QATModule
+from fxq.qconfig import QConfig
+
+__all__ = ["mixed_precision"]
+
+
+def _int16_qconfig(qconfig: QConfig) -> QConfig:
+    return QConfig(activation=qconfig.activation.with_args(dtype=qint16), weight=qconfig.weight)
+
+
+def _common_qconfig(calib_model: nn.Module) -> QConfig | None:
+    """The qconfig most QAT modules of ``calib_model`` were prepared with."""
+    counts: dict[int, tuple[int, QConfig]] = {}
+    for m in calib_model.modules():
+        if isinstance(m, QATModule) and isinstance(getattr(m, "qconfig", None), QConfig):
+            n, _ = counts.get(id(m.qconfig), (0, m.qconfig))
+            counts[id(m.qconfig)] = (n + 1, m.qconfig)
+    return max(counts.values(), key=lambda c: c[0])[1] if counts else None
+
+
+def _check_budget(name: str, value: float | None) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"mixed_precision: {name} must be a fraction in [0, 1], got {value!r}")
+    return float(value)
+
+
+def mixed_precision(
+    float_model: nn.Module,
+    calib_model: GraphModule,
+    batches: Any,
+    int16_budget: float = 0.1,
+    float_budget: float | None = None,
+    qconfig_dict: Mapping[str, Any] | None = None,
+    min_gain_db: float = 0.0,
+    show: bool = False,
+) -> dict[str, Any]:
+    """A qconfig_dict with int16 activations (and float ops) where they help the output most.
+
+    Args:
+        float_model: the float model (the reference of the sensitivity).
+        calib_model: the same model prepared with ``qconfig_dict`` and calibrated
+            (e.g. with ``fxq.calibration.ptq``); left as it was.
+        batches: calibration batches for the sensitivity (a list; a few suffice).
+        int16_budget: the largest fraction of the quantized activations (counted
+            as tensors) that become int16.
+        float_budget: the largest fraction left in float (a qconfig of None):
+            those whose quantization costs the model output most (sensitivity
+            in ``"float_one"`` mode). They are chosen first; int16 goes to the
+            rest.
+        qconfig_dict: the dict ``calib_model`` was prepared with; the result is
+            a copy of it with ``module_name`` entries added. Without it, the
+            global qconfig is the one most of ``calib_model``'s ops use.
+        min_gain_db: raise an activation only when int16 gains at least this
+            much output SQNR over the all-int8 model.
+        show: print the choices.
+
+    Returns:
+        a qconfig_dict for ``prepare_qat_fx(float_model, ...)``; its
+        ``"module_name"`` entries name the chosen modules. Also readable from
+        ``result["module_name"]``. Functional ops whose output fake quant lives
+        in a module fxq created (e.g. ``add_1`` at the root) cannot be named in a
+        qconfig_dict on their own and are never chosen.
+
+    Raises:
+        ValueError: a budget outside [0, 1]; an int16 budget on a march without
+            int16 activations (e.g. bernoulli2); ``calib_model`` without a qconfig
+            to build on.
+    """
+    from fxq.debug import sensitivity
+
+    int16_budget = _check_budget("int16_budget", int16_budget)
+    float_share = _check_budget("float_budget", float_budget)
+    qat_modules = [m for m in calib_model.modules() if isinstance(m, QATModule)]
+    if int16_budget > 0 and qat_modules:
+        spec = spec_for(qat_modules[0].march)
+        if not spec.supports_activation(qint16):
+            raise ValueError(
+                f"mixed_precision: march {spec.march.value} has no int16 activations (it runs: "
+                f"{spec.allowed_dtype_names()}); use int16_budget=0 (and float_budget for float "
+                "ops), or a march with int16 such as fxq.set_march('bayes')"
+            )
+    base = dict(qconfig_dict) if qconfig_dict is not None else {}
+    if "" not in base:
+        common = _common_qconfig(calib_model)
+        if common is None:
+            raise ValueError("mixed_precision: calib_model has no QAT module with a qconfig")
+        base[""] = common
+    names = dict(float_model.named_modules())
+    modules = dict(calib_model.named_modules())
+    chosen: dict[str, QConfig | None] = {}
+    float_rows: list[dict[str, Any]] = []
+    int16_rows: list[dict[str, Any]] = []
+    if float_share > 0:
+        rows = sensitivity(
+            float_model, calib_model, batches, mode="float_one", kinds=("activation",)
+        )
+        limit = math.floor(float_share * len(rows) + 1e-9)
+        for row in rows:
+            if len(float_rows) >= limit:
+                break
+            if row["name"] in names and row["name"]:
+                chosen[row["name"]] = None
+                float_rows.append(row)
+    if int16_budget > 0:
+        rows = sensitivity(float_model, calib_model, batches, dtype=qint16, kinds=("activation",))
+        limit = math.floor(int16_budget * len(rows) + 1e-9)
+        for row in rows:
+            if len(int16_rows) >= limit:
+                break
+            name = row["name"]
+            if name in chosen or name not in names or not name:
+                continue
+            if row["sqnr"] - row["baseline"] < min_gain_db or row["sqnr"] <= row["baseline"]:
+                break  # rows are sorted best first: no later one gains enough
+            module = modules.get(name)
+            qconfig = getattr(module, "qconfig", None)
+            if not isinstance(qconfig, QConfig):
+                continue
+            chosen[name] = _int16_qconfig(qconfig)
+            int16_rows.append(row)
+    if show:
+        for kind, rows in (("float", float_rows), ("int16", int16_rows)):
+            for row in rows:
+                print(f"{kind:5s} {row['name']}: output SQNR {row['sqnr']:.2f} dB")
+    entries = dict(base.get("module_name") or {})
+    entries.update(chosen)
+    base["module_name"] = entries
+    return base

@@ -1,0 +1,285 @@
+"""``ptq``: post-training quantization recipes in one call.
+
+``ptq(prepared, data, method=...)`` calibrates a model from ``prepare_qat_fx``
+in place and keeps its prepared form (observers, fake quants, weights), so
+QAT can continue from it and ``convert_fx`` gives the integer model.
+
+Methods (MobileNetV2 on real photos, logits SQNR against float: see
+``docs/accuracy.md``):
+
+* ``"default"``: the recipe to use unless there is a reason not to, a few
+  seconds:
+
+  1. **model outputs wide**: an output produced by a conv / linear keeps its
+     int32 accumulator on marches that have a high-precision output; other
+     outputs become int16 where the march has int16 activations, else keep
+     their qconfig's int8 observer (a global min / max);
+  2. **ranges**: every other activation takes the mean over calibration
+     samples of each sample's min and max (``mean_min_max``, NNCF's range
+     estimator), not the global extremes that a few images stretch;
+  3. optionally (``bias_correction=True``) **fast bias correction** (NNCF's
+     formulation, ``bias_correction(..., mode="fast")``): per layer, the mean
+     output shift caused by rounding its weights and quantizing its mean
+     input is folded into its bias. Off by default: on MobileNetV2 it lowered
+     the logits SQNR (12.80 -> 11.53 dB, ``docs/accuracy.md``).
+
+* ``"calibrate"``: the observers of the qconfig as they are (``calibrate``).
+* ``"best"``: ``"default"`` then learned weight rounding block by block
+  (``weight_reconstruction(block_depth=2, iters=60, batch_size=8)``; the
+  fast bias correction after it when ``bias_correction=True``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from fxq.calibration.observers import MeanMinMaxObserver
+from fxq.calibration.runner import calibrate
+from fxq.dtypes import qint16, qint32
+from fxq.fake_quantize import FakeQuantize
+from fxq.march import spec_for
+from fxq.observer import ObserverBase
+from fxq.qat.base import QATModule
+from fxq.qat.weighted import WeightedQAT
+
+__all__ = ["ptq", "PTQ_METHODS", "output_quants", "activation_quants", "widen_outputs"]
+
+PTQ_METHODS = ("default", "calibrate", "best")
+
+
+def _producer_quants(
+    gm: GraphModule, node: Node, seen: set[Node]
+) -> Iterator[tuple[str, QATModule]]:
+    """The QAT modules whose output fake quant gives ``node``'s value (through pass-through ops)."""
+    if node in seen:
+        return
+    seen.add(node)
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if isinstance(module, QATModule) and module.has_output_quant:
+            yield node.target, module
+            return
+    if node.op in ("placeholder", "get_attr"):
+        return
+    for inp in node.all_input_nodes:
+        yield from _producer_quants(gm, inp, seen)
+
+
+def output_quants(model: nn.Module) -> list[tuple[str, QATModule]]:
+    """The QAT modules whose output fake quant quantizes a model output (a graph output,
+    reached through pass-through ops such as reshape, flatten or a DeQuantStub)."""
+    if not isinstance(model, GraphModule):
+        return []
+    found: dict[int, tuple[str, QATModule]] = {}
+    seen: set[Node] = set()
+    for node in model.graph.nodes:
+        if node.op == "output":
+            for inp in node.all_input_nodes:
+                for name, module in _producer_quants(model, inp, seen):
+                    found.setdefault(id(module), (name, module))
+    return list(found.values())
+
+
+def activation_quants(model: nn.Module) -> list[FakeQuantize]:
+    """Activation fake quants whose scale calibration sets (not weights, fixed scales or int32)."""
+    weights = {
+        id(m.weight_fake_quant)
+        for m in model.modules()
+        if isinstance(getattr(m, "weight_fake_quant", None), FakeQuantize)
+    }
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, FakeQuantize)
+        and id(m) not in weights
+        and not m.is_high_precision
+        and not m.is_fixed_scale
+    ]
+
+
+def widen_outputs(model: nn.Module, output: str = "auto") -> list[tuple[str, str]]:
+    """Give the model outputs a wider type than int8 where the march allows.
+
+    Args:
+        output: ``"auto"``: int32 for an output a conv / linear produces on a
+            march with a high-precision output, else int16 where the march has
+            int16 activations; ``"int16"``: int16 where allowed; ``"int8"``:
+            nothing changes.
+
+    Returns:
+        ``(module name, dtype name)`` for every output changed.
+    """
+    if output not in ("auto", "int16", "int8"):
+        raise ValueError(f"output must be 'auto', 'int16' or 'int8', got {output!r}")
+    changed = []
+    if output == "int8":
+        return changed
+    for name, module in output_quants(model):
+        fq = module.activation_post_process
+        if fq.is_high_precision or fq.is_fixed_scale or fq.dtype.bits > 8:
+            continue
+        spec = spec_for(fq.march)
+        if output == "auto" and isinstance(module, WeightedQAT) and spec.high_precision_output:
+            fq.dtype = qint32
+        elif spec.supports_activation(qint16):
+            fq.dtype = qint16
+            fq.activation_post_process.qmax = qint16.qmax
+        else:
+            continue
+        changed.append((name, fq.dtype.name))
+    return changed
+
+
+class _ModelSnapshot:
+    """Everything a recipe may change, to put back when it fails part-way: parameters and
+    buffers, fake-quant dtypes and observers, and biases created on the way."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.quants = [
+            (m, m.dtype, m.activation_post_process, m.activation_post_process.qmax)
+            for m in model.modules()
+            if isinstance(m, FakeQuantize)
+        ]
+        self.biasless = [
+            m for m in model.modules() if isinstance(m, WeightedQAT) and m.bias is None
+        ]
+
+    def restore(self) -> None:
+        for m in self.biasless:
+            m.bias = None
+        for fq, dtype, obs, qmax in self.quants:
+            fq.dtype = dtype
+            fq.activation_post_process = obs
+            obs.qmax = qmax
+        self.model.load_state_dict(self.state)
+
+
+@contextlib.contextmanager
+def restored_on_failure(model: nn.Module) -> Iterator[None]:
+    """Within the block, an exception (or Ctrl-C) puts ``model`` back as it was."""
+    snapshot = _ModelSnapshot(model)
+    try:
+        yield
+    except BaseException:
+        snapshot.restore()
+        raise
+
+
+@contextlib.contextmanager
+def observers_swapped(
+    quants: Sequence[FakeQuantize], make: Callable[[], ObserverBase]
+) -> Iterator[None]:
+    """Within the block, ``quants`` observe with ``make()``; on exit their own observers come
+    back holding the range that was found (``min_val`` / ``max_val`` at the clip), so QAT's
+    observers start from the calibrated scales."""
+    originals = [fq.activation_post_process for fq in quants]
+    for fq in quants:
+        obs = make()
+        obs.qmax = fq.dtype.qmax
+        obs.name = fq.activation_post_process.name
+        fq.activation_post_process = obs.to(fq.scale.device)
+    try:
+        yield
+    finally:
+        for fq, original in zip(quants, originals):
+            temporary = fq.activation_post_process
+            fq.finalize()
+            fq.activation_post_process = original
+            if temporary.has_statistics() and not original.deferred:
+                with torch.no_grad():
+                    original._resize_to(temporary.min_val)
+                    original.min_val.copy_(temporary.min_val)
+                    original.max_val.copy_(temporary.max_val)
+            fq._stale = False
+
+
+def _batches(data: Iterable[Any], num_batches: int | None, who: str) -> list[Any]:
+    batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
+    if not batches:
+        raise ValueError(f"{who}: `data` yielded no batch; pass a non-empty list of batches")
+    return batches
+
+
+def ptq(
+    model: nn.Module,
+    data: Iterable[Any],
+    method: str = "default",
+    output: str = "auto",
+    bias_correction: bool = False,
+    num_batches: int | None = None,
+    input_fn: Callable[[Any], Any] | None = None,
+    show_progress: bool | None = None,
+    **options: Any,
+) -> nn.Module:
+    """Calibrate a prepared model with a post-training recipe (see the module docstring).
+
+    Args:
+        model: the model from ``prepare_qat_fx`` (any qconfig); calibrated in
+            place, keeping its prepared form.
+        data: calibration batches (see ``fxq.calibration.calibrate``).
+        method: ``"default"``, ``"calibrate"`` or ``"best"``.
+        output: how model outputs are quantized (``widen_outputs``): ``"auto"``,
+            ``"int16"`` or ``"int8"`` (the qconfig's dtype and observer).
+        bias_correction: fold the fast bias correction into the biases (after
+            the ranges, and again after learned rounding).
+        num_batches: use only the first batches.
+        input_fn: maps a batch to the model's arguments.
+        options: for ``"best"``, arguments of ``weight_reconstruction`` (e.g.
+            ``iters``).
+
+    Returns:
+        ``model``, calibrated, in CALIBRATION state (switch to VALIDATION or
+        convert it).
+
+    Raises:
+        ValueError: an unknown method or output, or no batch.
+
+    A failure part-way puts the model back as it was (weights, biases, scales,
+    observers, dtypes).
+    """
+    if method not in PTQ_METHODS:
+        raise ValueError(f"ptq: unknown method {method!r}; choose from {', '.join(PTQ_METHODS)}")
+    if options and method != "best":
+        raise ValueError(f"ptq: {sorted(options)} only apply to method='best'")
+    batches = _batches(data, num_batches, "ptq")
+    with restored_on_failure(model):
+        if method == "calibrate":
+            widen_outputs(model, output)
+            calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
+            if bias_correction:
+                _fast_bc(model, batches, input_fn, show_progress)
+            return model
+        widen_outputs(model, output)
+        outputs = {id(m.activation_post_process) for _, m in output_quants(model)}
+        inner = [fq for fq in activation_quants(model) if id(fq) not in outputs]
+        with observers_swapped(inner, MeanMinMaxObserver):
+            calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
+        if bias_correction:
+            _fast_bc(model, batches, input_fn, show_progress)
+        if method == "best":
+            from fxq.calibration.reconstruction import weight_reconstruction
+
+            opts = {"block_depth": 2, "iters": 60, "batch_size": 8, "show": False}
+            opts.update(options)
+            weight_reconstruction(
+                model, batches, input_fn=input_fn, show_progress=show_progress, **opts
+            )
+            if bias_correction:
+                _fast_bc(model, batches, input_fn, show_progress)
+    return model
+
+
+def _fast_bc(model, batches, input_fn, show_progress) -> None:
+    from fxq.calibration.bias_correction import bias_correction
+
+    bias_correction(
+        model, batches, mode="fast", input_fn=input_fn, show_progress=show_progress, show=False
+    )
