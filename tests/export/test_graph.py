@@ -166,7 +166,7 @@ def test_unsupported_float_op_names_node_op_and_source_line(bayes):
             self.conv = nn.Conv2d(3, 4, 1)
 
         def forward(self, x):
-            return torch.softmax(self.conv(x), 1)
+            return torch.cumsum(self.conv(x), 1)  # no integer cumsum: a float op
 
     qat = fxq.prepare_qat_fx(
         M(), {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig}, float_ops="ignore"
@@ -175,7 +175,7 @@ def test_unsupported_float_op_names_node_op_and_source_line(bayes):
     qat(torch.randn(2, 3, 4, 4))
     integer = fxq.convert_fx(qat)
     line = M.forward.__code__.co_firstlineno + 1
-    with pytest.raises(fxq.export.ExportError, match=rf"'softmax'.*{__file__}:{line}.*float op"):
+    with pytest.raises(fxq.export.ExportError, match=rf"'cumsum'.*{__file__}:{line}.*float op"):
         fxq.export.to_graph(integer, torch.randn(2, 3, 4, 4))
 
 
