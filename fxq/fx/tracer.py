@@ -29,6 +29,8 @@ names the source line and says which code to wrap.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import inspect
 import linecache
@@ -430,23 +432,16 @@ class Tracer(torch.fx.Tracer):
         )
 
 
-#: leaves a graph can return besides proxies and tensors
+#: leaves a graph can return (torch.fx's base types, and what its ``create_arg`` takes as is)
 _OUTPUT_LEAVES = (
-    str,
-    int,
-    float,
-    bool,
-    complex,
+    *torch.fx.node.base_types,
+    enum.Enum,
     type(None),
+    type(...),
     slice,
     range,
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
     torch.Size,
     torch.fx.Proxy,
-    torch.Tensor,
 )
 
 
@@ -465,7 +460,7 @@ def _graph_output(out: Any) -> Any:
     found: list[str] = []
 
     def check(value: Any, path: str) -> None:
-        if isinstance(value, _OUTPUT_LEAVES):
+        if isinstance(value, _OUTPUT_LEAVES) or dataclasses.is_dataclass(value):
             return
         if isinstance(value, dict):
             for k, v in value.items():
