@@ -214,7 +214,8 @@ class QTensor:
         )
 
     def clone(self) -> QTensor:
-        return QTensor(self._primary().clone(), self.scale.clone(), self.qdtype, self.axis)
+        # the scale is shared, as by every other op that keeps it (and stays real under export)
+        return QTensor(self._primary().clone(), self.scale, self.qdtype, self.axis)
 
     def detach(self) -> QTensor:
         return self

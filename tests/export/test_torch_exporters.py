@@ -16,7 +16,8 @@ from torch.utils._pytree import tree_leaves
 
 import fxq
 from fxq.quantized import native
-from tests.export.helpers import torchvision_model
+from tests.export.helpers import registry_model, torchvision_model
+from tests.test_registry import _cases
 
 
 def _same(a, b) -> bool:
@@ -184,3 +185,30 @@ def test_torch_onnx_dynamo_export_points_to_fxq_export(integer, tmp_path):
     assert any(isinstance(e, native.ExporterError) for e in chain)
     assert "fxq.export.to_onnx" in str(info.value)
     assert not (tmp_path / "m.onnx").exists()
+
+
+#: rows whose integer kernel branches on activation values in Python
+#: (``fxq.quantized.functional.shift_round_signed``: ``bool((s < 0).any())``; log_softmax too)
+_DATA_DEPENDENT = {"layer_norm", "group_norm"}
+
+
+def _one_case_per_row() -> list:
+    seen, cases = set(), []
+    for case in _cases():
+        row_name, target = case.values
+        if row_name in seen:
+            continue
+        seen.add(row_name)
+        marks = ()
+        if row_name in _DATA_DEPENDENT:
+            marks = pytest.mark.xfail(reason="data-dependent branch in the kernel", strict=False)
+        cases.append(pytest.param(row_name, target, id=case.id, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize(("row_name", "target"), _one_case_per_row())
+def test_torch_export_of_registry_ops(bayes, row_name, target):
+    integer, x = registry_model(row_name, target)
+    with torch.no_grad():
+        ep = torch.export.export(integer, tuple(x))
+        assert _same(ep.module()(*x), integer(*x))
