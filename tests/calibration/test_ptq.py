@@ -1,0 +1,177 @@
+"""ptq recipes, fast bias correction and mixed precision on a small pretrained network."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxq
+from fxq.calibration import bias_correction, calibrate, mixed_precision, ptq
+from fxq.calibration.ptq import output_quants
+from fxq.debug.sensitivity import quantized_values
+from fxq.observer import MinMaxObserver
+from fxq.qconfig import default_calib_8bit_fake_quant_qconfig as calib_q8
+from tests.calibration.test_bias_correction import Shifted
+from tests.calibration.test_bias_correction import _data as shifted_data
+from tests.helpers import sqnr
+
+
+@pytest.fixture(scope="module")
+def pretrained():
+    """The first blocks of ImageNet MobileNetV2 (real weights) and real photo crops."""
+    from fxq.utils.sample_data import photo_crops, pretrained_mobilenet_v2
+
+    full = pretrained_mobilenet_v2()
+    model = nn.Sequential(
+        full.features[:7], nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 16)
+    ).eval()
+    with torch.no_grad():  # a head reading the features (its logits are what is compared)
+        model[3].weight.copy_(torch.randn(16, 32, generator=torch.Generator().manual_seed(0)))
+        model[3].bias.zero_()
+    calib = list(photo_crops(16, size=96, seed=0).split(8))
+    held = photo_crops(16, size=96, seed=1)
+    with torch.no_grad():
+        ref = model(held)
+    return model, calib, held, ref
+
+
+def _integer_sqnr(prepared, held, ref) -> float:
+    fxq.set_fake_quantize(prepared, "validation")
+    with torch.no_grad():
+        out = fxq.convert_fx(prepared)(held)
+        assert torch.equal(out, prepared(held))  # the integer model is the VALIDATION model
+    return sqnr(ref, out)
+
+
+def test_default_beats_min_max_and_keeps_the_prepared_form(bayes):
+    """ImageNet MobileNetV2 on real photos (128 pixels, 16 crops)."""
+    from fxq.utils.sample_data import photo_crops, pretrained_mobilenet_v2
+
+    model = pretrained_mobilenet_v2()
+    calib = list(photo_crops(16, size=128, seed=0).split(8))
+    held = photo_crops(16, size=128, seed=1)
+    with torch.no_grad():
+        ref = model(held)
+    plain = calibrate(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, show_progress=False)
+    default = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, show_progress=False)
+    # the classifier keeps its int32 accumulator; the other observers are the qconfig's own,
+    # holding the per-sample mean ranges (so QAT continues from them)
+    assert [(n, m.activation_post_process.dtype) for n, m in output_quants(default)] == [
+        ("classifier.1", fxq.qint32)
+    ]
+    first = default.get_submodule("features.1.conv.0.0").activation_post_process
+    assert type(first.observer) is MinMaxObserver
+    assert (
+        float(first.observer.max_val) * 1.0001
+        >= float(first.scale) * 127
+        >= float(first.observer.max_val) * 0.9999
+    )
+    low, high = _integer_sqnr(plain, held, ref), _integer_sqnr(default, held, ref)
+    assert high > low + 1.0, (low, high)  # measured: 12.51 -> 14.23 dB
+
+
+def test_ptq_rejects_unknown_methods_and_empty_data(bayes, pretrained):
+    model, calib, _, _ = pretrained
+    prepared = fxq.prepare_qat_fx(model, {"": calib_q8})
+    with pytest.raises(ValueError, match="unknown method 'fastest'"):
+        ptq(prepared, calib, method="fastest")
+    with pytest.raises(ValueError, match="yielded no batch"):
+        ptq(prepared, [])
+    with pytest.raises(ValueError, match="output must be"):
+        ptq(prepared, calib, output="int4")
+
+
+def test_ptq_failing_part_way_restores_the_model(bayes, pretrained):
+    model, calib, _, _ = pretrained
+    prepared = fxq.prepare_qat_fx(model, {"": calib_q8})
+    before = {k: v.clone() for k, v in prepared.state_dict().items()}
+    observers = {
+        n: m.activation_post_process for n, m in prepared.named_modules() if hasattr(m, "observed")
+    }
+    calls = []
+
+    def interrupt(module, inputs):
+        calls.append(1)
+        if len(calls) > len(calib) + 2:  # in the bias correction, after calibration
+            raise KeyboardInterrupt
+
+    handle = prepared.get_submodule("3").register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        ptq(prepared, calib, bias_correction=True, show_progress=False)
+    handle.remove()
+    after = prepared.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert prepared.get_submodule("3").activation_post_process.dtype is fxq.qint8
+    now = {
+        n: m.activation_post_process for n, m in prepared.named_modules() if hasattr(m, "observed")
+    }
+    assert all(now[n] is o for n, o in observers.items())
+
+
+def test_fast_bias_correction_removes_a_known_weight_rounding_shift(bayes):
+    model = Shifted().eval()
+    x = torch.cat(shifted_data(2, 1))
+    with torch.no_grad():
+        ref = model(x)
+
+    def integer(correct: bool):
+        prepared = calibrate(fxq.prepare_qat_fx(model, {"": calib_q8}), shifted_data(4, 0))
+        rows = bias_correction(prepared, shifted_data(4, 0), mode="fast") if correct else []
+        return _integer_sqnr(prepared, x, ref), rows
+
+    before, _ = integer(False)
+    after, rows = integer(True)
+    assert [r["layer"] for r in rows] == ["fc", "head"]
+    # every fc weight rounds down by 0.45 LSB on inputs of mean 0.5: a shift of about
+    # 0.45 * 63 * 0.5 / 127 = 0.11 per output
+    assert 0.08 < rows[0]["shift"] < 0.14
+    assert after > before + 1.0
+
+
+def test_bias_correction_mode_is_checked(bayes):
+    prepared = calibrate(fxq.prepare_qat_fx(Shifted(), {"": calib_q8}), shifted_data(1, 0))
+    with pytest.raises(ValueError, match="unknown mode 'slow'"):
+        bias_correction(prepared, shifted_data(1, 0), mode="slow")
+
+
+def _activations(prepared) -> int:
+    return sum(v.kind == "activation" for v in quantized_values(prepared))
+
+
+def test_mixed_precision_budget_zero_is_int8_and_a_budget_helps(bayes, pretrained):
+    model, calib, held, ref = pretrained
+    base = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, show_progress=False)
+    snapshot = copy.deepcopy(base.state_dict())
+    same = mixed_precision(model, base, calib[:1], int16_budget=0.0)
+    assert same["module_name"] == {} and same[""] is calib_q8
+    mixed = mixed_precision(model, base, calib[:1], int16_budget=0.3)
+    assert all(torch.equal(v, snapshot[k]) for k, v in base.state_dict().items())  # untouched
+    raised = mixed["module_name"]
+    assert 1 <= len(raised) <= 0.3 * _activations(base)
+    assert all(qc.activation_dtype is fxq.qint16 for qc in raised.values())
+
+    def score(qconfig_dict):
+        return _integer_sqnr(
+            ptq(fxq.prepare_qat_fx(model, qconfig_dict), calib, show_progress=False), held, ref
+        )
+
+    int8 = _integer_sqnr(base, held, ref)
+    assert score(same) == int8
+    assert score(mixed) > int8 + 1.0
+
+
+def test_mixed_precision_float_budget_and_march_without_int16(pretrained):
+    model, calib, _, _ = pretrained
+    fxq.set_march("bernoulli2")
+    base = calibrate(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, show_progress=False)
+    with pytest.raises(ValueError, match="bernoulli2 has no int16"):
+        mixed_precision(model, base, calib[:1], int16_budget=0.1)
+    with pytest.raises(ValueError, match="fraction in"):
+        mixed_precision(model, base, calib[:1], int16_budget=1.5)
+    hybrid = mixed_precision(model, base, calib[:1], int16_budget=0, float_budget=0.2)
+    floats = hybrid["module_name"]
+    assert 1 <= len(floats) <= 0.2 * _activations(base)
+    assert all(v is None for v in floats.values())
+    prepared = fxq.prepare_qat_fx(model, hybrid)  # the dict prepares
+    assert prepared is not None
