@@ -460,15 +460,16 @@ def _graph_output(out: Any) -> Any:
     found: list[str] = []
 
     def check(value: Any, path: str) -> None:
-        if isinstance(value, _OUTPUT_LEAVES) or dataclasses.is_dataclass(value):
-            return
-        if isinstance(value, dict):
+        if isinstance(value, dict):  # before dataclasses: a ModelOutput is both
             for k, v in value.items():
                 check(v, f"{path}[{k!r}]")
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
                 check(v, f"{path}[{i}]")
-        else:
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for field in dataclasses.fields(value):
+                check(getattr(value, field.name), f"{path}.{field.name}")
+        elif not isinstance(value, _OUTPUT_LEAVES):
             found.append(f"output{path} ({type(value).__name__})")
 
     check(out, "")
