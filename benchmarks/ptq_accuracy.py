@@ -9,9 +9,9 @@ evaluation crops of the photographs shipped with scikit-image, with different
 seeds), it measures
 
 * peers (each skipped with a printed note when its package is missing; they
-  are in the ``bench`` extra): NNCF's ``nncf.quantize`` default, and NNCF with
-  every activation quantizer forced signed (fxq's marches have signed
-  activations only); torchao's PT2E ``X86InductorQuantizer`` (torch.ao's PT2E
+  are in the ``bench`` extra): NNCF's ``nncf.quantize`` default, and the same
+  model with every activation quantizer forced signed after the fact, scales
+  kept (fxq's marches have signed activations only); torchao's PT2E ``X86InductorQuantizer`` (torch.ao's PT2E
   when torchao is absent); torch.ao's FX x86 default; a weight-only int8
   reference;
 * fxq: ``ptq`` (``default`` and ``best``), the observers alone
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -107,27 +108,24 @@ def pt2e_x86(model: nn.Module, calib: list[torch.Tensor]) -> nn.Module:
 
 
 def nncf_int8(model: nn.Module, calib: list[torch.Tensor], signed: bool) -> nn.Module:
-    """``nncf.quantize`` with its defaults; ``signed`` forces every activation quantizer signed."""
+    """``nncf.quantize`` with its defaults, fed one image at a time (its range estimator is a
+    mean over samples); ``signed`` then forces every per-tensor (activation) quantizer signed,
+    keeping its scale: fxq's marches have signed activations only (NNCF's own
+    ``signedness_to_force`` conflicts with its default hardware config)."""
+    os.environ.setdefault("NNCF_EXTENSION_LOAD_TIMEOUT", "0")  # slow builds on a busy machine
     import nncf
-    from nncf.quantization.advanced_parameters import (
-        AdvancedQuantizationParameters,
-        QuantizationParameters,
-    )
 
-    advanced = None
-    if signed:
-        advanced = AdvancedQuantizationParameters(
-            activations_quantization_params=QuantizationParameters(signedness_to_force=True)
-        )
-    samples = sum(len(b) for b in calib)
+    images = [image[None] for batch in calib for image in batch]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return nncf.quantize(
-            copy.deepcopy(model).eval(),
-            nncf.Dataset(calib),
-            subset_size=samples,
-            advanced_parameters=advanced,
+        quantized = nncf.quantize(
+            copy.deepcopy(model).eval(), nncf.Dataset(images), subset_size=len(images)
         )
+    if signed:
+        for m in quantized.modules():
+            if type(m).__name__ == "SymmetricQuantizer" and not m.per_channel:
+                m.signed = True
+    return quantized
 
 
 def weight_only_int8(model: nn.Module) -> nn.Module:
@@ -214,7 +212,7 @@ def main() -> None:
     parser.add_argument(
         "--iters", type=int, default=200, help="learned-rounding iterations per layer"
     )
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--methods", nargs="*", default=list(METHODS))
     parser.add_argument("--peers", nargs="*", default=list(PEERS))
     parser.add_argument("--markdown", help="also write the tables as markdown to this file")
     args = parser.parse_args()
