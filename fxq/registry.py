@@ -34,6 +34,7 @@ import dataclasses
 import enum
 import functools
 import importlib
+import math
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -294,6 +295,48 @@ def _refine_div(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRo
     if mode is not None:
         return row.as_float(f"division with rounding_mode={mode!r} (an integer quotient)")
     return dataclasses.replace(row, refine=None)
+
+
+#: operators that compute on sizes in traced code (``x.shape[0] // 2``, ``h == w``)
+_SHAPE_OPERATORS = (
+    operator.eq,
+    operator.ne,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+    operator.floordiv,
+    operator.mod,
+)
+#: tensor attributes that are Python values
+_VALUE_ATTRIBUTES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout"})
+
+
+def _python_value(arg: Any, depth: int = 0) -> bool:
+    """Whether a node argument provably holds a Python value (a size, a shape, a number)."""
+    if not isinstance(arg, Node):
+        return not isinstance(arg, torch.Tensor)
+    if depth > 32:
+        return False
+    if arg.op == "call_method":
+        return arg.target in NONTENSOR_METHODS
+    if arg.op != "call_function":
+        return False
+    if arg.target is getattr:
+        return len(arg.args) > 1 and arg.args[1] in _VALUE_ATTRIBUTES
+    if arg.target is len or arg.target in (math.floor, math.ceil, math.sqrt, int, float):
+        return True
+    if getattr(arg.target, "__module__", None) in ("_operator", "operator"):
+        inputs = [*arg.args, *arg.kwargs.values()]
+        return all(_python_value(a, depth + 1) for a in inputs)
+    return False
+
+
+def _refine_shape_arithmetic(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    args = [*node.args, *node.kwargs.values()] if node is not None else []
+    if node is not None and all(_python_value(a) for a in args):
+        return dataclasses.replace(row, refine=None)
+    return row.as_float(f"no integer {target_name(node.target) if node else row.name} on tensors")
 
 
 def _refine_functional_weight(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
@@ -666,6 +709,20 @@ def _table() -> list[OpRow]:
         ),
         # -- Python values -------------------------------------------------------------------
         OpRow("getattr", Kind.NONTENSOR, functions=(getattr, len), doc="shapes and attributes"),
+        OpRow(
+            "python_value",
+            Kind.NONTENSOR,
+            functions=(torch._assert, torch.finfo, torch.iinfo, math.floor, math.ceil, math.sqrt),
+            doc="assertions and number types on Python values",
+        ),
+        OpRow(
+            "shape_arithmetic",
+            Kind.NONTENSOR,
+            functions=_SHAPE_OPERATORS,
+            refine=_refine_shape_arithmetic,
+            doc="comparisons, floor division and remainders of sizes (Python values); on tensors "
+            "they stay float",
+        ),
         OpRow("tensor_metadata", Kind.NONTENSOR, methods=tuple(sorted(NONTENSOR_METHODS))),
     ]
     try:  # torchvision is optional

@@ -589,3 +589,23 @@ def test_abs_maximum_minimum_convert_bit_exactly_and_close_to_float(bayes, kind,
     # one rounding of each input and one of the output: measured 36 to 43 dB (int8) and 60
     # to 67 dB (int16)
     assert sqnr(reference, got) >= (33.0 if width == "int8" else 56.0), sqnr(reference, got)
+
+
+def test_shape_arithmetic_is_a_python_value_and_tensor_comparisons_stay_float(bayes):
+    pytest.importorskip("torchvision")
+    prepared = fxq.prepare_qat_fx(_small_vit(), {"": Q8})
+    rows = {r["node"]: r for r in fxq.summary(prepared, show=False)}
+    assert {rows[n]["output"] for n in ("eq", "floordiv", "_assert")} == {"python value"}
+    assert [n for n, r in rows.items() if r["unsupported"]] == []
+
+    class Compare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return y // 2, y.shape[-1] // 2
+
+    with pytest.warns(fxq.fx.prepare.FloatOpWarning, match="no integer operator.floordiv on"):
+        fxq.prepare_qat_fx(Compare(), {"": Q8})
