@@ -104,7 +104,22 @@ def pt2e_x86(model: nn.Module, calib: list[torch.Tensor]) -> nn.Module:
         with torch.no_grad():
             for batch in calib:
                 prepared(batch)
-        return convert_pt2e(prepared)
+        return _FixedBatch(convert_pt2e(prepared), calib[0].shape[0])
+
+
+class _FixedBatch(nn.Module):
+    """Runs a model exported for batches of ``size`` on smaller batches (zero padding)."""
+
+    def __init__(self, model: nn.Module, size: int) -> None:
+        super().__init__()
+        self.model, self.size = model, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if n == self.size:
+            return self.model(x)
+        padded = torch.cat([x, x.new_zeros((self.size - n, *x.shape[1:]))])
+        return self.model(padded)[:n]
 
 
 def nncf_int8(model: nn.Module, calib: list[torch.Tensor], signed: bool) -> nn.Module:
