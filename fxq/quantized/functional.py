@@ -781,9 +781,11 @@ def shift_round_signed(v: Tensor, shift: Tensor | int, rounding: Rounding) -> Te
         v: int64 tensor.
         shift: int or int64 tensor broadcastable against ``v``.
     """
-    s = torch.as_tensor(shift, dtype=torch.int64, device=v.device)
-    if not bool((s < 0).any()):
-        return shift_round(v, s, rounding)
+    if isinstance(shift, int):
+        if shift >= 0:
+            return shift_round(v, shift, rounding)
+        return torch.bitwise_left_shift(v, torch.tensor(-shift, device=v.device))
+    s = shift.to(torch.int64)  # no branch on the values: torch.export traces it
     left = torch.bitwise_left_shift(v, (-s).clamp(min=0))
     return shift_round(left, s.clamp(min=0), rounding)
 
