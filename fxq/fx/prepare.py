@@ -3,7 +3,8 @@
 Steps (each reads a table, none edits the user's model):
 
 1. copy the model, resolve and check the qconfig_dict for the current march;
-2. trace (``fxq.symbolic_trace``) and fuse (``fuse_graph_module``);
+2. trace (``fxq.symbolic_trace``), rewire readers of in-place writes to the
+   writing node (``functionalize_inplace``) and fuse (``fuse_graph_module``);
 3. walk the graph once, in order, tracking for each value the fake quant
    whose grid it lies on (or None for float values):
 
@@ -45,6 +46,7 @@ from fxq.fx.graph_utils import (
     tensor_inputs,
     unique_name,
 )
+from fxq.fx.inplace import functionalize_inplace
 from fxq.fx.tracer import (
     is_fx_wrapped,
     is_opaque_call,
@@ -130,6 +132,7 @@ def prepare_qat_fx(
         gm = adopt_graph_module(work)
     else:
         gm = symbolic_trace(work, concrete_args, example_inputs=example_inputs)
+    functionalize_inplace(gm)  # quantized ops compute out of place: readers take their result
     modularize_functional_layers(  # a functional layer with a qconfig of None stays as it is
         gm, keep=lambda node: resolver.resolve(owner_path(node), node.target).qconfig is None
     )
