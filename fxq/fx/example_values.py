@@ -56,8 +56,12 @@ class ExampleValues:
             them are known.
     """
 
-    def __init__(self, inputs: Mapping[str, Any]) -> None:
+    def __init__(self, inputs: Mapping[str, Any], active_tracers: list | None = None) -> None:
+        """``active_tracers``: the tracer's list of tracers now recording (emptied while a
+        node's values are computed, so that code run here is not recorded)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.active_tracers = active_tracers if active_tracers is not None else []
 
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.fakes: dict[Node, Any] = {}
@@ -90,10 +94,8 @@ class ExampleValues:
             return
         from torch.fx._symbolic_trace import _maybe_revert_all_patches
 
-        from fxq.fx import tracer as tracer_module
-
-        active = list(tracer_module._ACTIVE)
-        tracer_module._ACTIVE.clear()  # code run here is not recorded
+        active = list(self.active_tracers)
+        self.active_tracers.clear()  # code run here is not recorded
         try:
             with _maybe_revert_all_patches():  # module calls and attributes as outside tracing
                 constant = self._constant(node, root)
@@ -103,7 +105,7 @@ class ExampleValues:
                 if fake is not NO_VALUE:
                     self.fakes[node] = fake
         finally:
-            tracer_module._ACTIVE[:] = active
+            self.active_tracers[:] = active
 
     def _constant(self, node: Node, root: nn.Module) -> Any:
         if node.op == "get_attr":

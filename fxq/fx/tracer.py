@@ -274,7 +274,7 @@ class Tracer(torch.fx.Tracer):
         self.extra_leaf_types = extra_leaf_types + _torchvision_leaves()
         self.uses_root_methods = False
         #: fake and constant values of the recorded nodes (``fxq.fx.example_values``)
-        self.example_values = ExampleValues(example_inputs or {})
+        self.example_values = ExampleValues(example_inputs or {}, _ACTIVE)
         #: condition nodes decided in Python (dropped after tracing when nothing else reads them)
         self.decided: list[torch.fx.Node] = []
 
