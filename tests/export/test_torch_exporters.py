@@ -187,22 +187,13 @@ def test_torch_onnx_dynamo_export_points_to_fxq_export(integer, tmp_path):
     assert not (tmp_path / "m.onnx").exists()
 
 
-#: rows whose integer kernel branches on activation values in Python
-#: (``fxq.quantized.functional.shift_round_signed``: ``bool((s < 0).any())``; log_softmax too)
-_DATA_DEPENDENT = {"layer_norm", "group_norm"}
-
-
 def _one_case_per_row() -> list:
     seen, cases = set(), []
     for case in _cases():
-        row_name, target = case.values
-        if row_name in seen:
-            continue
-        seen.add(row_name)
-        marks = ()
-        if row_name in _DATA_DEPENDENT:
-            marks = pytest.mark.xfail(reason="data-dependent branch in the kernel", strict=False)
-        cases.append(pytest.param(row_name, target, id=case.id, marks=marks))
+        row_name, _ = case.values
+        if row_name not in seen:
+            seen.add(row_name)
+            cases.append(case)
     return cases
 
 
