@@ -576,6 +576,8 @@ def _table() -> list[OpRow]:
         _lut("softplus", (nn.Softplus,), (F.softplus,)),
         _lut("mish", (nn.Mish,), (F.mish,)),
         _lut("abs", (), (torch.abs,), ("abs", "abs_")),
+        # -- lookups ---------------------------------------------------------------------
+        _compute("embedding", "Embedding", "embedding", modules=(nn.Embedding,)),
         # -- normalization ---------------------------------------------------------------
         _compute(
             "layer_norm",
@@ -763,6 +765,8 @@ _DOCS = {
     "probabilities as weights",
     "abs": "|x| by lookup table (exact where the output scale is the input's; the int16 "
     "segments have a knot at 0)",
+    "embedding": "int8 table with one scale per row, requantized once to the output scale; "
+    "a lookup is an exact gather of integer token ids",
     "div": "tensor / tensor and number / tensor: one exact integer division; tensor / number: "
     "a multiplier",
     "softmax": "subtract max, exp2 table, int32 sum, exact integer division (log-softmax: "

@@ -40,6 +40,7 @@ class Example:
     module: Callable[[type], nn.Module] | None = None
     call: Callable[..., Any] | None = None  # (f, x, y); methods come as f(t, *args)
     by_dim: bool = False  # input shape from the 1d / 2d / 3d in the target's name
+    ids: int = 0  # > 0: the input is integer token ids below this (no quant stub)
 
     def input_shapes(self, target: Any) -> tuple[tuple[int, ...], ...]:
         if self.by_dim:
@@ -176,6 +177,7 @@ EXAMPLES.update(
             ((2, 2, 5, 8), (2, 2, 6, 8)),
             call=lambda f, x, y: f(x, y, y) + f(x, x, x, is_causal=True, scale=0.5),
         ),
+        "embedding": Example(((2, 7),), module=lambda c: c(10, 8, padding_idx=0), ids=10),
         "stochastic_depth": Example(
             module=lambda c: c(0.5, "row"), call=lambda f, x, y: f(x, 0.5, "row", False)
         ),
@@ -227,7 +229,8 @@ class OpModel(nn.Module):
         return self.run(x, None)
 
     def run(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-        x = self.quant(x)
+        if not self.example.ids:
+            x = self.quant(x)
         target = self.target
         if isinstance(target, type):
             if target in (fxq.DeQuantStub, torch.ao.quantization.DeQuantStub):
@@ -256,6 +259,8 @@ class _Method:
 def _inputs(row_name: str, target: Any, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     shapes = EXAMPLES[row_name].input_shapes(target)
+    if EXAMPLES[row_name].ids:
+        return tuple(torch.randint(EXAMPLES[row_name].ids, s, generator=g) for s in shapes)
     return tuple(torch.randn(s, generator=g) for s in shapes)
 
 
@@ -268,7 +273,9 @@ def _prepare(row_name: str, target: Any) -> nn.Module:
     model.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxq.fx.prepare.FloatOpWarning)
-        return fxq.prepare_qat_fx(model, QCONFIG)
+        # integer inputs are known from example inputs only (token ids get no fake quant)
+        example = _inputs(row_name, target, 0) if EXAMPLES[row_name].ids else None
+        return fxq.prepare_qat_fx(model, QCONFIG, example_inputs=example)
 
 
 def _calibrate(qat: nn.Module, row_name: str, target: Any) -> None:

@@ -754,6 +754,14 @@ class IntegerWriter:
         xs = [self.as_float(i) for i in node.inputs]
         self.cast(self.op(op_type, xs), self.store(node.outputs[0]), outs[0])
 
+    def op_embedding(self, node: Node, outs: list[str]) -> None:
+        table = node.params["table"]
+        if self.store(node.outputs[0]) == "float32":  # QDQ: the float table, then Q / DQ
+            scale = np.float32(self.graph.tensors[node.outputs[0]].scale)
+            table = table.astype(np.float32) * scale
+        y = self.op("Gather", [self.const(table, hint="table"), self.name(node.inputs[0])], axis=0)
+        self.cast(y, self.store(node.outputs[0]), outs[0])
+
     # -- model ---------------------------------------------------------------------------------
     def value_info(self, ir_name: str) -> Any:
         t = self.graph.tensors[ir_name]

@@ -28,7 +28,8 @@ class QDQWriter(IntegerWriter):
     opset = 21
 
     def store(self, ir_name: str) -> str:
-        return "float32"
+        # integer tensors that are not quantized values (token ids) keep their int64
+        return "int64" if self.graph.tensors[ir_name].dtype == "int64" else "float32"
 
     def cast(self, x: str, dtype: str, out: str | None = None) -> str:
         if dtype != "float32":
@@ -95,7 +96,16 @@ class QDQWriter(IntegerWriter):
             y = self.op("Clip", [y, self.const(lo, np.float32), self.const(hi, np.float32)])
         self.qdq(y, node.outputs[0], out)
 
-    _MOVES = ("reshape", "transpose", "gather", "concat", "max_pool", "adaptive_max_pool", "clip")
+    _MOVES = (
+        "reshape",
+        "transpose",
+        "gather",
+        "concat",
+        "max_pool",
+        "adaptive_max_pool",
+        "clip",
+        "embedding",
+    )
 
     def write(self, node: Node) -> None:
         """Ops that move integers get their own Q / DQ pair (the usual QDQ form; it also

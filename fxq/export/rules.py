@@ -24,6 +24,7 @@ from fxq.quantized import (
     batchnorm,
     division,
     elementwise,
+    embedding,
     interpolate,
     matmul,
     normalization,
@@ -829,6 +830,18 @@ def _rule_extremum(ex: _Exporter, m: elementwise.Maximum, args, kwargs, result) 
     ex.emit("extremum", names, [result], {"fn": fn})
 
 
+def _rule_embedding(ex: _Exporter, m: embedding.Embedding, args, kwargs, result) -> None:
+    ids = args[0] if args else kwargs["input"]
+    table = m.table()
+    ex.emit(
+        "embedding",
+        [ex.name_of(ids)],
+        [result],
+        {"dtype": _dtype(result)},
+        {"table": _np(table).astype(np.int16 if result.qdtype.bits > 8 else np.int8)},
+    )
+
+
 #: integer module class -> export rule ``(exporter, module, args, kwargs, result)``
 RULES: dict[type, Callable[..., None]] = {
     qstubs.Quantize: _rule_quantize,
@@ -856,6 +869,7 @@ RULES: dict[type, Callable[..., None]] = {
     division.Div: _rule_div,
     elementwise.Maximum: _rule_extremum,
     elementwise.Minimum: _rule_extremum,
+    embedding.Embedding: _rule_embedding,
 }
 for _cls in (
     weighted.Conv1d,

@@ -554,6 +554,11 @@ def _k_extremum(node, inputs):
     return [pick(inputs[0], inputs[1])]
 
 
+def _k_embedding(node, inputs):
+    """``y[..., :] = table[ids[...], :]``: the table is already at the output scale."""
+    return [node.params["table"][inputs[0].astype(np.int64)]]
+
+
 #: op name -> kernel
 KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "quantize": _k_quantize,
@@ -580,4 +585,5 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "softmax": _k_softmax,
     "divide": _k_divide,
     "extremum": _k_extremum,
+    "embedding": _k_embedding,
 }
