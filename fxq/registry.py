@@ -576,6 +576,7 @@ def _table() -> list[OpRow]:
         _lut("softplus", (nn.Softplus,), (F.softplus,)),
         _lut("mish", (nn.Mish,), (F.mish,)),
         _lut("abs", (), (torch.abs,), ("abs", "abs_")),
+        _compute("prelu", "PReLU", "activation", modules=(nn.PReLU,)),
         # -- lookups ---------------------------------------------------------------------
         _compute("embedding", "Embedding", "embedding", modules=(nn.Embedding,)),
         # -- normalization ---------------------------------------------------------------
@@ -709,6 +710,7 @@ def _table() -> list[OpRow]:
             functions=(F.conv1d, F.conv2d, F.conv3d, F.linear),
             refine=_refine_functional_weight,
         ),
+        _float("prelu_functional", "", functions=(F.prelu,), refine=_refine_functional_weight),
         # -- Python values -------------------------------------------------------------------
         OpRow("getattr", Kind.NONTENSOR, functions=(getattr, len), doc="shapes and attributes"),
         OpRow(
@@ -765,6 +767,8 @@ _DOCS = {
     "probabilities as weights",
     "abs": "|x| by lookup table (exact where the output scale is the input's; the int16 "
     "segments have a knot at 0)",
+    "prelu": "both sides requantized to the output scale; the per-channel slope is the "
+    "negative side's multiplier (exact); F.prelu with a weight tensor stays float",
     "embedding": "int8 table with one scale per row, requantized once to the output scale; "
     "a lookup is an exact gather of integer token ids",
     "div": "tensor / tensor and number / tensor: one exact integer division; tensor / number: "

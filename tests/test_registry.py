@@ -85,6 +85,19 @@ class _SelfAttention(nn.Module):
         return torch.cat([out, plain, weights], -1)
 
 
+class _PReLU(nn.Module):
+    """A per-channel PReLU with slopes of both signs and 0, and a single-slope one."""
+
+    def __init__(self, prelu: nn.PReLU) -> None:
+        super().__init__()
+        self.prelu = prelu
+        self.prelu.weight.data = torch.tensor([0.25, -0.5, 0.0, 1.75])
+        self.single = type(prelu)()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.prelu(x), self.single(x)], 1)
+
+
 D1, D2, D3 = (2, 4, 8), (2, 4, 8, 8), (2, 4, 4, 6, 6)
 _BY_DIM = {1: D1, 2: D2, 3: D3}
 
@@ -177,6 +190,7 @@ EXAMPLES.update(
             ((2, 2, 5, 8), (2, 2, 6, 8)),
             call=lambda f, x, y: f(x, y, y) + f(x, x, x, is_causal=True, scale=0.5),
         ),
+        "prelu": Example(module=lambda c: _PReLU(c(4))),
         "embedding": Example(((2, 7),), module=lambda c: c(10, 8, padding_idx=0), ids=10),
         "stochastic_depth": Example(
             module=lambda c: c(0.5, "row"), call=lambda f, x, y: f(x, 0.5, "row", False)

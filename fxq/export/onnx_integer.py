@@ -754,6 +754,28 @@ class IntegerWriter:
         xs = [self.as_float(i) for i in node.inputs]
         self.cast(self.op(op_type, xs), self.store(node.outputs[0]), outs[0])
 
+    def prelu_factors(self, node: Node) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(r, r_neg, sign)``: the positive and per-channel negative factors ``m 2**-s`` and
+        the slopes' signs, shaped to broadcast against the input."""
+        p, rank = node.params, self.rank(node.inputs[0])
+        r = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
+        rn = np.ldexp(p["neg_multiplier"].astype(np.float64), -p["neg_shift"].astype(np.int64))
+        sign = p["neg_sign"].astype(np.float64)
+        if rn.size > 1:
+            rn, sign = (self.channel(v, rank, node.attrs["axis"]) for v in (rn, sign))
+        return r, rn, sign
+
+    def op_prelu(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        r, rn, sign = self.prelu_factors(node)
+        x = self.as_double(node.inputs[0])
+        dtype = self.store(node.outputs[0])
+        pos = self.requant(x, r, a["dtype"], a["rounding"], None, None, self.fresh("pos"))
+        signed = self.op("Mul", [x, self.const(sign, np.float64)])
+        neg = self.requant(signed, rn, a["dtype"], a["rounding"], None, None, self.fresh("neg"))
+        ge = self.op("GreaterOrEqual", [x, self.const(0.0, np.float64)])
+        self.cast(self.op("Where", [ge, pos, neg]), dtype, outs[0])
+
     def op_embedding(self, node: Node, outs: list[str]) -> None:
         table = node.params["table"]
         if self.store(node.outputs[0]) == "float32":  # QDQ: the float table, then Q / DQ

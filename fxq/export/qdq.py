@@ -332,6 +332,15 @@ class QDQWriter(IntegerWriter):
             xs = [self.const(np.float32(a["scalar"])), self.name(node.inputs[0])]
         self.qdq(self.op("Div", xs), node.outputs[0], outs[0])
 
+    def op_prelu(self, node: Node, outs: list[str]) -> None:
+        """``PRelu`` with the slopes the integer multipliers hold, between Q / DQ pairs."""
+        t = self.graph.tensors[node.outputs[0]]
+        r, rn, sign = self.prelu_factors(node)
+        factor = t.scale / self.fscale(node.inputs[0])
+        x = self.op("Mul", [self.name(node.inputs[0]), self.const(r * factor, np.float32)])
+        slope = (rn * sign / r).astype(np.float32)
+        self.qdq(self.op("PRelu", [x, self.const(slope, np.float32)]), node.outputs[0], outs[0])
+
     def op_extremum(self, node: Node, outs: list[str]) -> None:
         op_type = "Max" if node.attrs["fn"] == "maximum" else "Min"
         self.qdq(self.op(op_type, [self.name(i) for i in node.inputs]), node.outputs[0], outs[0])

@@ -830,6 +830,24 @@ def _rule_extremum(ex: _Exporter, m: elementwise.Maximum, args, kwargs, result) 
     ex.emit("extremum", names, [result], {"fn": fn})
 
 
+def _rule_prelu(ex: _Exporter, m: activation.PReLU, args, kwargs, result) -> None:
+    x = args[0] if args else kwargs["input"]
+    plan = m.plan(x)
+    ex.emit(
+        "prelu",
+        [ex.name_of(x)],
+        [result],
+        {"dtype": _dtype(result), "rounding": _rounding(m), "axis": m.channel_axis(x)},
+        {
+            "multiplier": _np(plan.multiplier, np.int64),
+            "shift": _np(plan.shift, np.int64),
+            "neg_multiplier": _np(plan.neg_multiplier, np.int64),
+            "neg_shift": _np(plan.neg_shift, np.int64),
+            "neg_sign": _np(plan.neg_sign, np.int64),
+        },
+    )
+
+
 def _rule_embedding(ex: _Exporter, m: embedding.Embedding, args, kwargs, result) -> None:
     ids = args[0] if args else kwargs["input"]
     table = m.table()
@@ -870,6 +888,7 @@ RULES: dict[type, Callable[..., None]] = {
     elementwise.Maximum: _rule_extremum,
     elementwise.Minimum: _rule_extremum,
     embedding.Embedding: _rule_embedding,
+    activation.PReLU: _rule_prelu,
 }
 for _cls in (
     weighted.Conv1d,

@@ -554,6 +554,22 @@ def _k_extremum(node, inputs):
     return [pick(inputs[0], inputs[1])]
 
 
+def _k_prelu(node, inputs):
+    """``x >= 0``: requantized by ``multiplier, shift``; ``x < 0``: ``x * neg_sign[c]``
+    requantized by ``neg_multiplier[c], neg_shift[c]`` (channel ``axis``)."""
+    a, p = node.attrs, node.params
+    x = inputs[0].astype(np.int64)
+    shape = [1] * x.ndim
+    if p["neg_multiplier"].size > 1:
+        shape[a["axis"]] = -1
+    per = {k: p[k].reshape(shape) for k in ("neg_multiplier", "neg_shift", "neg_sign")}
+    pos = _requant(x, p["multiplier"], p["shift"], a["dtype"], a["rounding"])
+    neg = _requant(
+        x * per["neg_sign"], per["neg_multiplier"], per["neg_shift"], a["dtype"], a["rounding"]
+    )
+    return [np.where(x >= 0, pos, neg)]
+
+
 def _k_embedding(node, inputs):
     """``y[..., :] = table[ids[...], :]``: the table is already at the output scale."""
     return [node.params["table"][inputs[0].astype(np.int64)]]
@@ -586,4 +602,5 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "divide": _k_divide,
     "extremum": _k_extremum,
     "embedding": _k_embedding,
+    "prelu": _k_prelu,
 }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fxq.qat.base import FunctionalQAT
 
-__all__ = ["Clamp", "LookupTableOp"]
+__all__ = ["Clamp", "LookupTableOp", "PReLU"]
 
 
 class Clamp(FunctionalQAT):
@@ -19,3 +19,8 @@ class Clamp(FunctionalQAT):
 class LookupTableOp(FunctionalQAT):
     """A pointwise non-linear function (sigmoid, tanh, hardsigmoid, hardswish, silu,
     gelu, exp, ...) evaluated in float during QAT and by table lookup once converted."""
+
+
+class PReLU(FunctionalQAT):
+    """``nn.PReLU``: the float op (its slope trained in float) during QAT; in the integer
+    model the slope is the negative side's per-channel multiplier (exact)."""

@@ -3,6 +3,10 @@
 Clamp (ReLU6 / Hardtanh / clamp): ``Y = clamp(shift_round(X * M, S), round(lo / s_y), round(hi / s_y))``
 with ``M 2**-S ~ s_x / s_y``.
 
+PReLU: ``Y = shift_round(X * M, S)`` for ``X >= 0`` and
+``Y = shift_round((X sign(a[c])) * N[c], T[c])`` for ``X < 0``, with
+``N[c] 2**-T[c] ~ |a[c]| s_x / s_y`` (the slope is in the multiplier; no table).
+
 Lookup tables: int8 inputs index a 256-entry table
 ``T[q] = clamp(round(f(q s_x) / s_y))``; int16 inputs use a segmented table
 (``fxq.quantized.functional.SegmentLUT``) with fixed-point linear interpolation.
@@ -10,6 +14,7 @@ Lookup tables: int8 inputs index a 256-entry table
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,10 +22,10 @@ from torch import Tensor, nn
 
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
-from fxq.quantized.base import multiplier_for
+from fxq.quantized.base import multiplier_for, require_finite
 from fxq.quantized.ops_base import FunctionalQuantized
 
-__all__ = ["Clamp", "LookupTable"]
+__all__ = ["Clamp", "LookupTable", "PReLU", "PReLUPlan"]
 
 
 def _clamp_bounds(op: Any, fn: Any, args: tuple, kwargs: dict) -> tuple[float | None, float | None]:
@@ -108,3 +113,79 @@ class LookupTable(FunctionalQuantized):
         if x.qdtype.bits == 8:
             return self.wrap(qf.apply_lut_int8(x.values(), table))
         return self.wrap(qf.apply_segment_lut(x.values(), table, self.rounding))
+
+
+@dataclass(frozen=True)
+class PReLUPlan:
+    """What PReLU computes with for one input scale.
+
+    Attributes:
+        multiplier, shift: the positive side, ``~ s_x / s_y``.
+        neg_multiplier, neg_shift: per channel (or one), ``~ |a[c]| s_x / s_y`` (0 for ``a = 0``).
+        neg_sign: per channel, ``sign(a[c])`` as -1 / 1 (float32).
+    """
+
+    multiplier: Tensor
+    shift: Tensor
+    neg_multiplier: Tensor
+    neg_shift: Tensor
+    neg_sign: Tensor
+
+
+class PReLU(FunctionalQuantized):
+    """Integer ``nn.PReLU``: both sides requantized to the output scale, the slope ``a[c]``
+    (channel axis 1, or 0 for 1-d inputs) held in the negative side's multiplier; exact.
+
+    Buffers:
+        slope: the float slopes ``a`` (one, or one per channel).
+    """
+
+    def __init__(self, qat: nn.Module) -> None:
+        super().__init__(qat)
+        slope = qat.op.weight.detach().reshape(-1)
+        require_finite(qat, {"PReLU weight": slope})
+        self.register_buffer("slope", slope.float().clone())
+
+    def plan(self, x: QTensor) -> PReLUPlan:
+        """The plan for ``x``'s scale (cached per scale)."""
+        (s_x,) = self.scale_values(x)
+        return self.derived((s_x,), lambda: self._derive(x.scale))
+
+    def _derive(self, s_x: Tensor) -> PReLUPlan:
+        s_y = self.output_scale.to(torch.float64)
+        ratio = qf.scale_ratio(s_x, s_y).reshape(1).cpu()
+        scales = {"input": s_x, "output": s_y}
+        m, s = multiplier_for(self, ratio, scales)
+        a = self.slope.detach().to(torch.float64).cpu()
+        zero = a == 0
+        real = torch.where(zero, torch.ones_like(a), a.abs()) * ratio
+        n, t = multiplier_for(self, real, {**scales, "slope": self.slope})
+        n = torch.where(zero, torch.zeros_like(n), n)
+        sign = torch.where(a < 0, -1.0, 1.0).to(torch.float32)
+        return PReLUPlan(m, s, n, t, sign)
+
+    @staticmethod
+    def channel_axis(x: QTensor) -> int:
+        return 1 if x.dim() >= 2 else 0
+
+    def forward(self, x: QTensor) -> QTensor:
+        plan = self.plan(x)
+        v = x.values()
+        axis = self.channel_axis(x)
+        per_channel = plan.neg_multiplier.numel() > 1
+        shape = [1] * v.dim()
+        if per_channel:
+            shape[axis] = -1
+        sign = plan.neg_sign.to(v.device).reshape(shape)
+        dt, r = self.out_dtype, self.rounding
+        pos = qf.requantize_exact(v, plan.multiplier, plan.shift, dt, r, as_float=True)
+        neg = qf.requantize_exact(
+            v * sign,
+            plan.neg_multiplier,
+            plan.neg_shift,
+            dt,
+            r,
+            axis if per_channel else None,
+            as_float=True,
+        )
+        return self.wrap(torch.where(v >= 0, pos, neg))

@@ -20,6 +20,7 @@ import fxq
 from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as Q8
 from fxq.qconfig import default_qat_8bit_weight_16bit_act_fake_quant_qconfig as Q16
 from fxq.quantized import functional as qf
+from fxq.quantized.activation import PReLU as IntegerPReLU
 from fxq.quantized.embedding import Embedding as IntegerEmbedding
 
 
@@ -132,3 +133,61 @@ def test_bert_embeddings_convert_bit_exactly_and_close_to_float(bayes, width):
         expected, got, reference = qat(*x), dequantized(integer(*x)), model(*x)
     assert torch.equal(expected, got)
     assert sqnr(reference, got) >= EMBEDDING_SQNR[width], sqnr(reference, got)
+
+
+# -- nn.PReLU -----------------------------------------------------------------------------------
+class _PReLUNet(nn.Module):
+    def __init__(self, slopes: list[float]) -> None:
+        super().__init__()
+        self.prelu = nn.PReLU(len(slopes))
+        self.prelu.weight.data = torch.tensor(slopes)
+
+    def forward(self, x):
+        return self.prelu(x)
+
+
+def ref_prelu(q: int, slope: float, s_x: Fraction, s_y: Fraction, spec, lo: int, hi: int) -> int:
+    """The integer PReLU of one value: half-up rounding of ``q * M * 2**-S`` with the march's
+    multiplier of ``s_x / s_y`` (``|a| s_x / s_y`` and the sign of ``a`` for ``q < 0``)."""
+    if q >= 0:
+        real, sign = s_x / s_y, 1
+    else:
+        real, sign = abs(Fraction(slope)) * s_x / s_y, (-1 if slope < 0 else 1)
+    if real == 0:
+        return 0
+    m, s = qf.quantize_multiplier(torch.tensor([float(real)], dtype=torch.float64), spec)
+    v = round_half_up(Fraction(q * sign * int(m)) / Fraction(2) ** int(s))
+    return min(max(v, lo), hi)
+
+
+@pytest.mark.parametrize("width", ["int8", "int16"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prelu_is_the_fraction_reference_and_close_to_float(bayes, width, seed):
+    torch.manual_seed(seed)
+    slopes = [0.25, -0.5, 0.0, 1.75, float(torch.rand(1)) * 0.3]
+    model = _PReLUNet(slopes)
+    data = [(torch.randn(4, 5, 6, 6) * 2,) for _ in range(3)]
+    qat, integer = quantize_model(model, data, Q16 if width == "int16" else Q8)
+    m = next(x for x in integer.modules() if isinstance(x, IntegerPReLU))
+    x = data[0][0]
+    with torch.no_grad():
+        expected, got, reference = qat(x), dequantized(integer(x)), model(x)
+    assert torch.equal(expected, got)
+    s_x = Fraction(float(qat.prelu.input_quants[0].scale))
+    s_y = Fraction(float(m.output_scale))
+    dt = m.out_dtype
+    qx = fxq.QTensor.quantize(
+        x, qat.prelu.input_quants[0].scale, qat.prelu.input_quants[0].dtype, m.rounding
+    )
+    qy = m(qx).values()
+    for c, slope in enumerate(slopes):
+        values = qx.values()[:, c].flatten().tolist()[:200]
+        outs = qy[:, c].flatten().tolist()[:200]
+        ref = [ref_prelu(int(q), slope, s_x, s_y, m.spec, dt.qmin, dt.qmax) for q in values]
+        assert [int(v) for v in outs] == ref, c
+    # one rounding of the input and one of the output: measured 36.3 / 38.0 dB (int8) and
+    # 57.3 / 65.3 dB (int16) for seeds 0 / 1
+    assert sqnr(reference, got) >= PRELU_SQNR[width], sqnr(reference, got)
+
+
+PRELU_SQNR = {"int8": 30.0, "int16": 50.0}
