@@ -205,13 +205,17 @@ for _name in (
     "silu",
     "gelu",
     "exp",
-    "leaky_relu",
     "elu",
     "softplus",
     "mish",
     "abs",
 ):
     EXAMPLES[_name] = Example(module=lambda c: c(), call=lambda f, x, y: f(x.clone()))
+
+EXAMPLES["leaky_relu"] = Example(
+    module=lambda c: c(0.2),
+    call=lambda f, x, y: f(x.clone(), 0.2) + f(x, negative_slope=-0.3),
+)
 
 QUANTIZABLE = (Kind.WEIGHTED, Kind.COMPUTE, Kind.PASSTHROUGH, Kind.QUANT_STUB, Kind.DEQUANT_STUB)
 

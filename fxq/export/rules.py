@@ -831,8 +831,8 @@ def _rule_extremum(ex: _Exporter, m: elementwise.Maximum, args, kwargs, result) 
 
 
 def _rule_prelu(ex: _Exporter, m: activation.PReLU, args, kwargs, result) -> None:
-    x = args[0] if args else kwargs["input"]
-    plan = m.plan(x)
+    x, rest = args[0], args[1:]
+    plan = m.plan(x, m.call_slope(rest, {k: v for k, v in kwargs.items() if k != "inplace"}))
     ex.emit(
         "prelu",
         [ex.name_of(x)],

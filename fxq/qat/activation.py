@@ -22,5 +22,6 @@ class LookupTableOp(FunctionalQAT):
 
 
 class PReLU(FunctionalQAT):
-    """``nn.PReLU``: the float op (its slope trained in float) during QAT; in the integer
-    model the slope is the negative side's per-channel multiplier (exact)."""
+    """``nn.PReLU`` / ``nn.LeakyReLU`` / ``F.leaky_relu``: the float op (a PReLU's slope trained
+    in float) during QAT; in the integer model the slope is the negative side's (per-channel)
+    multiplier (exact)."""

@@ -3,7 +3,7 @@
 Clamp (ReLU6 / Hardtanh / clamp): ``Y = clamp(shift_round(X * M, S), round(lo / s_y), round(hi / s_y))``
 with ``M 2**-S ~ s_x / s_y``.
 
-PReLU: ``Y = shift_round(X * M, S)`` for ``X >= 0`` and
+PReLU and LeakyReLU: ``Y = shift_round(X * M, S)`` for ``X >= 0`` and
 ``Y = shift_round((X sign(a[c])) * N[c], T[c])`` for ``X < 0``, with
 ``N[c] 2**-T[c] ~ |a[c]| s_x / s_y`` (the slope is in the multiplier; no table).
 
@@ -133,7 +133,7 @@ class PReLUPlan:
 
 
 class PReLU(FunctionalQuantized):
-    """Integer ``nn.PReLU``: both sides requantized to the output scale, the slope ``a[c]``
+    """Integer ``nn.PReLU`` / ``nn.LeakyReLU`` / ``F.leaky_relu``: both sides requantized to the output scale, the slope ``a[c]``
     (channel axis 1, or 0 for 1-d inputs) held in the negative side's multiplier; exact.
 
     Buffers:
@@ -142,21 +142,37 @@ class PReLU(FunctionalQuantized):
 
     def __init__(self, qat: nn.Module) -> None:
         super().__init__(qat)
-        slope = qat.op.weight.detach().reshape(-1)
-        require_finite(qat, {"PReLU weight": slope})
-        self.register_buffer("slope", slope.float().clone())
+        op = qat.op
+        if isinstance(op, nn.PReLU):
+            slope = op.weight.detach().reshape(-1).float()
+        elif isinstance(op, nn.LeakyReLU):
+            slope = torch.tensor([float(op.negative_slope)])
+        else:  # F.leaky_relu: the slope is an argument of each call
+            slope = torch.tensor([float("nan")])
+        if op is not None:
+            require_finite(qat, {"PReLU weight": slope})
+        self.register_buffer("slope", slope.clone())
 
-    def plan(self, x: QTensor) -> PReLUPlan:
-        """The plan for ``x``'s scale (cached per scale)."""
+    def call_slope(self, args: tuple, kwargs: dict) -> float | None:
+        """``F.leaky_relu``'s ``negative_slope`` (None for the module forms)."""
+        if self.op is not None:
+            return None
+        args = tuple(a for a in args if not isinstance(a, bool))
+        return float(args[0] if args else kwargs.get("negative_slope", 0.01))
+
+    def plan(self, x: QTensor, slope: float | None = None) -> PReLUPlan:
+        """The plan for ``x``'s scale (cached per scale and call slope)."""
         (s_x,) = self.scale_values(x)
-        return self.derived((s_x,), lambda: self._derive(x.scale))
+        return self.derived((s_x, slope), lambda: self._derive(x.scale, slope))
 
-    def _derive(self, s_x: Tensor) -> PReLUPlan:
+    def _derive(self, s_x: Tensor, slope: float | None = None) -> PReLUPlan:
         s_y = self.output_scale.to(torch.float64)
         ratio = qf.scale_ratio(s_x, s_y).reshape(1).cpu()
         scales = {"input": s_x, "output": s_y}
         m, s = multiplier_for(self, ratio, scales)
         a = self.slope.detach().to(torch.float64).cpu()
+        if slope is not None:
+            a = torch.tensor([slope], dtype=torch.float64)
         zero = a == 0
         real = torch.where(zero, torch.ones_like(a), a.abs()) * ratio
         n, t = multiplier_for(self, real, {**scales, "slope": self.slope})
@@ -168,8 +184,9 @@ class PReLU(FunctionalQuantized):
     def channel_axis(x: QTensor) -> int:
         return 1 if x.dim() >= 2 else 0
 
-    def forward(self, x: QTensor) -> QTensor:
-        plan = self.plan(x)
+    def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
+        kwargs.pop("inplace", None)
+        plan = self.plan(x, self.call_slope(args, kwargs))
         v = x.values()
         axis = self.channel_axis(x)
         per_channel = plan.neg_multiplier.numel() > 1

@@ -191,3 +191,43 @@ def test_prelu_is_the_fraction_reference_and_close_to_float(bayes, width, seed):
 
 
 PRELU_SQNR = {"int8": 30.0, "int16": 50.0}
+
+
+class _Leaky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaky = nn.LeakyReLU(0.1)
+
+    def forward(self, x):
+        return torch.cat([self.leaky(x), torch.nn.functional.leaky_relu(x, 0.2)], 1)
+
+
+@pytest.mark.parametrize("width", ["int8", "int16"])
+def test_leaky_relu_is_the_fraction_reference_and_close_to_float(bayes, width):
+    torch.manual_seed(3)
+    model = _Leaky()
+    data = [(torch.randn(4, 3, 5, 5) * 2,) for _ in range(3)]
+    qat, integer = quantize_model(model, data, Q16 if width == "int16" else Q8)
+    x = data[0][0]
+    with torch.no_grad():
+        expected, got, reference = qat(x), dequantized(integer(x)), model(x)
+    assert torch.equal(expected, got)
+    mods = [m for m in integer.modules() if isinstance(m, IntegerPReLU)]
+    assert len(mods) == 2
+    for m, slope, fq in zip(mods, (0.1, 0.2), (q.input_quants[0] for q in _qat_prelus(qat))):
+        qx = fxq.QTensor.quantize(x, fq.scale, fq.dtype, m.rounding)
+        qy = m(qx) if slope == 0.1 else m(qx, slope)
+        s_x, s_y, dt = Fraction(float(fq.scale)), Fraction(float(m.output_scale)), m.out_dtype
+        ref = [
+            ref_prelu(int(q), slope, s_x, s_y, m.spec, dt.qmin, dt.qmax)
+            for q in qx.values().flatten().tolist()
+        ]
+        assert [int(v) for v in qy.values().flatten().tolist()] == ref
+    # measured 39.7 dB (int8) and 83.4 dB (int16)
+    assert sqnr(reference, got) >= PRELU_SQNR[width], sqnr(reference, got)
+
+
+def _qat_prelus(qat: nn.Module) -> list[nn.Module]:
+    from fxq.qat.activation import PReLU
+
+    return [m for m in qat.modules() if isinstance(m, PReLU)]

@@ -153,7 +153,7 @@ CASES = {
         lambda m, x: F.leaky_relu(x, 0.2),
         1,
         (2, 3, 4, 4),
-        activation.LookupTable,
+        activation.PReLU,
         q8,
     ),
     "relu6": (
