@@ -171,7 +171,7 @@ def test_modules_that_stay_float_in_opaque_code_are_listed(bayes):
         def __init__(self) -> None:
             super().__init__()
             self.conv = nn.Conv2d(3, 4, 1)
-            self.norm = nn.PReLU(4)  # weights and no integer implementation: float
+            self.norm = nn.RNNCell(4, 4)  # weights and no integer implementation: float
 
         def forward(self, x):
             return self.post(self.conv(x))
@@ -180,7 +180,7 @@ def test_modules_that_stay_float_in_opaque_code_are_listed(bayes):
         def post(self, f):
             return self.norm(f.mean((2, 3)))
 
-    with pytest.warns(FloatOpWarning, match=r"norm \(torch.nn.modules.activation.PReLU"):
+    with pytest.warns(FloatOpWarning, match=r"norm \(torch.nn.modules.rnn.RNNCell"):
         fxq.prepare_qat_fx(WithNorm(), {"": q8})
 
 
