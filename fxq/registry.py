@@ -499,6 +499,7 @@ def _table() -> list[OpRow]:
             methods=("mul", "mul_"),
         ),
         _compute("cat", "Cat", "elementwise", functions=(torch.cat, torch.concat)),
+        _compute("stack", "Stack", "elementwise", functions=(torch.stack,)),
         _compute(
             "maximum", "Maximum", "elementwise", functions=(torch.maximum,), methods=("maximum",)
         ),
@@ -752,6 +753,7 @@ _DOCS = {
     "sub": "as add, with the second multiplier negated",
     "mul": "int32 product at s_a * s_b, requantized",
     "cat": "every input requantized to the output scale",
+    "stack": "every input requantized to the output scale, then stacked",
     "maximum": "both inputs requantized to the output scale, then the larger",
     "minimum": "both inputs requantized to the output scale, then the smaller",
     "matmul": "exact integer accumulation, requantized",

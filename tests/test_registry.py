@@ -129,6 +129,7 @@ EXAMPLES.update(
         "sub": Example((D2, D2), call=_binary),
         "mul": Example((D2, D2), call=_binary),
         "cat": Example((D2, D2), call=lambda f, x, y: f([x, y], 1)),
+        "stack": Example((D2, D2), call=lambda f, x, y: f([x, y * 2], 2)),
         "maximum": Example((D2, D2), call=lambda f, x, y: f(x, y * 2)),
         "minimum": Example((D2, D2), call=lambda f, x, y: f(x, y * 2)),
         "div": Example((D2, D2), call=lambda f, x, y: _divisions(f, x, y * y + 0.5)),

@@ -286,6 +286,19 @@ def _rule_cat(ex: _Exporter, m: elementwise.Cat, args, kwargs, result) -> None:
             {"multiplier": _np(mult, np.int64), "shift": _np(s, np.int64)},
             suffix=f"_requant{i}",
         )
+    if isinstance(m, elementwise.Stack):  # each input gets the new axis, then one concat
+        axis = int(dim) % result.dim()
+        stacked = []
+        for i, (t, name) in enumerate(zip(tensors, names)):
+            shape = [*t.shape[:axis], 1, *t.shape[axis:]]
+            tmp = QTensor(torch.zeros(shape, dtype=torch.float32), m.output_scale, m.out_dtype)
+            batched = ex.batched.get(name, False) and axis > 0
+            if batched:
+                shape = [0, *shape[1:]]  # the batch stays dynamic
+            stacked += ex.emit(
+                "reshape", [name], [tmp], {"shape": shape}, batched=batched, suffix=f"_axis{i}"
+            )
+        names = stacked
     ex.emit("concat", names, [result], {"axis": int(dim) % result.dim()})
 
 
@@ -871,6 +884,7 @@ RULES: dict[type, Callable[..., None]] = {
     elementwise.Sub: _rule_add,
     elementwise.Mul: _rule_mul,
     elementwise.Cat: _rule_cat,
+    elementwise.Stack: _rule_cat,
     matmul.MatMul: _rule_matmul,
     activation.Clamp: _rule_clamp,
     activation.LookupTable: _rule_lut,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fxq.qat.base import FunctionalQAT
 
-__all__ = ["Add", "Sub", "Mul", "Cat", "Maximum", "Minimum"]
+__all__ = ["Add", "Sub", "Mul", "Cat", "Stack", "Maximum", "Minimum"]
 
 
 class Add(FunctionalQAT):
@@ -26,6 +26,10 @@ class Mul(FunctionalQAT):
 
 class Cat(FunctionalQAT):
     """``torch.cat(tensors, dim)``; every input is requantized to the output scale."""
+
+
+class Stack(FunctionalQAT):
+    """``torch.stack(tensors, dim)``; every input is requantized to the output scale."""
 
 
 class Maximum(FunctionalQAT):

@@ -22,7 +22,7 @@ from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
 from fxq.quantized.ops_base import FunctionalQuantized
 
-__all__ = ["Add", "Sub", "Mul", "Cat", "Maximum", "Minimum"]
+__all__ = ["Add", "Sub", "Mul", "Cat", "Stack", "Maximum", "Minimum"]
 
 
 def _operands(args: tuple, kwargs: dict) -> tuple[Any, Any, float]:
@@ -122,6 +122,8 @@ class Mul(FunctionalQuantized):
 class Cat(FunctionalQuantized):
     """Integer ``torch.cat``: inputs requantized to the output scale."""
 
+    _JOIN = staticmethod(torch.cat)
+
     def forward(self, tensors, dim: int = 0) -> QTensor:
         s_y = self.output_scale
         scales = self.scale_values(*tensors)
@@ -136,11 +138,17 @@ class Cat(FunctionalQuantized):
                         t.values(), m, n, self.out_dtype, self.rounding, as_float=True
                     )
                 )
-        return self.wrap(torch.cat(datas, dim))
+        return self.wrap(self._JOIN(datas, dim))
 
     def _derive(self, s_x: Tensor) -> tuple[Tensor, Tensor]:
         s_y = self.output_scale
         return multiplier_for(self, qf.scale_ratio(s_x, s_y), {"input": s_x, "output": s_y})
+
+
+class Stack(Cat):
+    """Integer ``torch.stack``: inputs requantized to the output scale, then stacked."""
+
+    _JOIN = staticmethod(torch.stack)
 
 
 class Maximum(FunctionalQuantized):

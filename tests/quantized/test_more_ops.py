@@ -231,3 +231,47 @@ def _qat_prelus(qat: nn.Module) -> list[nn.Module]:
     from fxq.qat.activation import PReLU
 
     return [m for m in qat.modules() if isinstance(m, PReLU)]
+
+
+# -- torch.stack --------------------------------------------------------------------------------
+class _Stack(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x, y):
+        return torch.stack([x, y], self.dim)
+
+
+def ref_requant(q: int, real: Fraction, spec, lo: int, hi: int) -> int:
+    m, s = qf.quantize_multiplier(torch.tensor([float(real)], dtype=torch.float64), spec)
+    return min(max(round_half_up(Fraction(q * int(m)) / Fraction(2) ** int(s)), lo), hi)
+
+
+@pytest.mark.parametrize("width", ["int8", "int16"])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_stack_is_the_fraction_reference_and_close_to_float(bayes, width, dim):
+    torch.manual_seed(dim + 5)
+    model = _Stack(dim)
+    data = [(torch.randn(4, 6, 5), torch.randn(4, 6, 5) * 3) for _ in range(3)]
+    qat, integer = quantize_model(model, data, Q16 if width == "int16" else Q8)
+    x = data[0]
+    with torch.no_grad():
+        expected, got, reference = qat(*x), dequantized(integer(*x)), model(*x)
+    assert torch.equal(expected, got)
+    from fxq.quantized.elementwise import Stack
+
+    m = next(v for v in integer.modules() if isinstance(v, Stack))
+    fqs = next(v for v in qat.modules() if type(v).__name__ == "Stack").input_quants
+    qs = [fxq.QTensor.quantize(t, fq.scale, fq.dtype, m.rounding) for t, fq in zip(x, fqs)]
+    out = m(qs, dim).values()
+    s_y, dt = Fraction(float(m.output_scale)), m.out_dtype
+    for i, q in enumerate(qs):
+        real = Fraction(float(q.scale)) / s_y
+        ref = [ref_requant(int(v), real, m.spec, dt.qmin, dt.qmax) for v in q.values().flatten()]
+        assert [int(v) for v in out.select(dim, i).flatten()] == ref
+    graph = fxq.export.to_graph(integer, x)
+    assert torch.equal(torch.from_numpy(graph.run(*[t.numpy() for t in x])[0]), got)
+    # one rounding of each input and one requantization: measured 39.4 to 43.1 dB (int8), 59.6
+    # to 76.2 dB (int16)
+    assert sqnr(reference, got) >= (33.0 if width == "int8" else 56.0), sqnr(reference, got)
