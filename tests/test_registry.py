@@ -172,6 +172,9 @@ EXAMPLES.update(
         "split": Example(call=_first(2, 1)),
         "unbind": Example(call=_first(1)),
         "narrow": Example(call=_unary(1, 0, 2)),
+        "select": Example(call=_unary(1, 2)),
+        "index_select": Example(call=lambda f, x, y: f(x, 1, torch.tensor([2, 0, 2]))),
+        "gather": Example(call=lambda f, x, y: f(x, 3, torch.tensor([7, 0, 3]).repeat(2, 4, 8, 1))),
         "flip": Example(call=lambda f, x, y: f(x, (1,))),
         "roll": Example(call=_unary(1, 2)),
         "expand": Example(

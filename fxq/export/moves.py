@@ -68,11 +68,25 @@ def _rule_adaptive_max_pool(ex: _Exporter, n, module, args, kwargs, result) -> N
     )
 
 
+def _rule_indexed(ex: _Exporter, n, module, args, kwargs, result) -> None:
+    """``index_select`` / ``gather``: integers move by a constant index (a source-index rule);
+    an index computed in the graph would be baked in with its example value, so it is refused."""
+    index = args[2] if len(args) > 2 else kwargs.get("index")
+    if isinstance(index, Tensor) and id(index) in ex.names:
+        raise ex.error(
+            "its index tensor is computed in the graph (or is a graph input); fxq exports "
+            "index_select / gather with constant indices only"
+        )
+    _movement(ex, n, module, args, kwargs, result)
+
+
 #: pass-through registry rows (name without the 1d/2d/3d) whose QTensor op computes on values
 VALUE_RULES: dict[str, Callable[..., None]] = {
     "relu": _rule_relu,
     "max_pool": _rule_max_pool,
     "adaptive_max_pool": _rule_adaptive_max_pool,
+    "index_select": _rule_indexed,
+    "gather": _rule_indexed,
 }
 
 #: pass-through rows that QTensor implements itself ("custom") and that only move integers,

@@ -275,3 +275,51 @@ def test_stack_is_the_fraction_reference_and_close_to_float(bayes, width, dim):
     # one rounding of each input and one requantization: measured 39.4 to 43.1 dB (int8), 59.6
     # to 76.2 dB (int16)
     assert sqnr(reference, got) >= (33.0 if width == "int8" else 56.0), sqnr(reference, got)
+
+
+# -- select, index_select, gather ---------------------------------------------------------------
+class _Pick(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant = fxq.QuantStub()  # moves alone quantize nothing: the input is quantized here
+
+    def forward(self, x):
+        return _moves(self.quant(x))
+
+
+def _moves(x):
+    a = x.select(1, 2)
+    b = torch.index_select(x, 1, torch.tensor([3, 0, 3]))
+    c = torch.gather(x, 2, torch.tensor([[4, 0], [1, 1], [2, 5]]).repeat(4, 1, 1))
+    return a, b, c
+
+
+class _DynamicPick(_Pick):
+    def forward(self, x, index):
+        return torch.index_select(self.quant(x), 1, index)
+
+
+def test_select_index_select_gather_keep_the_grid_exactly(bayes):
+    torch.manual_seed(0)
+    model = _Pick()
+    data = [(torch.randn(4, 5, 6),) for _ in range(3)]
+    qat, integer = quantize_model(model, data)
+    x = data[0][0]
+    with torch.no_grad():
+        expected, got = qat(x), integer(x)
+    fq = qat.quant.activation_post_process
+    qx = fxq.QTensor.quantize(x, fq.scale, fq.dtype, bayes.rounding).dequantize()
+    # the same moves on the input's grid: no new rounding
+    reference = _moves(qx)
+    for e, g, r in zip(expected, got, reference):
+        assert torch.equal(e, dequantized(g)) and torch.equal(dequantized(g), r)
+    graph = fxq.export.to_graph(integer, (x,))
+    for g, n in zip(got, graph.run(x.numpy())):
+        assert torch.equal(dequantized(g), torch.from_numpy(n))
+
+
+def test_index_select_with_an_index_computed_in_the_graph_is_refused_by_export(bayes):
+    data = [(torch.randn(2, 5), torch.tensor([4, 1]))]
+    _, integer = quantize_model(_DynamicPick(), data, example=data[0])
+    with pytest.raises(fxq.export.ExportError, match="constant indices only"):
+        fxq.export.to_graph(integer, data[0])
