@@ -708,6 +708,8 @@ def _table() -> list[OpRow]:
         _pass("select", (), (torch.select,), ("select",)),
         _pass("index_select", (), (torch.index_select,), ("index_select",)),
         _pass("gather", (), (torch.gather,), ("gather",)),
+        _pass("amax", (), (torch.amax,), ("amax",)),
+        _pass("amin", (), (torch.amin,), ("amin",)),
         _pass("flip", (), (torch.flip,), ("flip",)),
         _pass("roll", (), (torch.roll,), ("roll",)),
         _pass("expand", (), (), ("expand", "expand_as")),

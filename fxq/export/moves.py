@@ -80,6 +80,19 @@ def _rule_indexed(ex: _Exporter, n, module, args, kwargs, result) -> None:
     _movement(ex, n, module, args, kwargs, result)
 
 
+def _rule_extreme(ex: _Exporter, n, module, args, kwargs, result) -> None:
+    """``amax`` / ``amin``: the largest / smallest integers over ``dim`` (the grid is kept)."""
+    x = args[0] if args else kwargs["input"]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", ())
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    axes = sorted(d % x.dim() for d in dims) if dims else list(range(x.dim()))
+    fn = registry.row_for(n, ex.modules)[0].name
+    ex.emit(
+        "reduce_extreme", [ex.name_of(x)], [result], {"fn": fn, "axes": axes, "keepdim": keepdim}
+    )
+
+
 #: pass-through registry rows (name without the 1d/2d/3d) whose QTensor op computes on values
 VALUE_RULES: dict[str, Callable[..., None]] = {
     "relu": _rule_relu,
@@ -87,6 +100,8 @@ VALUE_RULES: dict[str, Callable[..., None]] = {
     "adaptive_max_pool": _rule_adaptive_max_pool,
     "index_select": _rule_indexed,
     "gather": _rule_indexed,
+    "amax": _rule_extreme,
+    "amin": _rule_extreme,
 }
 
 #: pass-through rows that QTensor implements itself ("custom") and that only move integers,

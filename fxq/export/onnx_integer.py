@@ -776,6 +776,14 @@ class IntegerWriter:
         ge = self.op("GreaterOrEqual", [x, self.const(0.0, np.float64)])
         self.cast(self.op("Where", [ge, pos, neg]), dtype, outs[0])
 
+    def op_reduce_extreme(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        op_type = "ReduceMax" if a["fn"] == "amax" else "ReduceMin"
+        axes = self.const(np.array(a["axes"], np.int64), hint="axes")
+        x = self.as_float(node.inputs[0])  # exact: int8 / int16 values
+        y = self.op(op_type, [x, axes], keepdims=int(a["keepdim"]))
+        self.cast(y, self.store(node.outputs[0]), outs[0])
+
     def op_embedding(self, node: Node, outs: list[str]) -> None:
         table = node.params["table"]
         if self.store(node.outputs[0]) == "float32":  # QDQ: the float table, then Q / DQ

@@ -105,6 +105,7 @@ class QDQWriter(IntegerWriter):
         "adaptive_max_pool",
         "clip",
         "embedding",
+        "reduce_extreme",
     )
 
     def write(self, node: Node) -> None:

@@ -570,6 +570,13 @@ def _k_prelu(node, inputs):
     return [np.where(x >= 0, pos, neg)]
 
 
+def _k_reduce_extreme(node, inputs):
+    """``amax`` / ``amin`` of the integers over ``axes``."""
+    a = node.attrs
+    pick = np.max if a["fn"] == "amax" else np.min
+    return [pick(inputs[0], axis=tuple(a["axes"]), keepdims=a["keepdim"])]
+
+
 def _k_embedding(node, inputs):
     """``y[..., :] = table[ids[...], :]``: the table is already at the output scale."""
     return [node.params["table"][inputs[0].astype(np.int64)]]
@@ -603,4 +610,5 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "extremum": _k_extremum,
     "embedding": _k_embedding,
     "prelu": _k_prelu,
+    "reduce_extreme": _k_reduce_extreme,
 }

@@ -323,3 +323,30 @@ def test_index_select_with_an_index_computed_in_the_graph_is_refused_by_export(b
     _, integer = quantize_model(_DynamicPick(), data, example=data[0])
     with pytest.raises(fxq.export.ExportError, match="constant indices only"):
         fxq.export.to_graph(integer, data[0])
+
+
+# -- amax, amin ---------------------------------------------------------------------------------
+class _Extremes(_Pick):
+    def forward(self, x):
+        return _extremes(self.quant(x))
+
+
+def _extremes(x):
+    return torch.amax(x, 1), x.amin((0, 2), keepdim=True), torch.amax(x), x.amin(-1)
+
+
+@pytest.mark.parametrize("width", ["int8", "int16"])
+def test_amax_amin_keep_the_grid_exactly(bayes, width):
+    torch.manual_seed(1)
+    model = _Extremes()
+    data = [(torch.randn(4, 5, 6),) for _ in range(3)]
+    qat, integer = quantize_model(model, data, Q16 if width == "int16" else Q8)
+    x = data[0][0]
+    with torch.no_grad():
+        expected, got = qat(x), integer(x)
+    fq = qat.quant.activation_post_process
+    reference = _extremes(fxq.QTensor.quantize(x, fq.scale, fq.dtype, bayes.rounding).dequantize())
+    graph = fxq.export.to_graph(integer, (x,))
+    for e, g, r, n in zip(expected, got, reference, graph.run(x.numpy())):
+        assert torch.equal(e, dequantized(g)) and torch.equal(dequantized(g), r)
+        assert torch.equal(dequantized(g), torch.from_numpy(n))
