@@ -359,6 +359,23 @@ for _fn, _name in (
     implements(_fn)(_delegate(_name))
 
 
+def _arg_extreme(op: Callable) -> Callable:
+    """``argmax`` / ``argmin`` on the integers: int64 indices (a plain tensor, not quantized);
+    a positive scale keeps the order, so they are the float op's indices on the grid."""
+
+    def impl(input: QTensor, *args: Any, **kwargs: Any) -> Tensor:
+        input._per_tensor(getattr(op, "__name__", "op"))
+        return op(input.values(), *_unwrap(args), **kwargs)
+
+    impl.__name__ = getattr(op, "__name__", "op")
+    return impl
+
+
+for _fn in (torch.argmax, torch.argmin):
+    implements(_fn, getattr(torch.Tensor, _fn.__name__))(_arg_extreme(_fn))
+    setattr(QTensor, _fn.__name__, _arg_extreme(_fn))
+
+
 def _float_roundtrip(op: Callable, input: QTensor, *args: Any, **kwargs: Any) -> QTensor:
     """Run a value-selecting op on the exact float32 form of the integers (int16 fits)."""
     input._per_tensor(getattr(op, "__name__", "op"))

@@ -710,6 +710,8 @@ def _table() -> list[OpRow]:
         _pass("gather", (), (torch.gather,), ("gather",)),
         _pass("amax", (), (torch.amax,), ("amax",)),
         _pass("amin", (), (torch.amin,), ("amin",)),
+        _pass("argmax", (), (torch.argmax,), ("argmax",), qtensor="custom"),
+        _pass("argmin", (), (torch.argmin,), ("argmin",), qtensor="custom"),
         _pass("flip", (), (torch.flip,), ("flip",)),
         _pass("roll", (), (torch.roll,), ("roll",)),
         _pass("expand", (), (), ("expand", "expand_as")),

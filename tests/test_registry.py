@@ -173,6 +173,8 @@ EXAMPLES.update(
         "unbind": Example(call=_first(1)),
         "narrow": Example(call=_unary(1, 0, 2)),
         "select": Example(call=_unary(1, 2)),
+        "argmax": Example(call=lambda f, x, y: f(x, 1, True)),
+        "argmin": Example(call=lambda f, x, y: f(x, -1)),
         "amax": Example(call=lambda f, x, y: f(f(x, -1, True), (1, 3))),
         "amin": Example(call=lambda f, x, y: f(f(x, -1, True), (1, 3))),
         "index_select": Example(call=lambda f, x, y: f(x, 1, torch.tensor([2, 0, 2]))),

@@ -93,6 +93,16 @@ def _rule_extreme(ex: _Exporter, n, module, args, kwargs, result) -> None:
     )
 
 
+def _rule_arg_extreme(ex: _Exporter, n, module, args, kwargs, result) -> None:
+    """``argmax`` / ``argmin``: int64 indices of the largest / smallest integers (first on ties)."""
+    x = args[0] if args else kwargs["input"]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    fn = registry.row_for(n, ex.modules)[0].name
+    axis = None if dim is None else int(dim) % x.dim()
+    ex.emit("arg_extreme", [ex.name_of(x)], [result], {"fn": fn, "axis": axis, "keepdim": keepdim})
+
+
 #: pass-through registry rows (name without the 1d/2d/3d) whose QTensor op computes on values
 VALUE_RULES: dict[str, Callable[..., None]] = {
     "relu": _rule_relu,
@@ -102,6 +112,8 @@ VALUE_RULES: dict[str, Callable[..., None]] = {
     "gather": _rule_indexed,
     "amax": _rule_extreme,
     "amin": _rule_extreme,
+    "argmax": _rule_arg_extreme,
+    "argmin": _rule_arg_extreme,
 }
 
 #: pass-through rows that QTensor implements itself ("custom") and that only move integers,

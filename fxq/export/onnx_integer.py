@@ -784,6 +784,19 @@ class IntegerWriter:
         y = self.op(op_type, [x, axes], keepdims=int(a["keepdim"]))
         self.cast(y, self.store(node.outputs[0]), outs[0])
 
+    def op_arg_extreme(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        op_type = "ArgMax" if a["fn"] == "argmax" else "ArgMin"
+        x = self.as_float(node.inputs[0])  # exact: int8 / int16 values
+        keep = int(a["keepdim"])
+        if a["axis"] is None:
+            flat = self.op("Reshape", [x, self.const(np.array([-1], np.int64), hint="shape")])
+            y = self.op(op_type, [flat], axis=0, keepdims=0)
+            shape = [1] * self.rank(node.inputs[0]) if keep else []
+            self.op("Reshape", [y, self.const(np.array(shape, np.int64), hint="shape")], outs[0])
+            return
+        self.op(op_type, [x], outs[0], axis=a["axis"], keepdims=keep)
+
     def op_embedding(self, node: Node, outs: list[str]) -> None:
         table = node.params["table"]
         if self.store(node.outputs[0]) == "float32":  # QDQ: the float table, then Q / DQ

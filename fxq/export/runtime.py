@@ -577,6 +577,17 @@ def _k_reduce_extreme(node, inputs):
     return [pick(inputs[0], axis=tuple(a["axes"]), keepdims=a["keepdim"])]
 
 
+def _k_arg_extreme(node, inputs):
+    """``argmax`` / ``argmin`` (int64; over the flattened tensor for ``axis`` null)."""
+    a = node.attrs
+    pick = np.argmax if a["fn"] == "argmax" else np.argmin
+    x = inputs[0]
+    if a["axis"] is None:
+        out = np.asarray(pick(x.reshape(-1)), np.int64)
+        return [out.reshape([1] * x.ndim) if a["keepdim"] else out]
+    return [pick(x, axis=a["axis"], keepdims=a["keepdim"]).astype(np.int64)]
+
+
 def _k_embedding(node, inputs):
     """``y[..., :] = table[ids[...], :]``: the table is already at the output scale."""
     return [node.params["table"][inputs[0].astype(np.int64)]]
@@ -611,4 +622,5 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "embedding": _k_embedding,
     "prelu": _k_prelu,
     "reduce_extreme": _k_reduce_extreme,
+    "arg_extreme": _k_arg_extreme,
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -350,3 +351,40 @@ def test_amax_amin_keep_the_grid_exactly(bayes, width):
     for e, g, r, n in zip(expected, got, reference, graph.run(x.numpy())):
         assert torch.equal(e, dequantized(g)) and torch.equal(dequantized(g), r)
         assert torch.equal(dequantized(g), torch.from_numpy(n))
+
+
+# -- argmax, argmin -----------------------------------------------------------------------------
+class _Args(_Pick):
+    def forward(self, x):
+        return _args(self.quant(x))
+
+
+def _args(x):
+    return torch.argmax(x, 1), x.argmin(-1, keepdim=True), torch.argmax(x), x.argmin()
+
+
+@pytest.mark.parametrize("width", ["int8", "int16"])
+def test_argmax_argmin_are_the_indices_on_the_grid(bayes, width):
+    torch.manual_seed(2)
+    model = _Args()
+    data = [(torch.randn(4, 5, 6),) for _ in range(3)]
+    qat, integer = quantize_model(model, data, Q16 if width == "int16" else Q8)
+    x = data[0][0]
+    x[0, :, 0] = x[0, 0, 0]  # ties: the first index, in every form
+    with torch.no_grad():
+        expected, got = qat(x), integer(x)
+    fq = qat.quant.activation_post_process
+    reference = _args(fxq.QTensor.quantize(x, fq.scale, fq.dtype, bayes.rounding).dequantize())
+    graph = fxq.export.to_graph(integer, (x,))
+    pytest.importorskip("onnxruntime")
+    from fxq.export.onnx import graph_to_onnx
+    from tests.export.helpers import run_onnx
+
+    runs = [graph.run(x.numpy())] + [
+        run_onnx(graph_to_onnx(graph, mode=mode), (x,)) for mode in ("integer", "qdq")
+    ]
+    for i, (e, g, r) in enumerate(zip(expected, got, reference)):
+        assert type(g) is torch.Tensor and g.dtype is torch.int64  # indices, not quantized
+        assert torch.equal(e, g) and torch.equal(g, r)
+        for outs in runs:
+            assert torch.equal(g, torch.from_numpy(np.asarray(outs[i]))), i
