@@ -86,6 +86,8 @@ def summary(model: nn.Module, show: bool = True) -> list[dict[str, Any]]:
             output = "float32"
         elif node.op == "output":
             output = ", ".join(inputs)
+        elif status == "value":  # prepare saw a Python value or an integer / bool tensor
+            output = "python value / integer tensor"
         elif isinstance(module, QATModule):
             output, march = _fake_quant(module.activation_post_process), "yes"
         elif isinstance(module, Quantize):
@@ -115,7 +117,8 @@ def summary(model: nn.Module, show: bool = True) -> list[dict[str, Any]]:
                 output = "float32"
                 if is_opaque_call(node):
                     status = "opaque"
-                if status == "float fallback" or (
+                listed = "fxq_float_reason" in node.meta  # prepare's FloatOpWarning lists it
+                if (status == "float fallback" and listed) or (
                     status is None
                     and rule.kind is Kind.FLOAT
                     and any(i != "float32" for i in inputs)

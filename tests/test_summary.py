@@ -1,5 +1,8 @@
+import warnings
+
 import pytest
 import torch
+from torch import nn
 
 import fxq
 from fxq.qconfig import default_calib_8bit_fake_quant_qconfig as q8
@@ -66,3 +69,32 @@ def test_summary_shows_fusions_scales_and_qconfig_sources(bayes):
 def test_summary_needs_a_graph_module():
     with pytest.raises(TypeError, match="expects a GraphModule"):
         fxq.summary(torch.nn.Linear(2, 2))
+
+
+def test_integer_tensors_and_index_arithmetic_are_not_reported_as_float(bayes):
+    """Token ids, positions from torch.arange and masks are integer tensors: prepare never
+    quantizes them, and summary agrees with its float-op list (here: empty)."""
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.words = nn.Embedding(50, 8)
+            self.positions = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, ids):
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+            keep = (ids > 0).to(torch.int64).unsqueeze(-1)
+            h = self.words(ids) + self.positions(positions)
+            return self.head(h * keep.to(h.dtype))
+
+    ids = torch.randint(1, 50, (2, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fxq.FloatOpWarning)
+        qat = fxq.prepare_qat_fx(
+            Tokens(), {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig}, example_inputs=(ids,)
+        )
+    rows = fxq.summary(qat)
+    assert [r["node"] for r in rows if r["unsupported"]] == []
+    arange = next(r for r in rows if r["node"] == "arange")
+    assert arange["output"] == "python value / integer tensor"

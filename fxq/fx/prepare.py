@@ -234,9 +234,10 @@ class _Preparer:
     def run(self) -> None:
         for node in list(self.gm.graph.nodes):
             self.fq_of[node] = None
-            if node.op in ("placeholder", "get_attr", "output") or not self.is_tensor.get(
-                node, True
-            ):
+            if node.op in ("placeholder", "get_attr", "output"):
+                continue
+            if not self.is_tensor.get(node, True):
+                node.meta["fxq_status"] = "value"  # a Python value or an integer / bool tensor
                 continue
             if node.op == "call_module" and node.target in self.swapped_first:
                 self._install_call_site(node)
