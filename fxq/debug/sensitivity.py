@@ -252,10 +252,9 @@ def sensitivity(
     values, less where a value's branch leaves the others. The convolutions are
     nearly all of it. Memory: the cached values of one batch; pass a list of
     batches to bound it (e.g. 96 crops as 6 batches of 16). Measured with
-    ``benchmarks/sensitivity_speed.py`` (two threads): MobileNetV2, 108 values, on
-    one batch of 16 crops of 224 pixels: 25 s on an idle two-core machine (one float
-    forward of the batch: 0.47 s), so about 2.5 minutes for 96 crops in 6 batches
-    of 16 (the batches are independent); on a machine shared with other jobs the
+    ``benchmarks/sensitivity_speed.py`` (two threads, idle two-core machine):
+    MobileNetV2, 108 values, 96 crops of 224 pixels in 6 batches of 16: 70 s
+    (35 s for the 55 activations alone); on a machine shared with other jobs the
     wall time grows with the load (see ``docs/debugging.md``).
 
     Args:
