@@ -86,8 +86,6 @@ def summary(model: nn.Module, show: bool = True) -> list[dict[str, Any]]:
             output = "float32"
         elif node.op == "output":
             output = ", ".join(inputs)
-        elif status == "value":  # prepare saw a Python value or an integer / bool tensor
-            output = "python value / integer tensor"
         elif isinstance(module, QATModule):
             output, march = _fake_quant(module.activation_post_process), "yes"
         elif isinstance(module, Quantize):
@@ -113,6 +111,8 @@ def summary(model: nn.Module, show: bool = True) -> list[dict[str, Any]]:
                 output, march = inputs[0], "yes"
             elif rule.kind is Kind.NONTENSOR:
                 output = "python value"
+            elif status == "value":  # prepare saw an integer / bool tensor (ids, positions)
+                output = "integer tensor"
             else:
                 output = "float32"
                 if is_opaque_call(node):

@@ -97,4 +97,4 @@ def test_integer_tensors_and_index_arithmetic_are_not_reported_as_float(bayes):
     rows = fxq.summary(qat)
     assert [r["node"] for r in rows if r["unsupported"]] == []
     arange = next(r for r in rows if r["node"] == "arange")
-    assert arange["output"] == "python value / integer tensor"
+    assert arange["output"] == "integer tensor"
