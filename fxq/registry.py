@@ -254,13 +254,10 @@ def _refine_norm_weights(row: OpRow, node: Node | None, module: nn.Module | None
 
 
 def _refine_sdpa(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
-    mask, dropout = _arg(node, 3, "attn_mask"), _arg(node, 4, "dropout_p", 0.0)
+    # an attn_mask (bool, or additive 0 / -inf) is a keep-mask that prepare never quantizes
+    # (the QAT class's ``unquantized_args``); other float values raise when the op runs
+    dropout = _arg(node, 4, "dropout_p", 0.0)
     gqa = _arg(node, 7, "enable_gqa", False)
-    if mask is not None:
-        return row.as_float(
-            "scaled_dot_product_attention with an attn_mask tensor: prepare would quantize the "
-            "mask as an activation; integer attention takes is_causal=True or no mask"
-        )
     if isinstance(dropout, Node) or dropout:
         return row.as_float("scaled_dot_product_attention with dropout_p > 0 (random in any mode)")
     if isinstance(gqa, Node) or gqa:
@@ -281,12 +278,6 @@ def _refine_mha(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRo
         ]
         if unsupported:
             return row.as_float(f"nn.MultiheadAttention with {', '.join(unsupported)}")
-    masks = [_arg(node, 3, "key_padding_mask"), _arg(node, 5, "attn_mask")]
-    if any(m is not None for m in masks):
-        return row.as_float(
-            "nn.MultiheadAttention with a key_padding_mask / attn_mask tensor: prepare would "
-            "quantize the mask as an activation; integer attention takes no mask"
-        )
     return dataclasses.replace(row, refine=None)
 
 
@@ -776,11 +767,11 @@ _DOCS = {
     "int8 per-channel affine, requantized",
     "group_norm": "as layer_norm, over each group; per-channel affine",
     "scaled_dot_product_attention": "integer q @ k^T (scale in the multiplier), integer softmax "
-    "(is_causal leaves out j > i), integer probabilities @ v; int16 scores and probabilities "
-    "(bayes)",
+    "over the entries attn_mask (bool, or additive 0 / <= -1e4; never quantized) and is_causal "
+    "leave in, integer probabilities @ v; int16 scores and probabilities (bayes)",
     "multihead_attention": "int8 per-channel q / k / v and output projections with int32 biases, "
-    "integer attention per head as scaled_dot_product_attention; returns the integer "
-    "probabilities as weights",
+    "integer attention per head as scaled_dot_product_attention (key_padding_mask and attn_mask "
+    "as keep-masks); returns the integer probabilities as weights",
     "abs": "|x| by lookup table (exact where the output scale is the input's; the int16 "
     "segments have a knot at 0)",
     "prelu": "both sides requantized to the output scale; the per-channel slope is the "

@@ -179,6 +179,16 @@ def _report_float_ops(entries: list[str], policy: str) -> None:
     warnings.warn(message, FloatOpWarning, stacklevel=3)
 
 
+def _unquantized_inputs(node: Node, qat: QATModule | None) -> set[Node]:
+    """The nodes passed as the arguments ``qat.unquantized_args`` names (by position or keyword)."""
+    found: set[Node] = set()
+    for index, name in getattr(qat, "unquantized_args", ()):
+        value = node.args[index] if len(node.args) > index else node.kwargs.get(name)
+        if isinstance(value, Node):
+            found.add(value)
+    return found
+
+
 class FloatOpWarning(UserWarning):
     """Ops with a qconfig that stay float (``prepare_qat_fx(float_ops="warn")``)."""
 
@@ -277,7 +287,7 @@ class _Preparer:
                     qat = rule.qat_class(qconfig, module=module)
                 else:
                     qat = rule.qat_class(qconfig, fn=functional_target(node))
-                qat.set_input_quants(self._quantize_inputs(node, qconfig))
+                qat.set_input_quants(self._quantize_inputs(node, qconfig, qat))
                 self._install_module(node, qat, choice)
         self._swap_opaque_modules()
         self.gm.graph.lint()
@@ -310,7 +320,7 @@ class _Preparer:
         self.site_count[node.target] = index + 1
         clone = _clone_for_call_site(first)
         if not isinstance(first, QuantStub):
-            clone.set_input_quants(self._quantize_inputs(node, first.qconfig))
+            clone.set_input_quants(self._quantize_inputs(node, first.qconfig, first))
         path = unique_name(self.gm, "", f"{node.target}_call{index}")
         self.gm.add_module(path, clone)
         node.target = path
@@ -321,11 +331,17 @@ class _Preparer:
         _name_fake_quants(qat, path)
         self.fq_of[node] = None if qat.high_precision_output else qat.activation_post_process
 
-    def _quantize_inputs(self, node: Node, qconfig: QConfig) -> list[FakeQuantize]:
-        """Fake quants of the node's tensor inputs, inserting stubs for float ones."""
+    def _quantize_inputs(
+        self, node: Node, qconfig: QConfig, qat: QATModule | None = None
+    ) -> list[FakeQuantize]:
+        """Fake quants of the node's tensor inputs, inserting stubs for float ones; the
+        arguments the QAT class names in ``unquantized_args`` (attention masks) are left alone."""
         quants: list[FakeQuantize] = []
         inserted: list[FakeQuantize] = []
+        skip = _unquantized_inputs(node, qat)
         for inp in tensor_inputs(node, self.is_tensor):
+            if inp in skip:
+                continue
             fq = self.fq_of.get(inp)
             if fq is None:
                 stub_node = self._border_quantizer(inp, node, qconfig)

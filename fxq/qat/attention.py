@@ -6,6 +6,13 @@
 ``nn.MultiheadAttention`` becomes ``MultiheadAttention``: int8 per-channel
 projection weights with int32 biases, fake-quantized q / k / v, scores,
 probabilities and merged heads, then the output projection.
+
+Masks (SDPA's ``attn_mask``; MHA's ``key_padding_mask`` and ``attn_mask``) are never
+quantized: prepare leaves the arguments named in ``unquantized_args`` alone, and both the
+float QAT computation and the integer one turn them into the same keep-mask
+(``fxq.quantized.attention.keep_mask``: bool masks, or additive float masks of 0 and
+``<= -1e4``). The scores fake quant sees the unmasked scores; a row with nothing left gives
+probability 0.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from fxq.fake_quantize import FakeQuantize, FakeQuantState
 from fxq.qat.base import FunctionalQAT, quantize_bias
 from fxq.qconfig import QConfig
 from fxq.quantized import functional as qf
-from fxq.quantized.attention import causal_keep, mha_arguments, sdpa_arguments
+from fxq.quantized.attention import mha_arguments, mha_keep, sdpa_arguments, sdpa_keep
 
 __all__ = ["ScaledDotProductAttention", "MultiheadAttention", "inner_dtype", "mha_arguments"]
 
@@ -38,23 +45,51 @@ def _inner_quant(qconfig: QConfig, dtype: QDType) -> FakeQuantize:
     return qconfig.activation(dtype=dtype)
 
 
-def attention_probs(scores: Tensor, causal: bool) -> Tensor:
-    """Float softmax of the scores along the last axis (``j > i`` left out when ``causal``)."""
-    if causal:
-        keep = causal_keep(scores.shape[-2], scores.shape[-1], scores.device)
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return torch.softmax(scores, -1)
+def attention_probs(scores: Tensor, keep: Tensor | None) -> Tensor:
+    """Float softmax of the scores along the last axis over the entries ``keep`` leaves in
+    (all without a mask); a row with no entry left is 0, as in the integer softmax."""
+    if keep is None:
+        return torch.softmax(scores, -1)
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), -1)
+    return torch.where(keep.any(-1, keepdim=True), probs, torch.zeros_like(probs))
+
+
+def _quantize_leading(module: FunctionalQAT, args: tuple, count: int) -> tuple:
+    """The first ``count`` (float) arguments as QTensors at their input fake quants' scales;
+    the rest (masks, options) as they are."""
+    from fxq.qat.base import _exact_float_inputs
+    from fxq.quantized.base import quantize_tensors
+
+    quants = [q for q in module.input_quants if q is not None]
+    head = _exact_float_inputs(tuple(args[:count]), False)
+    head = quantize_tensors(
+        head, [q.scale for q in quants], [q.dtype for q in quants], module.spec.rounding
+    )
+    return (*head, *args[count:])
 
 
 class ScaledDotProductAttention(FunctionalQAT):
-    """``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` without a mask
-    or dropout (the registry keeps those calls in float)."""
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask=..., is_causal=..., scale=...)``
+    without dropout (the registry keeps those calls in float); ``attn_mask`` is a bool mask
+    (True = attend) or an additive float mask of 0 / ``<= -1e4``, never quantized."""
+
+    #: ``(position, keyword)`` of the arguments prepare does not quantize
+    unquantized_args = ((3, "attn_mask"),)
 
     def __init__(self, qconfig: QConfig, fn: Any = None, module: nn.Module | None = None) -> None:
         super().__init__(qconfig, fn, module)
         dtype = inner_dtype(self)
         self.scores_quant = _inner_quant(qconfig, dtype)
         self.probs_quant = _inner_quant(qconfig, dtype)
+
+    def validation_forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        if self.standalone:
+            return super().validation_forward(*args, **kwargs)
+        from fxq.qat.base import _autocast_off
+
+        args = _quantize_leading(self, args, 3)
+        with torch.no_grad(), _autocast_off(self._device()):
+            return self.integer_twin()(*args, **kwargs).dequantize()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if self.validating():
@@ -63,13 +98,23 @@ class ScaledDotProductAttention(FunctionalQAT):
         scale = options["scale"]
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         scores = self.scores_quant(torch.matmul(q, k.transpose(-2, -1)) * scale)
-        probs = self.probs_quant(attention_probs(scores, bool(options["is_causal"])))
+        keep = sdpa_keep(
+            self.name,
+            options["attn_mask"],
+            bool(options["is_causal"]),
+            q.shape[-2],
+            k.shape[-2],
+            q.device,
+        )
+        probs = self.probs_quant(attention_probs(scores, keep))
         return self.quantize_output(torch.matmul(probs, v))
 
 
 class MultiheadAttention(FunctionalQAT):
-    """``nn.MultiheadAttention`` (one embedding size for q, k, v; no masks; no bias_k / bias_v /
-    zero attention) decomposed into quantized projections, matmuls and softmax.
+    """``nn.MultiheadAttention`` (one embedding size for q, k, v; no bias_k / bias_v / zero
+    attention) decomposed into quantized projections, matmuls and softmax;
+    ``key_padding_mask`` and ``attn_mask`` (bool: True = left out; float: additive 0 /
+    ``<= -1e4``) are keep-masks, never quantized.
 
     Fake quants: ``in_proj_weight_fake_quant`` / ``out_proj_weight_fake_quant`` (int8 per
     output channel), ``q_quant``, ``k_quant``, ``v_quant`` (projections), ``scores_quant``,
@@ -79,6 +124,9 @@ class MultiheadAttention(FunctionalQAT):
     output's scale and dtype: prepare gives each graph value one fake quant, and the
     output tuple is one value.
     """
+
+    #: ``(position, keyword)`` of the arguments prepare does not quantize
+    unquantized_args = ((3, "key_padding_mask"), (5, "attn_mask"))
 
     def __init__(self, qconfig: QConfig, fn: Any = None, module: nn.Module | None = None) -> None:
         super().__init__(qconfig, fn, module)
@@ -97,16 +145,11 @@ class MultiheadAttention(FunctionalQAT):
         return quantize_bias(bias, input_scale, weight_scale, self.state, self.march)
 
     def validation_forward(self, *args: Any, **kwargs: Any):
-        from fxq.qat.base import _autocast_off, _exact_float_inputs
+        from fxq.qat.base import _autocast_off
         from fxq.qtensor import QTensor
-        from fxq.quantized.base import quantize_tensors
 
         twin = self.integer_twin()
-        args, kwargs = _exact_float_inputs((args, kwargs), False)
-        quants = [q for q in self._input_quants if q is not None]
-        args, kwargs = quantize_tensors(
-            (args, kwargs), [q.scale for q in quants], [q.dtype for q in quants], self.spec.rounding
-        )
+        args = _quantize_leading(self, args, 3)
         with torch.no_grad(), _autocast_off(self._device()):
             out, weights = twin(*args, **kwargs)
         return out.dequantize(), (weights.dequantize() if isinstance(weights, QTensor) else None)
@@ -134,7 +177,8 @@ class MultiheadAttention(FunctionalQAT):
         q, k, v = heads
         scale = 1.0 / math.sqrt(e // h)
         scores = self.scores_quant(torch.matmul(q, k.transpose(-2, -1)) * scale)
-        probs = self.probs_quant(attention_probs(scores, False))
+        keep = mha_keep(self.name, options["key_padding_mask"], options["attn_mask"], q.shape[0], h)
+        probs = self.probs_quant(attention_probs(scores, keep))
         dropped = F.dropout(probs, mha.dropout, self.training) if mha.dropout else probs
         ctx = torch.matmul(dropped, v).permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], e)
         ctx = self.context_quant(ctx)

@@ -3,9 +3,17 @@ and ``nn.MultiheadAttention``, decomposed into integer matmuls, softmax and line
 
 ``scores = sat(shift_round((Q @ K^T) M_s, S_s))`` with ``M_s 2**-S_s ~ s_q s_k scale / s_scores``
 (the ``1 / sqrt(d)`` scale folds into the multiplier), the integer softmax of
-``fxq.quantized.softmax`` along the last axis (``is_causal`` leaves out ``j > i``), and
+``fxq.quantized.softmax`` along the last axis over the entries a keep-mask leaves in, and
 ``out = sat(shift_round((P @ V) M_o, S_o))``. Scores and probabilities are int16 on
 marches with int16 activations, int8 elsewhere; the output has the qconfig's dtype.
+
+Masks are never quantized: they decide which entries the softmax takes (``keep_mask``).
+A bool mask is used as it is (SDPA: True = attend; ``nn.MultiheadAttention``: True = left
+out, torch's conventions); a float mask must be *additive* with only two kinds of entries:
+``0`` (attend) and ``<= ADDITIVE_MASK_LIMIT`` (``-1e4``, ``-inf`` and ``torch.finfo(dtype).min``
+included: left out). Any other entry raises ``ValueError``. A row with no entry left gives
+probability 0 everywhere (its output row is the requantized 0 (+ bias); torch gives NaN for
+bool masks and a uniform row for ``finfo.min`` masks). The QAT module uses the same rule.
 """
 
 from __future__ import annotations
@@ -30,7 +38,14 @@ __all__ = [
     "sdpa_arguments",
     "integer_matmul",
     "causal_keep",
+    "keep_mask",
+    "sdpa_keep",
+    "mha_keep",
+    "ADDITIVE_MASK_LIMIT",
 ]
+
+#: a float (additive) mask entry at or below this leaves its score out; 0 keeps it
+ADDITIVE_MASK_LIMIT = -1e4
 
 
 def sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -63,6 +78,86 @@ def causal_keep(rows: int, cols: int, device: Any) -> Tensor:
     return torch.ones(rows, cols, dtype=torch.bool, device=device).tril()
 
 
+def _checking() -> bool:
+    """Whether data-dependent checks may run (not while torch.jit / torch.export trace)."""
+    if torch.jit.is_tracing() or torch.jit.is_scripting():
+        return False
+    compiling = getattr(torch.compiler, "is_compiling", None)
+    return not (compiling is not None and compiling())
+
+
+def keep_mask(mask: Tensor, where: str, what: str, attend: bool = True) -> Tensor:
+    """The bool keep-mask (True = the score takes part in the softmax) of an attention mask.
+
+    Args:
+        mask: a bool mask, or a float additive mask whose entries are ``0`` or
+            ``<= ADDITIVE_MASK_LIMIT`` (``-inf`` and ``torch.finfo(dtype).min`` included).
+        where: the module's name (for messages).
+        what: the argument's name (``"attn_mask"``, ``"key_padding_mask"``).
+        attend: the meaning of True in a bool mask: attend (SDPA) or leave out (MHA).
+
+    Raises:
+        ValueError: a float mask with another value (a bias, e.g. ALiBi or relative
+            positions: it has no integer form here; keep the op float with a qconfig of None).
+        TypeError: an integer-dtype mask.
+    """
+    if mask.dtype is torch.bool:
+        return mask if attend else ~mask
+    if not mask.is_floating_point():
+        raise TypeError(
+            f"{where}: {what} of dtype {mask.dtype}: integer attention takes a bool mask or a "
+            "float additive mask (0 / -inf); convert it with .bool() or give the op a qconfig "
+            "of None"
+        )
+    left_out = mask <= ADDITIVE_MASK_LIMIT
+    if _checking() and not bool((left_out | (mask == 0)).all()):
+        bad = mask[~left_out & (mask != 0)]
+        raise ValueError(
+            f"{where}: the float {what} holds {bad.numel()} value(s) other than 0 and "
+            f"<= {ADDITIVE_MASK_LIMIT:g} (e.g. {float(bad.reshape(-1)[0]):g}); integer attention "
+            "takes additive masks of 0 (attend) and -inf / finfo.min (left out) only, not "
+            "additive biases. Keep this op float with a qconfig of None, or pass a bool mask"
+        )
+    return ~left_out
+
+
+def sdpa_keep(
+    where: str, mask: Tensor | None, causal: bool, rows: int, cols: int, device: Any
+) -> Tensor | None:
+    """The keep-mask of ``F.scaled_dot_product_attention``: ``attn_mask`` (True / 0 = attend)
+    and ``is_causal`` (``j <= i``) together; None when neither is given."""
+    keep = None if mask is None else keep_mask(mask, where, "attn_mask")
+    if causal:
+        tri = causal_keep(rows, cols, device)
+        keep = tri if keep is None else keep & tri
+    return keep
+
+
+def mha_keep(
+    where: str,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    batch: int,
+    heads: int,
+) -> Tensor | None:
+    """The keep-mask of ``nn.MultiheadAttention`` shaped to broadcast against ``[B, H, L, S]``
+    scores (bool masks: True = left out; float masks: additive), or None without masks.
+
+    ``key_padding_mask`` is ``[B, S]`` (or ``[S]``); ``attn_mask`` is ``[L, S]`` or
+    ``[B * H, L, S]``.
+    """
+    keep = None
+    if key_padding_mask is not None:
+        kpm = keep_mask(key_padding_mask, where, "key_padding_mask", attend=False)
+        keep = kpm.reshape(-1 if kpm.dim() == 2 else 1, 1, 1, kpm.shape[-1])
+    if attn_mask is not None:
+        am = keep_mask(attn_mask, where, "attn_mask", attend=False)
+        if am.dim() == 3:
+            am = am.reshape(batch, heads, am.shape[-2], am.shape[-1])
+        keep = am if keep is None else keep & am
+    return keep
+
+
 def integer_matmul(
     module: QuantizedModule,
     a: Tensor,
@@ -82,8 +177,8 @@ def integer_matmul(
 
 
 class ScaledDotProductAttention(FunctionalQuantized):
-    """Integer ``F.scaled_dot_product_attention`` (no ``attn_mask``, no dropout; ``is_causal``
-    and ``scale`` as given).
+    """Integer ``F.scaled_dot_product_attention`` (no dropout; ``attn_mask`` as a keep-mask,
+    see ``keep_mask``; ``is_causal`` and ``scale`` as given).
 
     Buffers:
         scores_scale, probs_scale: the scales of the integer scores and probabilities.
@@ -122,9 +217,15 @@ class ScaledDotProductAttention(FunctionalQuantized):
         scale = options["scale"]
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         m_s, k_s, soft, m_o, k_o = self.plan(q, k, v, scale)
-        out = attention_core(
-            self, q, k, v, (m_s, k_s), soft, (m_o, k_o), self.inner_dtype, options["is_causal"]
+        keep = sdpa_keep(
+            self.name,
+            options["attn_mask"],
+            bool(options["is_causal"]),
+            q.shape[-2],
+            k.shape[-2],
+            q.device,
         )
+        out = attention_core(self, q, k, v, (m_s, k_s), soft, (m_o, k_o), self.inner_dtype, keep)
         return self.wrap(out[0])
 
 
@@ -137,11 +238,13 @@ def attention_core(
     soft: SoftmaxPlan,
     out_requant: tuple[Tensor, Tensor],
     inner: QDType,
-    causal: bool,
+    keep: Tensor | None,
     out_dtype: QDType | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Integer scores, probabilities and output of attention; returns ``(out, probs)`` as float32
-    integers (``out`` in ``out_dtype``, default the module's, ``probs`` in ``inner``)."""
+    integers (``out`` in ``out_dtype``, default the module's, ``probs`` in ``inner``).
+
+    ``keep``: a bool mask broadcastable against the scores (False: left out of the softmax)."""
     scores = integer_matmul(
         module,
         q.values(),
@@ -151,7 +254,6 @@ def attention_core(
         *scores_requant,
         inner,
     )
-    keep = causal_keep(scores.shape[-2], scores.shape[-1], scores.device) if causal else None
     probs = integer_softmax(scores, -1, soft, inner, module.rounding, keep=keep).to(torch.float32)
     out = integer_matmul(
         module,
@@ -188,8 +290,9 @@ def integer_linear(
 
 class MultiheadAttention(FunctionalQuantized):
     """Integer ``nn.MultiheadAttention``: integer q / k / v projections (int8 weights per
-    channel, int32 biases), per-head integer attention (``attention_core``), merged heads and
-    the integer output projection. Returns ``(output, weights)`` like the float module; the
+    channel, int32 biases), per-head integer attention (``attention_core``; ``key_padding_mask``
+    and ``attn_mask`` as keep-masks, see ``mha_keep``), merged heads and the integer output
+    projection. Returns ``(output, weights)`` like the float module; the
     weights are the integer probabilities (or their sum over heads) requantized to the
     output's scale (by ``s_p / s_y``, or ``s_p / (H s_y)`` for the mean over heads).
     """
@@ -291,6 +394,8 @@ class MultiheadAttention(FunctionalQuantized):
             )
         plan = self.plan(query, key, value)
         e, h = self.embed_dim, self.num_heads
+        batch = query.shape[0] if self.batch_first else query.shape[1]
+        keep = mha_keep(self.name, options["key_padding_mask"], options["attn_mask"], batch, h)
         heads = []
         for x, name, (w, b, m, s) in zip((query, key, value), "qkv", plan["proj"]):
             vals = x.values() if self.batch_first else x.values().transpose(0, 1)  # [B, L, E]
@@ -304,7 +409,7 @@ class MultiheadAttention(FunctionalQuantized):
             plan["softmax"],
             plan["context"],
             self.inner_dtype,
-            False,
+            keep,
             self.proj_dtype,
         )
         ctx = ctx.transpose(1, 2).reshape(ctx.shape[0], ctx.shape[2], e)  # [B, L, E]

@@ -312,13 +312,39 @@ def ref_matmul_requant(a: list, b: list, m: int, s: int, lo: int, hi: int) -> li
     return out
 
 
+#: attention masks: the bool keep-mask (True = attend) of a [2, 1, 7, 7] mask per kind
+def _keep(kind: str) -> torch.Tensor | None:
+    g = torch.Generator().manual_seed(3)
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return torch.ones(7, 7, dtype=torch.bool).tril().expand(2, 1, 7, 7)
+    keep = torch.rand(2, 1, 7, 7, generator=g) > 0.4
+    keep[0, 0, 2] = False  # a row with nothing left: probability 0, as in QAT
+    keep[1, 0, :, 3] = True
+    return keep
+
+
 class _Attention(nn.Module):
-    def __init__(self, causal: bool, scale: float | None) -> None:
+    """SDPA with no mask, ``is_causal``, a bool keep-mask or an additive float mask of 0 and
+    ``finfo.min`` (both held as buffers, so prepare sees a constant mask)."""
+
+    def __init__(self, mask: str, scale: float | None) -> None:
         super().__init__()
-        self.causal, self.scale = causal, scale
+        self.mask, self.scale = mask, scale
+        keep = _keep(mask)
+        if mask == "bool":
+            self.register_buffer("attn_mask", keep)
+        elif mask == "additive":
+            low = torch.finfo(torch.float32).min
+            self.register_buffer("attn_mask", torch.zeros(keep.shape).masked_fill(~keep, low))
 
     def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale)
+        mask = self.attn_mask if self.mask in ("bool", "additive") else None
+        causal = self.mask == "causal"
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale
+        )
 
 
 #: SQNR (dB) of the converted attention against float (int8 q, k, v and output)
@@ -326,10 +352,13 @@ SDPA_SQNR = {"bayes": 30.0, "bayes-e": 24.0}
 
 
 @pytest.mark.parametrize("march", list(SDPA_SQNR))
-@pytest.mark.parametrize(("causal", "scale"), [(False, None), (True, None), (True, 0.2)])
-def test_attention_matches_the_integer_reference_and_float(march, causal, scale):
+@pytest.mark.parametrize(
+    ("mask", "scale"),
+    [("none", None), ("causal", None), ("causal", 0.2), ("bool", None), ("additive", 0.2)],
+)
+def test_attention_matches_the_integer_reference_and_float(march, mask, scale):
     fxq.set_march(march)
-    model = _Attention(causal, scale)
+    model = _Attention(mask, scale)
     data = [tuple(torch.randn(2, 2, 7, 16) for _ in range(3)) for _ in range(3)]
     qat, integer = quantize_model(model, data)
     x = data[0]
@@ -337,16 +366,21 @@ def test_attention_matches_the_integer_reference_and_float(march, causal, scale)
         expected, got, reference = qat(*x), integer(*x), model(*x)
     got = dequantized(got)
     assert torch.equal(expected, got)
+    keep = _keep(mask)
+    if keep is not None:  # torch gives NaN (bool) or a uniform row (finfo.min) where fxq gives 0
+        full = keep.expand(2, 2, 7, 7).any(-1, keepdim=True)
+        assert torch.equal(got * ~full, torch.zeros_like(got))
+        got, reference = got[full.expand_as(got)], reference[full.expand_as(reference)]
     assert sqnr(reference, got) >= SDPA_SQNR[march], sqnr(reference, got)
 
-    # the integer reference, head by head: scores, softmax (causal: j <= i), output
+    # the integer reference, head by head: scores, softmax over the kept entries, output
     module = next(m for m in integer.modules() if type(m).__name__ == "ScaledDotProductAttention")
     qs = [
         fxq.QTensor.quantize(t, fq.scale, fq.dtype, HALF_UP) for t, fq in zip(x, _input_quants(qat))
     ]
     m_s, k_s, soft, m_o, k_o = module.plan(*qs, scale or 1 / math.sqrt(16))
     inner, out = module.inner_dtype, module.out_dtype
-    got_int = torch.round(got / module.output_scale).to(torch.int64)
+    got_int = torch.round(dequantized(integer(*x)) / module.output_scale).to(torch.int64)
     for b in range(2):
         for h in range(2):
             q, k, v = (t.int_repr()[b, h].tolist() for t in qs)
@@ -354,11 +388,26 @@ def test_attention_matches_the_integer_reference_and_float(march, causal, scale)
             scores = ref_matmul_requant(q, kt, int(m_s), int(k_s), inner.qmin, inner.qmax)
             probs = []
             for i, row in enumerate(scores):
-                kept = row[: i + 1] if causal else row
-                p = ref_softmax_row(kept, soft, inner.qmin, inner.qmax, log=False)
-                probs.append(p + [0] * (len(row) - len(kept)))
+                kept = [j for j in range(len(row)) if keep is None or bool(keep[b, 0, i, j])]
+                p = [0] * len(row)
+                if kept:
+                    values = ref_softmax_row(
+                        [row[j] for j in kept], soft, inner.qmin, inner.qmax, False
+                    )
+                    for j, y in zip(kept, values):
+                        p[j] = y
+                probs.append(p)
             y = ref_matmul_requant(probs, v, int(m_o), int(k_o), out.qmin, out.qmax)
             assert got_int[b, h].tolist() == y
+
+
+def test_attention_refuses_an_additive_bias_with_the_rule(bayes):
+    model = _Attention("additive", None)
+    data = [tuple(torch.randn(2, 2, 7, 16) for _ in range(3))]
+    qat, integer = quantize_model(model, data)
+    integer.attn_mask[0, 0, 0, 0] = -3.0  # a bias, not a mask
+    with pytest.raises(ValueError, match=r"scaled_dot_product_attention: the float attn_mask .*-3"):
+        integer(*data[0])
 
 
 def _input_quants(qat: nn.Module) -> list:
@@ -408,6 +457,59 @@ def test_multihead_attention_converts_bit_exactly_and_close_to_float(
     assert torch.equal(expected[1], got[1])
     assert got[1].shape == reference[1].shape
     assert sqnr(reference[1], got[1]) >= MHA_SQNR[march][1], sqnr(reference[1], got[1])
+
+
+class _MaskedMHA(nn.Module):
+    """``nn.MultiheadAttention`` with a key padding mask and an attention mask, each bool
+    (True = left out) or additive float (0 / -inf), as buffers."""
+
+    def __init__(self, kinds: tuple[str, str], need_weights: bool) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.need_weights = need_weights
+        padding = torch.zeros(2, 9, dtype=torch.bool)
+        padding[0, 6:] = True
+        causal = torch.ones(6, 9, dtype=torch.bool).triu(1)  # [L, S]: j > i left out
+        for name, mask, kind in (("padding", padding, kinds[0]), ("causal", causal, kinds[1])):
+            if kind == "float":
+                mask = torch.zeros(mask.shape).masked_fill(mask, float("-inf"))
+            self.register_buffer(name, mask)
+
+    def forward(self, q, kv):
+        return self.mha(
+            q,
+            kv,
+            kv,
+            key_padding_mask=self.padding,
+            need_weights=self.need_weights,
+            attn_mask=self.causal,
+        )
+
+
+@pytest.mark.parametrize(
+    ("kinds", "need_weights"),
+    [(("bool", "bool"), True), (("float", "bool"), False), (("bool", "float"), True)],
+)
+def test_multihead_attention_masks_convert_bit_exactly_and_close_to_float(
+    bayes, kinds, need_weights
+):
+    torch.manual_seed(0)
+    model = _MaskedMHA(kinds, need_weights)
+    data = [(torch.randn(2, 6, 32), torch.randn(2, 9, 32)) for _ in range(3)]
+    qat, integer = quantize_model(model, data)
+    x = data[0]
+    with torch.no_grad():
+        expected, got, reference = qat(*x), integer(*x), model(*x)
+    got = [dequantized(v) for v in got]
+    assert torch.equal(expected[0], got[0])
+    assert sqnr(reference[0], got[0]) >= MHA_SQNR["bayes"][0], sqnr(reference[0], got[0])
+    if need_weights:
+        assert torch.equal(expected[1], got[1])
+        # left-out keys get probability exactly 0
+        assert not got[1][0, :, 6:].any() and not got[1][:, 0, 1:].any()
+        # the first query sees one key (weight 1.0), above the output's range where the
+        # weights are requantized: they saturate there, hence 15 dB, not 25
+        assert sqnr(reference[1], got[1]) >= 15.0, sqnr(reference[1], got[1])
 
 
 # -- transformer blocks end to end ---------------------------------------------------------------------
