@@ -281,6 +281,78 @@ def _refine_mha(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRo
     return dataclasses.replace(row, refine=None)
 
 
+#: a fill value at or below this builds an additive attention mask (fxq.quantized.attention's
+#: ADDITIVE_MASK_LIMIT; the registry does not import the integer layer)
+_MASK_FILL_LIMIT = -1e4
+#: exponents with an integer pow (fxq.quantized.power.INTEGER_EXPONENTS)
+_POW_EXPONENTS = (2, 3)
+
+
+def _nontensor(row: OpRow) -> OpRow:
+    return dataclasses.replace(row, kind=Kind.NONTENSOR, qat=None, integer=None, refine=None)
+
+
+def _refine_pow(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    if node is None:
+        return dataclasses.replace(row, refine=None)
+    args = [*node.args, *node.kwargs.values()]
+    if all(_python_value(a) for a in args):
+        return _nontensor(row)  # sizes: x.size(-1) ** -0.5
+    base = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+    if not isinstance(base, Node):
+        return row.as_float(f"{target_name(node.target)}: a number raised to a tensor power")
+    if getattr(node.target, "__name__", node.target) in ("square", "square_"):
+        return dataclasses.replace(row, refine=None)
+    exponent = _arg(node, 1, "exponent")
+    if isinstance(exponent, Node):
+        return row.as_float(f"{target_name(node.target)} with a tensor exponent")
+    is_number = isinstance(exponent, (int, float)) and not isinstance(exponent, bool)
+    if not is_number or exponent not in _POW_EXPONENTS:
+        return row.as_float(
+            f"{target_name(node.target)} with the exponent {exponent!r}: integer pow takes "
+            f"{' and '.join(map(str, _POW_EXPONENTS))}"
+        )
+    return dataclasses.replace(row, refine=None)
+
+
+def _refine_where(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    if node is None:
+        return dataclasses.replace(row, refine=None)
+    if len(node.args) + len(node.kwargs) < 3:
+        return row.as_float("torch.where(condition) returns indices (integer tensors)")
+    values = [_arg(node, 1, "input"), _arg(node, 2, "other")]
+    for v in values:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= _MASK_FILL_LIMIT:
+            return row.as_float(
+                f"torch.where with the fill value {v:g} builds an additive attention mask "
+                "(0 / -inf), not an activation: scaled_dot_product_attention and "
+                "nn.MultiheadAttention take such masks unquantized; eager attention's "
+                "`scores + mask` has no integer form (use attn_implementation='sdpa')"
+            )
+    return dataclasses.replace(row, refine=None)
+
+
+def _device_like(value: Any) -> bool:
+    if isinstance(value, Node):
+        return (
+            value.op == "call_function"
+            and value.target is getattr
+            and value.args[1:2] == ("device",)
+        )
+    return value is None or isinstance(value, (str, torch.device, bool)) or value is torch.float32
+
+
+def _refine_to(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    args = [*node.args[1:], *node.kwargs.values()] if node is not None else []
+    if all(_device_like(a) for a in args):
+        return dataclasses.replace(row, refine=None)
+    shown = ", ".join(map(str, args))
+    return row.as_float(
+        f"Tensor.to({shown}): a dtype other than float32 (or a tensor argument) leaves the "
+        "integer grid"
+    )
+
+
 def _refine_div(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
     mode = _arg(node, 2, "rounding_mode")
     if mode is not None:
@@ -489,6 +561,15 @@ def _table() -> list[OpRow]:
             functions=(operator.mul, operator.imul, torch.mul),
             methods=("mul", "mul_"),
         ),
+        _compute(
+            "pow",
+            "Pow",
+            "power",
+            functions=(torch.pow, operator.pow, operator.ipow, torch.square),
+            methods=("pow", "pow_", "square", "square_"),
+            refine=_refine_pow,
+        ),
+        _compute("where", "Where", "where", functions=(torch.where,), refine=_refine_where),
         _compute("cat", "Cat", "elementwise", functions=(torch.cat, torch.concat)),
         _compute("stack", "Stack", "elementwise", functions=(torch.stack,)),
         _compute(
@@ -708,6 +789,7 @@ def _table() -> list[OpRow]:
         _pass("expand", (), (), ("expand", "expand_as")),
         _pass("repeat", (), (), ("repeat",)),
         _pass("contiguous", (), (), ("contiguous", "clone", "detach"), qtensor="custom"),
+        _pass("to", (), (), ("to",), qtensor="custom", refine=_refine_to),
         _pass("getitem", (), (operator.getitem,), ("__getitem__",)),
         # -- known float ops (no integer implementation yet) ---------------------------------
         _float(
@@ -750,6 +832,12 @@ _DOCS = {
     "add": "inputs rescaled to the output scale by fixed-point multipliers, one shift",
     "sub": "as add, with the second multiplier negated",
     "mul": "int32 product at s_a * s_b, requantized",
+    "pow": "x ** 2: int32 X*X, requantized; x ** 3: (X*X >> K) * X, requantized (K = 0 for "
+    "int8, 16 for int16); other exponents stay float",
+    "where": "condition a bool tensor (never quantized); input / other requantized to the "
+    "output scale (numbers: round(c / s_y)), then selected; a -inf / finfo.min fill value "
+    "(an additive attention mask) stays float",
+    "to": "a move to another device (or to float32): the grid is kept",
     "cat": "every input requantized to the output scale",
     "stack": "every input requantized to the output scale, then stacked",
     "maximum": "both inputs requantized to the output scale, then the larger",

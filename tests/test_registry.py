@@ -67,6 +67,36 @@ def _divisions(f: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return out + f(2.0, y) if f is operator.truediv else out
 
 
+def _attention(f: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """SDPA without a mask, causal, with a bool keep-mask (a row with nothing kept) and with an
+    additive float mask of 0 / ``finfo.min`` (both constants: never quantized)."""
+    keep = (torch.arange(60).reshape(2, 1, 5, 6) % 4 != 1) & (torch.arange(5).reshape(5, 1) != 2)
+    low = torch.finfo(torch.float32).min
+    additive = torch.zeros(5, 6).masked_fill(torch.arange(30).reshape(5, 6) % 3 == 0, low)
+    return (
+        f(x, y, y)
+        + f(x, x, x, is_causal=True, scale=0.5)
+        + f(x, y, y, attn_mask=keep)
+        + f(x, y, y, additive)
+    )
+
+
+def _pow(f: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x ** 2`` and ``x ** 3`` (square forms: ``x ** 2``; in-place forms on a copy)."""
+    name = getattr(f, "__name__", "")
+    if "square" in name:
+        return f(x.clone())
+    if f is operator.ipow or name == "pow_":
+        return f(x.clone(), 3)
+    return f(x, 2) + f(x, 3.0)
+
+
+def _where(f: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Two quantized operands at different scales, and a number and a quantized operand."""
+    condition = torch.arange(64).reshape(8, 8) % 3 == 0
+    return f(condition, x, y * 2) + f(condition, 0.5, x)
+
+
 def _first(*args: Any) -> Callable[..., Any]:
     return lambda f, x, y: f(x, *args)[0]
 
@@ -78,11 +108,20 @@ class _SelfAttention(nn.Module):
     def __init__(self, mha: nn.MultiheadAttention) -> None:
         super().__init__()
         self.mha = mha
+        padding = torch.zeros(2, 5, dtype=torch.bool)
+        padding[0, 3:] = True
+        self.register_buffer("padding", padding)
+        causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+        self.register_buffer("causal", torch.zeros(5, 5).masked_fill(causal, float("-inf")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, weights = self.mha(x, x, x)
         plain, _ = self.mha(x, x, x, need_weights=False)
-        return torch.cat([out, plain, weights], -1)
+        # masks: padding (bool, True = left out) and causal (additive -inf), never quantized
+        masked, masked_weights = self.mha(
+            x, x, x, key_padding_mask=self.padding, attn_mask=self.causal
+        )
+        return torch.cat([out, plain, weights, masked, masked_weights], -1)
 
 
 class _PReLU(nn.Module):
@@ -194,10 +233,10 @@ EXAMPLES.update(
         "multihead_attention": Example(
             ((2, 5, 8),), module=lambda c: _SelfAttention(c(8, 2, batch_first=True))
         ),
-        "scaled_dot_product_attention": Example(
-            ((2, 2, 5, 8), (2, 2, 6, 8)),
-            call=lambda f, x, y: f(x, y, y) + f(x, x, x, is_causal=True, scale=0.5),
-        ),
+        "scaled_dot_product_attention": Example(((2, 2, 5, 8), (2, 2, 6, 8)), call=_attention),
+        "pow": Example(call=_pow),
+        "where": Example((D2, D2), call=_where),
+        "to": Example(call=lambda f, x, y: f(f(x, x.device), torch.float32)),
         "prelu": Example(module=lambda c: _PReLU(c(4))),
         "embedding": Example(((2, 7),), module=lambda c: c(10, 8, padding_idx=0), ids=10),
         "stochastic_depth": Example(

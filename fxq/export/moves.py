@@ -121,7 +121,7 @@ VALUE_RULES: dict[str, Callable[..., None]] = {
 #: VALUE_RULES (it might compute on values, which source indices cannot capture)
 MOVEMENT_CUSTOM_ROWS = frozenset(
     {"dropout", "pad", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "contiguous",
-     "interpolate"}
+     "interpolate", "to"}
 )  # fmt: skip
 
 

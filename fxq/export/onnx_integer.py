@@ -328,6 +328,15 @@ class IntegerWriter:
         r = float(np.ldexp(float(a["multiplier"]), -a["shift"]))
         self.requant(prod, r, a["dtype"], a["rounding"], None, None, outs[0])
 
+    def op_where(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        tensors = iter(node.inputs)
+        xs = [
+            self.name(next(tensors)) if c is None else self.const(np.asarray(c, a["dtype"]))
+            for c in a["constants"]
+        ]
+        self.op("Where", [self.const(node.params["condition"], hint="condition"), *xs], outs[0])
+
     def op_matmul(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
         acc = self.sat32(
@@ -633,9 +642,13 @@ class IntegerWriter:
         x = self.cast(self.name(node.inputs[0]), "int64")
         keep = None
         zero = self.int_const(0)
+        mask = p.get("keep")  # a constant keep-mask (attention masks)
         if a["causal"]:
             shape = self.graph.tensors[node.inputs[0]].shape
-            keep = self.const(np.tril(np.ones((shape[-2], shape[-1]), dtype=bool)), hint="causal")
+            tri = np.tril(np.ones((shape[-2], shape[-1]), dtype=bool))
+            mask = tri if mask is None else mask & tri
+        if mask is not None:
+            keep = self.const(mask, hint="keep")
             x = self.op("Where", [keep, x, self.int_const(np.iinfo(np.int64).min // 4)])
         u = self.op("Sub", [self.op("ReduceMax", [x, axes], keepdims=1), x])
         if keep is not None:

@@ -175,10 +175,30 @@ class QDQWriter(IntegerWriter):
 
     def op_linear(self, node: Node, outs: list[str]) -> None:
         w = self.op("Transpose", [self.dq_weight(node)], perm=[1, 0])
-        y = self.op("MatMul", [self.name(node.inputs[0]), w])
+        x = self.name(node.inputs[0])
+        shape = self.graph.tensors[node.inputs[0]].shape
+        if len(shape) > 2:
+            # a 2-d MatMul between Reshapes, the rows with their own Q / DQ pair: onnxruntime
+            # 1.32's MatMul + Add -> Gemm rewrite of a rank-3 input of static shape (a batch
+            # size fixed by a constant mask) inserts a QuantizeLinear it cannot type
+            rows = self.const(np.array([-1, shape[-1]], np.int64))
+            x = self.qdq(self.op("Reshape", [x, rows]), node.inputs[0], self.fresh("rows"))
+        y = self.op("MatMul", [x, w])
         bias = self.dq_bias(node)
         if bias:
             y = self.op("Add", [y, bias])
+        if len(shape) > 2:
+            n = node.params["weight"].shape[0]
+            lead = self.op(
+                "Slice",
+                [
+                    self.op("Shape", [self.name(node.inputs[0])]),
+                    self.const(np.array([0], np.int64)),
+                    self.const(np.array([-1], np.int64)),
+                ],
+            )
+            dims = self.op("Concat", [lead, self.const(np.array([n], np.int64))], axis=0)
+            y = self.op("Reshape", [y, dims])
         self._finish_float(node, y, self.rank(node.inputs[0]), -1, outs[0])
 
     def op_channel_affine(self, node: Node, outs: list[str]) -> None:
@@ -207,6 +227,17 @@ class QDQWriter(IntegerWriter):
         if a["scalar"] is not None:
             xs.append(self.const(a["scalar"], np.float32))
         self.qdq(self.op("Mul", xs), node.outputs[0], outs[0])
+
+    def op_where(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        scale = self.graph.tensors[node.outputs[0]].scale
+        tensors = iter(node.inputs)
+        xs = [
+            self.name(next(tensors)) if c is None else self.const(np.float32(c * scale))
+            for c in a["constants"]
+        ]
+        cond = self.const(node.params["condition"], hint="condition")
+        self.qdq(self.op("Where", [cond, *xs]), node.outputs[0], outs[0])
 
     def op_matmul(self, node: Node, outs: list[str]) -> None:
         y = self.op("MatMul", [self.name(i) for i in node.inputs])
@@ -309,10 +340,17 @@ class QDQWriter(IntegerWriter):
     def op_softmax(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
         x = self.name(node.inputs[0])
+        mask = node.params.get("keep")  # a constant keep-mask (attention masks)
         if a["causal"]:
             shape = self.graph.tensors[node.inputs[0]].shape
-            keep = self.const(np.tril(np.ones((shape[-2], shape[-1]), dtype=bool)), hint="causal")
-            x = self.op("Where", [keep, x, self.const(np.float32(-np.inf))])
+            tri = np.tril(np.ones((shape[-2], shape[-1]), dtype=bool))
+            mask = tri if mask is None else mask & tri
+        if mask is not None:
+            # an additive mask with a finite fill: a row with nothing kept is uniform here and
+            # zeroed below, as in fxq (Add / Mul, not Where: onnxruntime 1.32's extended graph
+            # optimizations fail on a Where in this position)
+            bias = np.where(mask, np.float32(0.0), np.float32(-1e30)).astype(np.float32)
+            x = self.op("Add", [x, self.const(bias, hint="mask")])
         # written out (Exp, ReduceSum, Div) so that onnxruntime does not fuse the pair into its
         # own 8-bit QLinearSoftmax, whose numerics differ from both
         axes = self.const([a["axis"]], np.int64)
@@ -323,6 +361,8 @@ class QDQWriter(IntegerWriter):
             y = self.op("Sub", [shifted, self.op("Log", [total])])
         else:
             y = self.op("Div", [exp, total])
+        if mask is not None and not a["log"]:
+            y = self.op("Mul", [y, self.const(mask.astype(np.float32), hint="keep")])
         self.qdq(y, node.outputs[0], outs[0])
 
     def op_divide(self, node: Node, outs: list[str]) -> None:

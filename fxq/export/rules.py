@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from fxq import registry
+from fxq.dtypes import qint16
 from fxq.march import Rounding
 from fxq.qtensor import QTensor
 from fxq.quantized import (
@@ -29,8 +30,10 @@ from fxq.quantized import (
     matmul,
     normalization,
     pooling,
+    power,
     softmax,
     weighted,
+    where,
 )
 from fxq.quantized import functional as qf
 from fxq.quantized import stubs as qstubs
@@ -627,12 +630,72 @@ def _rule_softmax(ex: _Exporter, m: softmax.Softmax, args, kwargs, result) -> No
     ex.emit("softmax", [ex.name_of(x)], [result], attrs, params)
 
 
+def _fx_argument(ex: _Exporter, value: Any) -> Any:
+    """The FX argument (a Node, or a constant) of the current node whose value is ``value``."""
+    n = ex.fx_node
+    nodes = tree_flatten((n.args, n.kwargs))[0]
+    values = tree_flatten(ex.fetch_args_kwargs_from_env(n))[0]
+    return next((a for a, v in zip(nodes, values) if v is value), None)
+
+
+def _depends_on_inputs(arg: Any) -> bool:
+    """Whether an FX argument is computed from a graph input (placeholder)."""
+    from torch.fx import Node
+
+    seen: set = set()
+    stack = [arg] if isinstance(arg, Node) else []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            return True
+        stack.extend(node.all_input_nodes)
+    return False
+
+
+def constant_bool(ex: _Exporter, value: Tensor, what: str, batch_axis: bool) -> np.ndarray:
+    """A bool tensor (an attention keep-mask, a ``where`` condition) as an IR parameter.
+
+    The IR holds no bool tensors: the value must be a constant of the model (a buffer, or
+    computed from constants only); it is baked in. When its first axis is the batch axis
+    (``batch_axis``) and longer than 1, it fixes the graph's batch size.
+
+    Raises:
+        ExportError: the value is computed from the graph's inputs.
+    """
+    arg = _fx_argument(ex, value)
+    if id(value) in ex.names or _depends_on_inputs(arg):
+        raise ex.error(
+            f"its {what} is computed from the graph's inputs; the integer graph takes bool masks "
+            "only as constants of the model (buffers, or tensors built from constants). Export "
+            "the part after the mask, or make the mask a buffer"
+        )
+    keep = _np(value.to(torch.bool))
+    if batch_axis and keep.shape[0] > 1:
+        ex.fixed.append(f"{ex.fx_node.name}: its constant {what} has a batch axis")
+    return keep
+
+
+def _keep_of(ex: _Exporter, keep: Tensor, masks: list[tuple[Any, str, bool]]) -> np.ndarray:
+    """The constant keep-mask of an attention node, computed from ``masks``: ``(mask, its
+    argument name, whether its first axis is the batch axis)``, each checked constant."""
+    for mask, what, batch_axis in masks:
+        if mask is not None:
+            constant_bool(ex, mask, what, batch_axis)
+    return _np(keep.to(torch.bool))
+
+
 def _placeholder(shape, scale: Tensor, dtype) -> QTensor:
     return QTensor(torch.zeros(tuple(shape), dtype=torch.float32), scale.reshape(1), dtype)
 
 
 def _emit_attention_core(ex, m, q, k, v, requants, soft, causal, result, inner, scale, suffix=""):
-    """IR nodes of ``attention.attention_core``: transpose, matmul, softmax, matmul."""
+    """IR nodes of ``attention.attention_core``: transpose, matmul, softmax, matmul.
+
+    ``causal``: False, True, or a constant bool keep-mask (numpy) that broadcasts against the
+    scores (the softmax node's ``keep`` parameter)."""
     (m_s, k_s), (m_o, k_o) = requants
     rank = k.dim()
     perm = list(range(rank - 2)) + [rank - 1, rank - 2]
@@ -656,7 +719,10 @@ def _emit_attention_core(ex, m, q, k, v, requants, soft, causal, result, inner, 
         suffix=f"{suffix}_scores",
     )
     attrs, params = softmax_attrs(soft, False, rank - 1, _rounding(m), _dtype(probs))
-    attrs["causal"] = bool(causal)
+    if isinstance(causal, np.ndarray):
+        params["keep"] = causal
+    else:
+        attrs["causal"] = bool(causal)
     (p_name,) = ex.emit("softmax", [s_name], [probs], attrs, params, suffix=f"{suffix}_probs")
     ex.emit(
         "matmul",
@@ -679,6 +745,11 @@ def _rule_sdpa(ex: _Exporter, m: attention.ScaledDotProductAttention, args, kwar
     scale = options["scale"]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     m_s, k_s, soft, m_o, k_o = m.plan(q, k, v, scale)
+    causal = bool(options["is_causal"])
+    mask = options["attn_mask"]
+    if mask is not None:  # the keep-mask (with is_causal folded in) as a constant parameter
+        keep = attention.sdpa_keep(m.name, mask, causal, q.shape[-2], k.shape[-2], q.device)
+        causal = _keep_of(ex, keep, [(mask, "attn_mask", mask.dim() == q.dim())])
     _emit_attention_core(
         ex,
         m,
@@ -687,7 +758,7 @@ def _rule_sdpa(ex: _Exporter, m: attention.ScaledDotProductAttention, args, kwar
         v,
         ((m_s, k_s), (m_o, k_o)),
         soft,
-        options["is_causal"],
+        causal,
         result,
         m.inner_dtype,
         scale,
@@ -721,6 +792,13 @@ def _rule_mha(ex: _Exporter, m: attention.MultiheadAttention, args, kwargs, resu
         raise ex.error("nn.MultiheadAttention is exported with batch_first=True only")
     plan = m.plan(query, key, value)
     e, h = m.embed_dim, m.num_heads
+    options = attention.mha_arguments(args[3:], kwargs)
+    padding, attn_mask = options["key_padding_mask"], options["attn_mask"]
+    keep = attention.mha_keep(m.name, padding, attn_mask, query.shape[0], h)
+    if keep is not None:
+        batched_attn = attn_mask is not None and attn_mask.dim() == 3  # [B * H, L, S]
+        masks = [(padding, "key_padding_mask", True), (attn_mask, "attn_mask", batched_attn)]
+        keep = _keep_of(ex, keep, masks)
     heads = []
     for x, name, (w, b, mult, shift) in zip((query, key, value), "qkv", plan["proj"]):
         scale = getattr(m, f"{name}_scale")
@@ -753,7 +831,7 @@ def _rule_mha(ex: _Exporter, m: attention.MultiheadAttention, args, kwargs, resu
         v,
         (plan["scores"], plan["context"]),
         plan["softmax"],
-        False,
+        False if keep is None else keep,
         ctx,
         m.inner_dtype,
         1.0 / math.sqrt(e // h),
@@ -802,6 +880,60 @@ def _part_scale(m: attention.MultiheadAttention, name: str) -> Tensor:
     e = m.embed_dim
     i = "qkv".index(name)
     return m.in_weight_scale[i * e : (i + 1) * e]
+
+
+def _rule_pow(ex: _Exporter, m: power.Pow, args, kwargs, result) -> None:
+    """``x ** 2``: one ``mul`` of ``x`` by itself; ``x ** 3``: a ``mul`` to the inner square
+    ``shift_round(X*X, K)`` (int16, multiplier 1), then a ``mul`` of it by ``x``."""
+    x = args[0] if args else kwargs["input"]
+    n = m.exponent(args[1:], kwargs)
+    mult, shift, k = m.plan(x, n)
+    common = {"sign": None, "scalar": None, "rounding": _rounding(m)}
+    source = ex.name_of(x)
+    if n == 3:
+        square = _placeholder(x.shape, x.scale.reshape(1) ** 2 * 2.0**k, qint16)
+        attrs = {**common, "multiplier": 1, "shift": k, "dtype": "int16"}
+        (source,) = ex.emit("mul", [source, source], [square], attrs, suffix="_square")
+    attrs = {
+        **common,
+        "multiplier": int(mult.reshape(-1)[0]),
+        "shift": int(shift.reshape(-1)[0]),
+        "dtype": _dtype(result),
+    }
+    ex.emit("mul", [source, ex.name_of(x)], [result], attrs)
+
+
+def _rule_where(ex: _Exporter, m: where.Where, args, kwargs, result) -> None:
+    """Operands on the output grid (``requantize`` where their scale differs; numbers as
+    constants), then ``where`` with the constant condition as a parameter."""
+    condition, a, b = where.where_operands(args, kwargs)
+    inputs, constants = [], []
+    for i, value in enumerate((a, b)):
+        if not isinstance(value, QTensor):
+            constants.append(int(m.operand(value)))
+            continue
+        constants.append(None)
+        name = ex.name_of(value)
+        same = torch.equal(value.scale, m.output_scale.to(value.scale.device))
+        if not (same and value.qdtype is m.out_dtype):
+            mult, shift = m._derive(value.scale)
+            moved = _placeholder(value.shape, m.output_scale, m.out_dtype)
+            (name,) = ex.emit(
+                "requantize",
+                [name],
+                [moved],
+                {"dtype": _dtype(result), "rounding": _rounding(m), "lo": None, "hi": None},
+                {"multiplier": _np(mult, np.int64), "shift": _np(shift, np.int64)},
+                suffix=f"_operand{i}",
+            )
+        inputs.append(name)
+    ex.emit(
+        "where",
+        inputs,
+        [result],
+        {"dtype": _dtype(result), "constants": constants},
+        {"condition": constant_bool(ex, condition, "condition", condition.dim() == result.dim())},
+    )
 
 
 def _rule_div(ex: _Exporter, m: division.Div, args, kwargs, result) -> None:
@@ -898,6 +1030,8 @@ RULES: dict[type, Callable[..., None]] = {
     softmax.Softmax: _rule_softmax,
     attention.ScaledDotProductAttention: _rule_sdpa,
     attention.MultiheadAttention: _rule_mha,
+    power.Pow: _rule_pow,
+    where.Where: _rule_where,
     division.Div: _rule_div,
     elementwise.Maximum: _rule_extremum,
     elementwise.Minimum: _rule_extremum,

@@ -488,14 +488,16 @@ def _k_normalize(node, inputs):
 
 def _k_softmax(node, inputs):
     """(Log-)softmax along ``axis`` (``docs/arithmetic.md``, 15); ``causal`` keeps ``j <= i``
-    over the last two axes."""
+    over the last two axes, the ``keep`` parameter (a bool mask) the entries it marks."""
     a, p = node.attrs, node.params
     axis, rounding = a["axis"], a["rounding"]
     x = inputs[0].astype(np.int64)
-    keep = None
+    keep = p.get("keep")  # a constant keep-mask (attention masks), broadcast against x
     if a["causal"]:
         rows, cols = x.shape[-2], x.shape[-1]
-        keep = np.tril(np.ones((rows, cols), dtype=bool))
+        tri = np.tril(np.ones((rows, cols), dtype=bool))
+        keep = tri if keep is None else keep & tri
+    if keep is not None:
         x = np.where(keep, x, np.iinfo(np.int64).min // 4)
     u = x.max(axis=axis, keepdims=True) - x
     if keep is not None:
@@ -525,6 +527,15 @@ def _k_softmax(node, inputs):
         den = np.maximum(total, 1) << max(g, 0)
         y = (2 * num + den) // (2 * den)
     return [np.clip(y, *_RANGES[a["dtype"]]).astype(DTYPES[a["dtype"]])]
+
+
+def _k_where(node, inputs):
+    """``where(condition, a, b)`` of operands already on the output grid; a ``constants``
+    entry that is not None replaces that operand."""
+    a = node.attrs
+    tensors = iter(inputs)
+    a_, b_ = (next(tensors) if c is None else np.asarray(c) for c in a["constants"])
+    return [np.where(node.params["condition"], a_, b_).astype(DTYPES[a["dtype"]])]
 
 
 def _k_divide(node, inputs):
@@ -603,6 +614,7 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "channel_affine": _k_channel_affine,
     "add": _k_add,
     "mul": _k_mul,
+    "where": _k_where,
     "matmul": _k_matmul,
     "clip": _k_clip,
     "lut": _k_lut,
