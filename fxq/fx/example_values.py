@@ -36,7 +36,7 @@ from torch import nn
 from torch.fx import Node, Proxy
 from torch.fx.proxy import TraceError
 
-__all__ = ["ExampleValues", "MetaProxy", "NO_VALUE"]
+__all__ = ["ExampleValues", "MetaProxy", "NO_VALUE", "setitem_"]
 
 NO_VALUE: Any = object()  # the value of a node is unknown
 
@@ -194,6 +194,22 @@ def fake_value(proxy: Proxy) -> Any:
     return NO_VALUE if values is None else values.fake_of(proxy.node)
 
 
+def setitem_(tensor: torch.Tensor, index: Any, value: Any) -> torch.Tensor:
+    """``tensor[index] = value``, returning ``tensor``: how a graph records item assignment.
+
+    torch.fx cannot record ``x[index] = value`` (a ``Proxy`` has no
+    ``__setitem__``); fxq's tracer records this in-place op instead, which
+    ``fxq.fx.inplace.functionalize_inplace`` treats like ``x.add_(y)``: the
+    later readers of ``x`` read this node's result.
+
+    >>> t = torch.zeros(3)
+    >>> setitem_(t, slice(1, None), 2.0) is t, t.tolist()
+    (True, [0.0, 2.0, 2.0])
+    """
+    tensor[index] = value
+    return tensor
+
+
 class MetaProxy(Proxy):
     """A Proxy whose metadata questions are answered from its fake value, data from its constant."""
 
@@ -204,6 +220,10 @@ class MetaProxy(Proxy):
         if value is not NO_VALUE and k in _RECORDED_ATTRS:
             return self.tracer.create_proxy("call_function", getattr, (self, k), {})
         return super().__getattr__(k)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``x[index] = value`` is recorded as ``setitem_(x, index, value)`` (see there)."""
+        self.tracer.create_proxy("call_function", setitem_, (self, index, value), {})
 
     def __len__(self) -> int:
         value = fake_value(self)

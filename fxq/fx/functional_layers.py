@@ -1,11 +1,14 @@
-"""Functional conv / linear / batch_norm with parameters from the model become modules.
+"""Functional conv / linear / norm layers with parameters from the model become modules.
 
 A layer class that overrides ``forward`` (timm's ``BatchNormAct2d`` and
 ``Linear``, ``Conv2dSame``...) is traced through, so the graph holds
 ``F.batch_norm(x, self.running_mean, ...)`` / ``F.conv2d(x, self.weight, ...)``
 / ``F.linear(x, self.weight, self.bias)`` with ``get_attr`` parameters, and
-Hugging Face's ``Conv1D`` (GPT-2) ``torch.addmm(self.bias, x, self.weight)``.
-Such calls are one ``nn.BatchNorm*d`` / ``nn.Conv*d`` / ``nn.Linear`` computing
+Hugging Face's ``Conv1D`` (GPT-2) ``torch.addmm(self.bias, x, self.weight)``,
+timm's ``LayerNorm`` / ``LayerNorm2d`` and torchvision ConvNeXt's ``LayerNorm2d``
+``F.layer_norm(x, shape, self.weight, self.bias, eps)`` (likewise ``F.group_norm``).
+Such calls are one ``nn.BatchNorm*d`` / ``nn.Conv*d`` / ``nn.Linear`` /
+``nn.LayerNorm`` / ``nn.GroupNorm`` computing
 the same thing on the same tensors (for ``addmm``: a linear holding the
 transposed weight, a new parameter); ``modularize_functional_layers`` replaces each
 by that module, so that fusion, QAT and convert treat it as any other layer
@@ -143,6 +146,32 @@ def _batch_norm(gm: GraphModule, node: Node, modules: dict[str, nn.Module]) -> n
     return bn
 
 
+def _layer_norm(gm: GraphModule, node: Node) -> nn.Module | None:
+    """``F.layer_norm(x, shape, self.weight, self.bias, eps)`` (timm's ``LayerNorm``, ``LayerNorm2d``)."""
+    shape, eps = _arg(node, 1, "normalized_shape"), _arg(node, 4, "eps", 1e-5)
+    weight_arg, bias_arg = _arg(node, 2, "weight"), _arg(node, 3, "bias")
+    weight, bias = _tensor_attr(gm, weight_arg), _tensor_attr(gm, bias_arg)
+    if weight is None or (bias_arg is not None and bias is None) or not _constants(shape, eps):
+        return None
+    norm = nn.LayerNorm(shape, eps=eps, bias=bias is not None, device="meta")
+    if tuple(norm.normalized_shape) != tuple(weight.shape):
+        return None
+    return _take(norm, weight=weight, bias=bias)
+
+
+def _group_norm(gm: GraphModule, node: Node) -> nn.Module | None:
+    """``F.group_norm(x, groups, self.weight, self.bias, eps)`` (timm's ``GroupNorm``, ``GroupNorm1``)."""
+    groups, eps = _arg(node, 1, "num_groups"), _arg(node, 4, "eps", 1e-5)
+    weight, bias = (
+        _tensor_attr(gm, _arg(node, 2, "weight")),
+        _tensor_attr(gm, _arg(node, 3, "bias")),
+    )
+    if weight is None or bias is None or weight.dim() != 1 or not _constants(groups, eps):
+        return None
+    norm = nn.GroupNorm(groups, weight.numel(), eps=eps, device="meta")
+    return _take(norm, weight=weight, bias=bias)
+
+
 def _batch_norm_class(node: Node, modules: dict[str, nn.Module]) -> type | None:
     """BatchNorm1d/2d/3d: the owner layer's base class, else the one after the conv before it."""
     owner = _owner_class(node)
@@ -175,6 +204,8 @@ _BUILDERS: dict[Any, Callable[..., nn.Module | None]] = {
     F.linear: lambda gm, node, modules: _linear(gm, node),
     F.batch_norm: _batch_norm,
     torch.addmm: lambda gm, node, modules: _addmm(gm, node),
+    F.layer_norm: lambda gm, node, modules: _layer_norm(gm, node),
+    F.group_norm: lambda gm, node, modules: _group_norm(gm, node),
 }
 #: the argument that is the layer's input, where it is not the first
 _INPUT_ARGUMENT = {torch.addmm: (1, "mat1")}
@@ -185,7 +216,7 @@ _MODULE_NAME = {torch.addmm: "linear"}
 def modularize_functional_layers(
     gm: GraphModule, keep: Callable[[Node], bool] | None = None
 ) -> list[str]:
-    """Replace functional conv / linear / batch_norm calls on model tensors by modules, in place.
+    """Replace functional conv / linear / norm calls on model tensors by modules, in place.
 
     Also drops ``nn.Identity`` calls (timm puts one between a BatchNorm and
     its activation), ``torch._assert`` checks on the rank or shape of an

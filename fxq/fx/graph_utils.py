@@ -24,6 +24,7 @@ __all__ = [
     "call_sites",
     "take_name",
     "positional_inputs",
+    "data_dependent_nodes",
 ]
 
 # attributes of a tensor that are Python values; any other attribute of a tensor (or of
@@ -134,6 +135,60 @@ def infer_tensor_nodes(
     if example_inputs is not None:
         is_tensor.update(_observed_tensor_nodes(gm, example_inputs))
     return is_tensor
+
+
+#: methods that read only their tensor's metadata (shape, dtype, device), not its data
+_METADATA_METHODS = frozenset(
+    {"size", "dim", "numel", "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"}
+)
+#: functions that read only their first argument's metadata
+_METADATA_FUNCTIONS = frozenset(
+    {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.numel}
+)
+
+
+def data_dependent_nodes(gm: GraphModule) -> set[Node]:
+    """The nodes whose value depends on the data of the model's inputs.
+
+    The others are computed from weights, buffers, Python values and the
+    inputs' metadata alone (shapes, dtypes, devices): torchvision swin's
+    shifted-window mask (``x.new_zeros((H, W))`` filled by slices), sinusoidal
+    position encodings built with ``torch.arange`` on the feature map's size,
+    relative position biases gathered from a table. A deployed model has
+    static input shapes, so these are constants that its compiler folds;
+    ``prepare_qat_fx`` does not list them as float ops on activations.
+
+    >>> import torch
+    >>> class M(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         mask = torch.zeros(x.shape[-1]).cumsum(0)
+    ...         return x + mask
+    >>> gm = torch.fx.symbolic_trace(M())
+    >>> sorted(n.name for n in data_dependent_nodes(gm))
+    ['add', 'output', 'x']
+    """
+    dependent: set[Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if not node.meta.get("fxq_concrete"):
+                dependent.add(node)
+            continue
+        inputs = list(_flatten_nodes((node.args, node.kwargs)))
+        metadata_only = (
+            (node.op == "call_method" and node.target in _METADATA_METHODS)
+            or (node.op == "call_function" and node.target in _METADATA_FUNCTIONS)
+            or (
+                node.op == "call_function"
+                and node.target is builtins.getattr
+                and len(node.args) > 1
+                and node.args[1] in _METADATA_ATTRS
+            )
+        )
+        if metadata_only and inputs and node.args and node.args[0] is inputs[0]:
+            inputs = inputs[1:]  # the first argument is read for its metadata only
+        if any(n in dependent for n in inputs):
+            dependent.add(node)
+    return dependent
 
 
 def _get_attr(gm: nn.Module, target: str) -> Any:

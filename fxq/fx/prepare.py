@@ -40,6 +40,7 @@ from fxq.fx.functional_layers import modularize_functional_layers
 from fxq.fx.fuse import fuse_graph_module
 from fxq.fx.graph_utils import (
     call_sites,
+    data_dependent_nodes,
     infer_tensor_nodes,
     owner_path,
     set_submodule,
@@ -90,8 +91,9 @@ def prepare_qat_fx(
         example_inputs: optional inputs, positional (a sequence) or keyword
             (a dict: ``{"input_ids": ids}``); when given, the float graph runs
             once so that tensors and Python values are told apart exactly
-            (otherwise static rules decide). With a dict, the arguments of
-            ``forward`` it leaves out are traced at their defaults (made
+            (otherwise static rules decide). The arguments of ``forward``
+            they leave out (with a dict: those it does not name; with a
+            sequence: those after it) are traced at their defaults (made
             concrete), unless ``concrete_args`` says otherwise.
         float_ops: what to do about ops that have a qconfig but no integer
             implementation (they run in float, i.e. off the accelerator):
@@ -226,6 +228,7 @@ class _Preparer:
         self.spec = spec
         self.modules = dict(gm.named_modules())
         self.is_tensor = infer_tensor_nodes(gm, example_inputs)
+        self.data_dependent = data_dependent_nodes(gm)
         self.sites = call_sites(gm)
         self.site_count: dict[str, int] = {}
         self.fq_of: dict[Node, FakeQuantize | None] = {}
@@ -265,9 +268,15 @@ class _Preparer:
                 computes = bool(tensor_inputs(node, self.is_tensor)) or (
                     module is not None and self._has_weights(module)
                 )
-                if qconfig is not None and computes and not is_opaque_call(node, module):
-                    node.meta["fxq_float_reason"] = rule.reason
-                    self.float_ops.append(_describe_float_op(node, rule))
+                if qconfig is None or not computes or is_opaque_call(node, module):
+                    continue
+                if node not in self.data_dependent:
+                    # computed from weights, constants and input shapes only (a shifted-window
+                    # mask, a position encoding): a constant of the deployed model
+                    node.meta["fxq_status"] = "constant"
+                    continue
+                node.meta["fxq_float_reason"] = rule.reason
+                self.float_ops.append(_describe_float_op(node, rule))
                 continue
             if qconfig is None:
                 node.meta["fxq_status"] = "float"

@@ -236,6 +236,17 @@ def call_wrapped_method(owner: nn.Module, name: str, *args: Any, **kwargs: Any) 
     return getattr(owner, name)(*args, **kwargs)
 
 
+def _is_torch_fx_wrapped(target: Any) -> bool:
+    """A Python function registered with ``torch.fx.wrap`` (torchvision's swin helpers...)."""
+    from torch.fx._symbolic_trace import _wrapped_fns_to_patch
+
+    module_globals = getattr(target, "__globals__", None)
+    name = getattr(target, "__name__", None)
+    if module_globals is None or name is None:
+        return False
+    return (id(module_globals), name) in _wrapped_fns_to_patch
+
+
 def _torchvision_leaves() -> tuple[type, ...]:
     try:
         from torchvision.ops import StochasticDepth
@@ -277,18 +288,70 @@ class Tracer(torch.fx.Tracer):
         self.example_values = ExampleValues(example_inputs or {}, _ACTIVE)
         #: condition nodes decided in Python (dropped after tracing when nothing else reads them)
         self.decided: list[torch.fx.Node] = []
+        #: ``get_attr`` nodes of a failed ``inline_fx_wrapped`` (erased after tracing if unused)
+        self.orphans: list[torch.fx.Node] = []
+        #: the result nodes of ``inline_fx_wrapped``
+        self.inlined: list[torch.fx.Node] = []
 
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         return MetaProxy(node, self)
 
     def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest, **kw):
-        """As torch.fx, and compute the node's fake and constant values (``example_values``)."""
+        """As torch.fx, and compute the node's fake and constant values (``example_values``).
+
+        A function marked with ``torch.fx.wrap`` is traced into when that works
+        (see ``inline_fx_wrapped``), and is one node otherwise.
+        """
+        if kind == "call_function" and _is_torch_fx_wrapped(target):
+            inlined = self.inline_fx_wrapped(target, args, kwargs)
+            if inlined is not None:
+                return inlined
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
         opaque = kind == "call_function" and (
             target is call_wrapped_method or is_fx_wrapped(target)
         )
         self.example_values.record(proxy.node, self.root, opaque=opaque)
         return proxy
+
+    def inline_fx_wrapped(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> torch.fx.Proxy | None:
+        """Trace into a ``torch.fx.wrap`` function; None (and nothing recorded) when that fails.
+
+        Libraries mark functions with ``torch.fx.wrap`` because plain FX cannot
+        answer their shape questions (torchvision's ``shifted_window_attention``
+        pads to the window size and decides whether to shift from the feature
+        map's size). fxq's tracer answers them from the example inputs, and the
+        ops inside (linear layers, matmuls, softmax) can then be quantized. When
+        tracing into the function fails (no example inputs, control flow on
+        tensor values) or it returns something other than one tensor, the nodes
+        it recorded are erased and the call becomes one node, as in torch.fx.
+        """
+        graph = self.graph
+        last = next(reversed(graph.nodes), None)
+        decided = len(self.decided)
+        try:
+            result = fn(*args, **kwargs)
+        except Exception:
+            result = None
+        if isinstance(result, torch.fx.Proxy) and result.tracer is self:
+            if "is_wrapped" not in result.node.meta:
+                # torch.fx marks the node it gets back as the wrapped call, and code generation
+                # would then register its target with torch.fx.wrap: unmarked after tracing
+                self.inlined.append(result.node)
+            return result
+        added = []
+        node = last.next if last is not None else next(iter(graph.nodes), None)
+        while node is not None and node is not graph._root:
+            added.append(node)
+            node = node.next
+        for node in reversed(added):
+            if node.op == "get_attr":
+                self.orphans.append(node)  # torch.fx may have cached its proxy: erased later
+            elif not node.users:
+                graph.erase_node(node)
+        del self.decided[decided:]
+        return None
 
     def to_bool(self, obj: torch.fx.Proxy) -> bool:
         """A condition on shapes or dtypes is decided with the example inputs' metadata."""
@@ -388,7 +451,10 @@ class Tracer(torch.fx.Tracer):
     ):
         _ACTIVE.append(self)
         try:
-            return super().trace(root, concrete_args)
+            graph = super().trace(root, concrete_args)
+            for node in self.inlined:
+                node.meta.pop("is_wrapped", None)
+            return graph
         except FxqTraceError:
             raise
         except Exception as e:
@@ -580,8 +646,9 @@ def symbolic_trace(
             before (calling it with another value fails its check) and its
             default becomes the traced value, so it may be left out.
         example_inputs: optional example inputs (positional, or a dict by
-            argument name; with a dict, the arguments it leaves out are traced
-            at their defaults, as with ``concrete_args``). Only their metadata is used (shapes, dtypes,
+            argument name; the arguments they leave out (with a sequence: the
+            arguments after them) are traced at their defaults, as with
+            ``concrete_args``). Only their metadata is used (shapes, dtypes,
             ranks; see ``fxq.fx.example_values``): Python conditions on it,
             such as ``if mask.ndim == 2`` or ``torch.finfo(x.dtype)``, are
             decided with the example's values, while conditions on tensor
@@ -598,9 +665,15 @@ def symbolic_trace(
         _check_concrete_args(model, concrete_args)
     if isinstance(example_inputs, Mapping):  # keyword inputs: the arguments not given are concrete
         concrete_args = {**concrete_args_for(model, dict(example_inputs)), **(concrete_args or {})}
+    elif example_inputs is not None:  # positional: the arguments after them, at their defaults
+        defaults = _defaults_after(model, example_inputs, concrete_args)
+        concrete_args = {**defaults, **(concrete_args or {})} if defaults else concrete_args
     tracer = Tracer(example_inputs=_inputs_by_name(model, example_inputs, concrete_args))
     graph = tracer.trace(model, concrete_args)
     _drop_decided_conditions(graph, tracer.decided)
+    for node in tracer.orphans:
+        if not node.users:
+            graph.erase_node(node)
     _mark_concrete_placeholders(graph, model, concrete_args or {})
     gm = GraphModule(model, graph, type(model).__name__)
     if tracer.uses_root_methods:
@@ -632,6 +705,31 @@ def _drop_decided_conditions(graph: torch.fx.Graph, decided: list[torch.fx.Node]
         inputs = node.all_input_nodes
         graph.erase_node(node)
         work.extend(inputs)
+
+
+def _defaults_after(
+    model: nn.Module, example_inputs: Sequence[Any], concrete_args: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The arguments of ``forward`` after the positional example inputs, at their defaults.
+
+    ``prepare_qat_fx(vit, example_inputs=(x,))`` on timm's
+    ``forward(x, attn_mask=None, is_causal=False)`` traces the branch the
+    call ``vit(x)`` takes (no mask) instead of making ``attn_mask`` a graph
+    input. Arguments without a default, and any ``forward`` taking
+    ``*args``, are left as graph inputs.
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    forward = type(model).forward
+    params = list(inspect.signature(forward).parameters.values())[1:]  # self
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return {}
+    named = traced_parameters(forward, concrete_args)
+    return {
+        p.name: p.default
+        for p in named[len(example_inputs) :]
+        if p.default is not inspect.Parameter.empty and p.name not in (concrete_args or {})
+    }
 
 
 def _inputs_by_name(

@@ -249,3 +249,69 @@ def test_float_fake_quant_is_reentrant(bayes):
             assert not prepared.stem.simulate_integer
         assert not prepared.stem.simulate_integer
     assert prepared.stem.simulate_integer
+
+
+class _TimmLayerNorm2d(nn.LayerNorm):
+    """timm's / torchvision ConvNeXt's ``LayerNorm2d``: its own forward calls F.layer_norm."""
+
+    def forward(self, x):
+        x = x.permute(0, 2, 3, 1)
+        x = torch.nn.functional.layer_norm(
+            x, self.normalized_shape, self.weight, self.bias, self.eps
+        )
+        return x.permute(0, 3, 1, 2)
+
+
+class _TimmGroupNorm(nn.GroupNorm):
+    def forward(self, x):
+        return torch.nn.functional.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "group_norm"])
+def test_functional_norms_with_module_weights_become_integer_modules(bayes, norm):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.norm = _TimmLayerNorm2d(8) if norm == "layer_norm" else _TimmGroupNorm(2, 8)
+            nn.init.uniform_(self.norm.weight, 0.5, 1.5)
+            nn.init.uniform_(self.norm.bias, -0.5, 0.5)
+
+        def forward(self, x):
+            return self.norm(self.conv(x))
+
+    model = Net().eval()
+    x = torch.randn(2, 3, 6, 6)
+    prepared = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=(x,), float_ops="error")
+    qat_norm = prepared.get_submodule(f"norm.{norm}")
+    assert isinstance(qat_norm, qat.QATModule)
+    assert torch.equal(qat_norm.op.weight, model.norm.weight)  # the model's own affine parameters
+    assert torch.equal(qat_norm.op.bias, model.norm.bias)
+    calibrate(prepared, [x, torch.randn(2, 3, 6, 6)])
+    with torch.no_grad():
+        assert torch.allclose(prepared(x), model(x), atol=1e-5)  # CALIBRATION: the float model
+        fxq.set_fake_quantize(prepared, "validation")
+        expected = prepared(x)
+        assert torch.equal(fxq.convert_fx(prepared)(x), expected)
+    assert sqnr(model(x), expected) > 25
+
+
+def test_float_ops_on_shapes_and_weights_only_are_constants_not_listed(bayes):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+            self.table = nn.Parameter(torch.randn(8))
+
+        def forward(self, x):
+            positions = torch.arange(x.shape[1], device=x.device).float()
+            encoding = torch.special.i0(positions[:, None] / 8 * self.table)  # no integer i0
+            return torch.special.i0(self.proj(x)) + encoding
+
+    x = torch.randn(2, 5, 8)
+    with pytest.warns(fxq.fx.prepare.FloatOpWarning) as caught:
+        prepared = fxq.prepare_qat_fx(Net().eval(), {"": q8}, example_inputs=(x,))
+    listed = [ln for ln in str(caught[0].message).splitlines() if ln.startswith("  - ")]
+    assert len(listed) == 1 and listed[0].startswith("  - special_i0_1 ("), listed
+    status = {n.name: n.meta.get("fxq_status") for n in prepared.graph.nodes}
+    assert status["special_i0"] == "constant" and status["special_i0_1"] == "float fallback"

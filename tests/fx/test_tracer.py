@@ -1,4 +1,5 @@
 import copy
+import operator
 
 import pytest
 import torch
@@ -204,3 +205,160 @@ def test_save_and_load_in_a_fresh_process(bayes, tmp_path):
         print("ok")
         """
     assert run_in_fresh_process(code) == "ok"
+
+
+# -- torch.fx.wrap functions, item assignment, positional example inputs ------------------------
+def _pad_and_attend(x, window: int):
+    # torchvision-style helper: shape questions plain torch.fx cannot answer
+    pad = (window - x.shape[1] % window) % window
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    scores = torch.matmul(x, x.transpose(-2, -1))
+    return torch.matmul(scores.softmax(-1), x)
+
+
+def _scale_if_positive(x):
+    if x.sum() > 0:  # control flow on tensor data: stays one node
+        return x * 2
+    return x
+
+
+torch.fx.wrap("_pad_and_attend")
+torch.fx.wrap("_scale_if_positive")
+
+
+class UsesTorchFxWrap(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _scale_if_positive(_pad_and_attend(self.proj(x), 4))
+
+
+def _call_targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def test_torch_fx_wrap_functions_are_traced_into_when_they_can_be(bayes):
+    model = UsesTorchFxWrap().eval()
+    x = torch.randn(2, 6, 8)
+    gm = fxq.symbolic_trace(model, example_inputs=(x,))
+    targets = _call_targets(gm)
+    # the padding helper is traced into; the data-dependent one stays one node, and the failed
+    # attempt at tracing into it leaves nothing behind
+    assert _pad_and_attend not in targets and targets.count(torch.matmul) == 2
+    assert targets.count(_scale_if_positive) == 1 and targets.count(operator.mul) == 0
+    # only the real leaf call is marked as torch.fx's wrapped call (code generation registers
+    # the targets of marked nodes with torch.fx.wrap, which would break the next trace)
+    marked = [n.target for n in gm.graph.nodes if n.meta.get("is_wrapped")]
+    assert marked == [_scale_if_positive]
+    for batch in (x, -x.abs(), torch.randn(3, 6, 8)):
+        assert torch.equal(gm(batch), model(batch))
+    # without example inputs the shape question cannot be answered: one node, as in torch.fx
+    plain = fxq.symbolic_trace(model)
+    assert _call_targets(plain) == [_pad_and_attend, _scale_if_positive]
+    assert torch.equal(plain(x), model(x))
+
+
+def test_ops_inside_torch_fx_wrap_functions_are_quantized(bayes):
+    model = UsesTorchFxWrap().eval()
+    x = torch.randn(2, 6, 8)
+    qat_model = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=(x,), float_ops="ignore")
+    kinds = {type(m) for m in qat_model.modules()}
+    assert qat.MatMul in kinds and qat.Softmax in kinds
+    calibrate(qat_model, [x, torch.randn(2, 6, 8)])
+    fxq.set_fake_quantize(qat_model, "validation")
+    with torch.no_grad():
+        assert torch.equal(fxq.convert_fx(qat_model)(x), qat_model(x))
+
+
+class FillsAMask(nn.Module):
+    """``mask[a:b, c:d] = k`` on a tensor built from the input's shape (torchvision swin)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        mask = y.new_zeros((y.shape[-2], y.shape[-1]))
+        mask[:2, :] = 1.0
+        mask[:, -1:] = -1.0
+        return y + mask
+
+
+def test_item_assignment_is_recorded_and_its_readers_see_the_write(bayes):
+    from fxq.fx.example_values import setitem_
+
+    model = FillsAMask().eval()
+    x = torch.randn(1, 3, 4, 5)
+    gm = fxq.symbolic_trace(model, example_inputs=(x,))
+    assert _call_targets(gm).count(setitem_) == 2
+    for batch in (x, torch.randn(2, 3, 6, 3)):
+        assert torch.equal(gm(batch), model(batch))
+    # the mask depends on the input's shape only: a constant, not a float op on activations
+    qat_model = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=(x,), float_ops="error")
+    calibrate(qat_model, [x, torch.randn(1, 3, 4, 5)])
+    with torch.no_grad():
+        assert torch.allclose(qat_model(x), model(x), atol=1e-6)  # CALIBRATION is the float model
+        fxq.set_fake_quantize(qat_model, "validation")
+        assert torch.equal(fxq.convert_fx(qat_model)(x), qat_model(x))
+
+
+def test_item_assignment_into_an_activation_is_a_listed_float_op(bayes):
+    class ZeroesAChannel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            y[:, 0] = 0.0
+            return torch.relu(y)
+
+    model = ZeroesAChannel().eval()
+    x = torch.randn(1, 3, 4, 4)
+    with pytest.warns(fxq.fx.prepare.FloatOpWarning, match=r"setitem_ \(fxq\.fx\.example_values"):
+        qat_model = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=(x,))
+    calibrate(qat_model, [x])
+    with torch.no_grad():  # the write is not lost: relu reads the written tensor
+        assert torch.allclose(qat_model(x), model(x), atol=1e-6)
+        assert bool((qat_model(x)[:, 0] == 0).all())
+
+
+class OptionalMask(nn.Module):
+    """timm's ``forward(x, attn_mask=None, is_causal=False)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        y = self.proj(x)
+        if attn_mask is not None or is_causal:
+            y = y + attn_mask
+        return y
+
+
+def test_positional_example_inputs_trace_the_later_arguments_at_their_defaults(bayes):
+    model = OptionalMask().eval()
+    x = torch.randn(2, 4, 8)
+    gm = fxq.symbolic_trace(model, example_inputs=(x,))
+    assert operator.add not in _call_targets(gm)
+    assert torch.equal(gm(x), model(x))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [(n.target, n.args, bool(n.meta.get("fxq_concrete"))) for n in placeholders] == [
+        ("x", (), False),
+        ("attn_mask", (None,), True),
+        ("is_causal", (False,), True),
+    ]
+    # given positionally, the mask is a graph input
+    masked = fxq.symbolic_trace(model, example_inputs=(x, torch.zeros(2, 4, 8)))
+    assert operator.add in _call_targets(masked)
+    # prepare: nothing left in float, integer equals VALIDATION
+    qat_model = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=(x,), float_ops="error")
+    calibrate(qat_model, [x])
+    fxq.set_fake_quantize(qat_model, "validation")
+    with torch.no_grad():
+        assert torch.equal(fxq.convert_fx(qat_model)(x), qat_model(x))
