@@ -28,7 +28,12 @@ from torch import Tensor, nn
 from fxq.dtypes import QDType, as_qdtype, qint8, qint32
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
-from fxq.quantized.base import QuantizedModule, multiplier_for, require_finite
+from fxq.quantized.base import (
+    QuantizedModule,
+    multiplier_for,
+    require_finite,
+    warn_if_saturated,
+)
 from fxq.quantized.ops_base import FunctionalQuantized
 from fxq.quantized.softmax import SoftmaxPlan, integer_softmax, softmax_plan
 
@@ -168,10 +173,22 @@ def integer_matmul(
     shift: Tensor,
     out_dtype: QDType,
 ) -> Tensor:
-    """``sat(shift_round(sat32(a @ b) M, S))`` with an exact accumulation; float32 integers."""
+    """``sat(shift_round(sat32(a @ b) M, S))`` with an exact accumulation; float32 integers.
+
+    Warns (once per module) when the int32 accumulator saturates (int16 q and k)."""
     k = a.shape[-1]
     plan = qf.plan_accumulation(a_bits, k * (1 << (b_bits - 1)), other_bits=b_bits)
     acc = qf.accumulate(lambda x, w, _: torch.matmul(x, w), a, b, None, plan)
+    if plan.bound >= 1 << 31 or plan.limbs > 1:
+        warn_if_saturated(
+            module,
+            acc,
+            lambda: (
+                f"it sums {k} products of a {a_bits}-bit and a {b_bits}-bit operand (attention's "
+                "scores or output). Use int8 for the attention's inputs (their producers' "
+                "qconfig), or keep the op in float with a qconfig of None"
+            ),
+        )
     acc = qf.saturate_int32(acc)
     return qf.requantize_exact(acc, multiplier, shift, out_dtype, module.rounding, as_float=True)
 

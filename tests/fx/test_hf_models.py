@@ -451,7 +451,7 @@ def test_minilm_sdpa_is_fully_integer_on_padded_batches(bayes, minilm):
     assert torch.equal(got, expected)
     mask = padded["attention_mask"]
     cosine = F.cosine_similarity(_mean_pool(got, mask), _mean_pool(reference, mask))
-    assert float(cosine.min()) > 0.95, cosine
+    assert float(cosine.min()) > 0.99, cosine  # measured: worst 0.9994
 
 
 # -- measurements (not a test): python -m tests.fx.test_hf_models ------------------------------
