@@ -106,6 +106,8 @@ def keep_mask(mask: Tensor, where: str, what: str, attend: bool = True) -> Tenso
             positions: it has no integer form here; keep the op float with a qconfig of None).
         TypeError: an integer-dtype mask.
     """
+    if isinstance(mask, QTensor):  # a mask computed by quantized ops: its real values
+        mask = mask.dequantize()
     if mask.dtype is torch.bool:
         return mask if attend else ~mask
     if not mask.is_floating_point():

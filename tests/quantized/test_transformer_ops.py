@@ -400,6 +400,14 @@ def test_attention_matches_the_integer_reference_and_float(march, mask, scale):
             y = ref_matmul_requant(probs, v, int(m_o), int(k_o), out.qmin, out.qmax)
             assert got_int[b, h].tolist() == y
 
+    # the float QAT computation takes the same keep-mask: no NaN, a row with nothing kept is 0
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.QAT)
+    with torch.no_grad():
+        trained = qat(*x)
+    assert not trained.isnan().any()
+    if keep is not None:
+        assert torch.equal(trained * ~full, torch.zeros_like(trained))
+
 
 def test_attention_refuses_an_additive_bias_with_the_rule(bayes):
     model = _Attention("additive", None)
