@@ -438,7 +438,8 @@ def test_float_rows_are_listed_with_their_reason(bayes):
 
         def forward(self, x):
             y = self.conv(x)
-            y = F.layer_norm(y.permute(0, 2, 3, 1), (8,), self.g).permute(0, 3, 1, 2)
+            # a weight computed in the graph: float (a get_attr weight becomes nn.LayerNorm)
+            y = F.layer_norm(y.permute(0, 2, 3, 1), (8,), self.g.contiguous()).permute(0, 3, 1, 2)
             y = F.conv2d(y, self.w.contiguous())  # a weight computed in the graph: float
             return torch.cumsum(torch.cumsum(y, 1), 2)
 
@@ -448,11 +449,11 @@ def test_float_rows_are_listed_with_their_reason(bayes):
     assert "4 op(s)" in message
     line = M.forward.__code__.co_firstlineno
     assert (
-        f"layer_norm (torch.nn.functional.layer_norm, {__file__}:{line + 2}): "
+        f"layer_norm (torch.nn.functional.layer_norm, {__file__}:{line + 3}): "
         "torch.nn.functional.layer_norm with weight / bias tensors" in message
     )
     assert (
-        f"conv2d (torch.nn.functional.conv2d, {__file__}:{line + 3}): torch.nn.functional.conv2d "
+        f"conv2d (torch.nn.functional.conv2d, {__file__}:{line + 4}): torch.nn.functional.conv2d "
         "with a weight tensor" in message
     )
     assert "cumsum" in message and "no registry row" in message
