@@ -12,6 +12,7 @@ from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 
+from fxq.fx.inplace import is_inplace
 from fxq.fx.tracer import bind_root
 from fxq.registry import NONTENSOR_METHODS
 
@@ -167,11 +168,20 @@ def data_dependent_nodes(gm: GraphModule) -> set[Node]:
     >>> sorted(n.name for n in data_dependent_nodes(gm))
     ['add', 'output', 'x']
     """
+    # a buffer written in place (a cache, a counter) may hold input data wherever it is read
+    written = {
+        n.args[0].target
+        for n in gm.graph.nodes
+        if is_inplace(n) and isinstance(n.args[0], Node) and n.args[0].op == "get_attr"
+    }
     dependent: set[Node] = set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             if not node.meta.get("fxq_concrete"):
                 dependent.add(node)
+            continue
+        if node.op == "get_attr" and node.target in written:
+            dependent.add(node)
             continue
         inputs = list(_flatten_nodes((node.args, node.kwargs)))
         metadata_only = (

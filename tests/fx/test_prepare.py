@@ -315,3 +315,31 @@ def test_float_ops_on_shapes_and_weights_only_are_constants_not_listed(bayes):
     assert len(listed) == 1 and listed[0].startswith("  - special_i0_1 ("), listed
     status = {n.name: n.meta.get("fxq_status") for n in prepared.graph.nodes}
     assert status["special_i0"] == "constant" and status["special_i0_1"] == "float fallback"
+
+
+def test_a_buffer_written_with_input_data_is_not_a_constant(bayes):
+    class KeepsLast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.register_buffer("last", torch.zeros(2, 4))
+
+        def forward(self, x):
+            self.last.copy_(x)
+            return self.proj(x) + torch.special.i0(self.last)
+
+    x = torch.randn(2, 4)
+    with pytest.warns(fxq.fx.prepare.FloatOpWarning, match=r"special_i0 \(torch\.special_i0"):
+        fxq.prepare_qat_fx(KeepsLast().eval(), {"": q8}, example_inputs=(x,))
+
+    # a graph from another tracer may read the buffer through a second get_attr node
+    from fxq.fx.graph_utils import data_dependent_nodes
+
+    graph = torch.fx.Graph()
+    inp = graph.placeholder("x")
+    graph.call_method("copy_", (graph.get_attr("last"), inp))
+    read = graph.call_function(torch.special.i0, (graph.get_attr("last"),))
+    constant = graph.call_function(torch.special.i0, (graph.get_attr("proj.weight"),))
+    graph.output((read, constant))
+    dependent = data_dependent_nodes(torch.fx.GraphModule(KeepsLast(), graph))
+    assert read in dependent and constant not in dependent
