@@ -64,6 +64,9 @@ __all__ = [
     "integer_class_for",
     "fusion_members",
     "target_name",
+    "EinsumMatmul",
+    "einsum_as_matmul",
+    "einsum_operands",
 ]
 
 
@@ -360,6 +363,115 @@ def _refine_div(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRo
     return dataclasses.replace(row, refine=None)
 
 
+@dataclass(frozen=True)
+class EinsumMatmul:
+    """A two-operand ``torch.einsum`` equation that is a (batched) matrix product.
+
+    ``einsum(eq, a, b) == out_t(matmul(a_t(a), b_t(b)))`` where ``x_t`` swaps the last two
+    axes when the flag is set.
+
+    Attributes:
+        transpose_a: ``a`` is ``[..., k, i]`` (swap to ``[..., i, k]``).
+        transpose_b: ``b`` is ``[..., j, k]`` (swap to ``[..., k, j]``).
+        transpose_out: the output is ``[..., j, i]``.
+    """
+
+    transpose_a: bool
+    transpose_b: bool
+    transpose_out: bool
+
+
+def einsum_as_matmul(equation: str) -> EinsumMatmul:
+    """How a two-operand einsum equation lowers to ``matmul`` (with transposes).
+
+    The equation must name the same batch axes, in the same order, at the front of
+    both operands and of the output (``...`` counts as one batch axis), then two axes
+    per operand: one shared axis ``k`` that is summed over, one free axis of each
+    operand; the output ends with the two free axes. Spaces are ignored; letters are
+    case-sensitive (as in torch). Without ``->`` the output is torch's implicit one.
+
+    >>> einsum_as_matmul("B G H I D, B G H J D -> B G H I J")
+    EinsumMatmul(transpose_a=False, transpose_b=True, transpose_out=False)
+
+    Raises:
+        ValueError: the equation is not a (transposed) batched matrix product; the message
+            says why.
+    """
+    eq = equation.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    operands = lhs.split(",")
+    if len(operands) != 2:
+        raise ValueError(f"{len(operands)} operand(s), not 2")
+    a, b = (_einsum_axes(o) for o in operands)
+    if not arrow:  # torch: the axes named once, in alphabetical order (``...`` first)
+        once = [x for x in a + b if (a + b).count(x) == 1]
+        out_axes = (["..."] if "..." in a + b else []) + sorted(x for x in once if x != "...")
+    else:
+        out_axes = _einsum_axes(out)
+    for name, axes in (
+        ("the first operand", a),
+        ("the second operand", b),
+        ("the output", out_axes),
+    ):
+        if len(axes) != len(set(axes)):
+            raise ValueError(f"{name} repeats an axis (a diagonal)")
+        if len(axes) < 2:
+            raise ValueError(f"{name} has fewer than two axes")
+    batch = a[:-2]
+    if b[:-2] != batch or out_axes[:-2] != batch:
+        raise ValueError("the operands and the output do not share the same leading batch axes")
+    shared = set(a[-2:]) & set(b[-2:])
+    if len(shared) != 1 or "..." in shared:
+        raise ValueError("the last two axes of the operands do not share exactly one summed axis")
+    (k,) = shared
+    i = next(x for x in a[-2:] if x != k)
+    j = next(x for x in b[-2:] if x != k)
+    if out_axes[-2:] not in ([i, j], [j, i]) or k in out_axes:
+        raise ValueError(f"the output does not end with the free axes {i!r} and {j!r}")
+    return EinsumMatmul(a[-1] != k, b[-2] != k, out_axes[-2:] == [j, i])
+
+
+def _einsum_axes(term: str) -> list[str]:
+    if "..." in term and not term.startswith("..."):
+        raise ValueError("'...' is only accepted first (as the batch axes)")
+    axes = ["..."] if term.startswith("...") else []
+    rest = term[3:] if axes else term
+    if not all(c.isalpha() for c in rest):
+        raise ValueError(f"{term!r} has characters other than letters")
+    return axes + list(rest)
+
+
+def einsum_operands(args: tuple, kwargs: dict) -> tuple[Any, list[Any]]:
+    """``(equation, operands)`` of a ``torch.einsum`` call (operands given one by one or as a
+    list)."""
+    equation = args[0] if args else kwargs.get("equation")
+    operands = list(args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    return equation, operands
+
+
+def _refine_einsum(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    if node is None:
+        return dataclasses.replace(row, refine=None)
+    equation, operands = einsum_operands(node.args, node.kwargs)
+    if not isinstance(equation, str):
+        return row.as_float("torch.einsum with an equation computed in the graph")
+    if len(operands) != 2:
+        return row.as_float(
+            f"torch.einsum({equation!r}) with {len(operands)} operand(s): the integer einsum "
+            "takes two"
+        )
+    try:
+        einsum_as_matmul(equation)
+    except ValueError as e:
+        return row.as_float(
+            f"torch.einsum({equation!r}) is not a batched matrix product ({e}); only "
+            "'...ik,...kj->...ij' (either operand or the output transposed) is integer"
+        )
+    return dataclasses.replace(row, refine=None)
+
+
 #: operators that compute on sizes in traced code (``x.shape[0] // 2``, ``h == w``)
 _SHAPE_OPERATORS = (
     operator.eq,
@@ -593,6 +705,16 @@ def _table() -> list[OpRow]:
             functions=(operator.matmul, torch.matmul, torch.bmm),
             methods=("matmul", "bmm"),
         ),
+        _compute(
+            "einsum",
+            "Einsum",
+            "matmul",
+            functions=(torch.einsum,),
+            refine=_refine_einsum,
+            doc="two-operand equations that are a batched matmul ('...ik,...kj->...ij', either "
+            "operand or the output transposed): transposes and the integer matmul; other "
+            "equations stay float",
+        ),
         # -- pooling and reductions ------------------------------------------------------
         *[
             _compute(
@@ -770,7 +892,12 @@ def _table() -> list[OpRow]:
         _pass("unflatten", (nn.Unflatten,), (torch.unflatten,), ("unflatten",)),
         _pass("reshape", (), (torch.reshape,), ("reshape", "view", "view_as", "reshape_as")),
         _pass("permute", (), (torch.permute,), ("permute",)),
-        _pass("transpose", (), (torch.transpose, torch.t), ("transpose", "t")),
+        _pass(
+            "transpose",
+            (),
+            (torch.transpose, torch.t, torch.swapaxes, torch.swapdims),
+            ("transpose", "t", "swapaxes", "swapdims"),
+        ),
         _pass("squeeze", (), (torch.squeeze,), ("squeeze",)),
         _pass("unsqueeze", (), (torch.unsqueeze,), ("unsqueeze",)),
         _pass("chunk", (), (torch.chunk,), ("chunk",)),

@@ -97,6 +97,16 @@ def _where(f: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return f(condition, x, y * 2) + f(condition, 0.5, x)
 
 
+def _einsum(f: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Batched matmuls: ``b`` transposed (maxvit's spelling), the output transposed, ``a``
+    and ``b`` transposed with the operands as a list."""
+    return (
+        f("B H I D, B H J D -> B H I J", x, y)
+        + f("...jd,...id->...ij", y, x)
+        + f("bhdi,bhjd->bhij", [x.transpose(-2, -1), y])
+    )
+
+
 def _first(*args: Any) -> Callable[..., Any]:
     return lambda f, x, y: f(x, *args)[0]
 
@@ -173,6 +183,7 @@ EXAMPLES.update(
         "minimum": Example((D2, D2), call=lambda f, x, y: f(x, y * 2)),
         "div": Example((D2, D2), call=lambda f, x, y: _divisions(f, x, y * y + 0.5)),
         "matmul": Example(((2, 4, 8), (2, 8, 5)), call=_binary),
+        "einsum": Example(((2, 3, 4, 5), (2, 3, 6, 5)), call=_einsum),
         "mean": Example(call=_unary(-1, keepdim=True)),
         "sum": Example(call=_unary(-1)),
         "relu6": Example(module=lambda c: c(), call=_unary()),

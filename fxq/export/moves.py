@@ -222,7 +222,7 @@ def _as_transpose(
 ) -> list[int] | None:
     """The permutation when the op is a permute / transpose (checked on the indices)."""
     name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-    if name not in ("permute", "transpose", "t", "movedim", "swapaxes"):
+    if name not in ("permute", "transpose", "t", "movedim", "swapaxes", "swapdims"):
         return None
     rank = len(in_shape)
     args = [a for a in n.args[1:]]

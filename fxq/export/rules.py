@@ -321,6 +321,52 @@ def _rule_matmul(ex: _Exporter, m: matmul.MatMul, args, kwargs, result) -> None:
     )
 
 
+def _rule_einsum(ex: _Exporter, m: matmul.Einsum, args, kwargs, result) -> None:
+    """Transposes of the operands (where the equation says), ``matmul``, a transpose of the
+    output (where it is ``[..., j, i]``)."""
+    plan, a, b = m.operands(*args, **kwargs)
+    _, operands = registry.einsum_operands(args, kwargs)
+    names = []
+    for flag, src, moved, tag in zip(
+        (plan.transpose_a, plan.transpose_b), operands, (a, b), ("a", "b")
+    ):
+        if flag:
+            perm = _swap_last(src.dim())
+            names += ex.emit(
+                "transpose",
+                [ex.name_of(src)],
+                [moved],
+                {"perm": perm},
+                batched=None if src.dim() > 2 else False,  # a 2-d transpose moves the batch
+                suffix=f"_{tag}_t",
+            )
+        else:
+            names.append(ex.name_of(src))
+    product = result
+    if plan.transpose_out:
+        shape = [*result.shape[:-2], result.shape[-1], result.shape[-2]]
+        product = _placeholder(shape, result.scale, result.qdtype)
+    _, mult, s = m._derive(a, b, a.shape[-1])
+    (p_name,) = ex.emit(
+        "matmul",
+        names,
+        [product],
+        {
+            "multiplier": int(mult.reshape(-1)[0]),
+            "shift": int(s.reshape(-1)[0]),
+            "dtype": _dtype(result),
+            "rounding": _rounding(m),
+        },
+        suffix="_mm" if plan.transpose_out else "",
+    )
+    if plan.transpose_out:
+        ex.emit("transpose", [p_name], [result], {"perm": _swap_last(result.dim())})
+
+
+def _swap_last(rank: int) -> list[int]:
+    return [*range(rank - 2), rank - 1, rank - 2]
+
+
 # -- rules: clamps and tables ---------------------------------------------------------------
 def _rule_clamp(ex: _Exporter, m: activation.Clamp, args, kwargs, result) -> None:
     x, rest = args[0], args[1:]
@@ -1018,6 +1064,7 @@ RULES: dict[type, Callable[..., None]] = {
     elementwise.Cat: _rule_cat,
     elementwise.Stack: _rule_cat,
     matmul.MatMul: _rule_matmul,
+    matmul.Einsum: _rule_einsum,
     activation.Clamp: _rule_clamp,
     activation.LookupTable: _rule_lut,
     pooling.AvgPool: _rule_avg_pool,

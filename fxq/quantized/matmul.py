@@ -1,9 +1,13 @@
 """Integer matrix product of two activations: exact accumulation, one requantization.
 
 ``Y = clamp(shift_round((A @ B) * M, S))`` with ``M 2**-S ~ s_a s_b / s_y``.
+``Einsum`` runs a two-operand einsum equation that is a batched matrix product as
+transposes (which move integers) and this product.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -12,8 +16,9 @@ from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for, warn_if_saturated
 from fxq.quantized.ops_base import FunctionalQuantized
+from fxq.registry import EinsumMatmul, einsum_as_matmul, einsum_operands
 
-__all__ = ["MatMul"]
+__all__ = ["MatMul", "Einsum"]
 
 
 def _matmul(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -54,3 +59,36 @@ class MatMul(FunctionalQuantized):
             "for one operand (its producer's qconfig), or keep the op in float with a qconfig "
             "of None"
         )
+
+
+class Einsum(MatMul):
+    """Integer ``torch.einsum(eq, a, b)`` for a batched-matmul equation: ``a`` and ``b``
+    transposed as the equation says, ``MatMul``, the output transposed if it is ``[..., j, i]``.
+
+    Raises:
+        ValueError: the equation is not a batched matrix product (the registry keeps such
+            calls in float, so this means a call the model did not make at prepare).
+    """
+
+    def lowering(self, equation: str) -> EinsumMatmul:
+        """How ``equation`` lowers to ``matmul``."""
+        try:
+            return einsum_as_matmul(equation)
+        except ValueError as e:
+            raise ValueError(f"Einsum {self.name!r}: torch.einsum({equation!r}): {e}") from None
+
+    def operands(self, *args: Any, **kwargs: Any) -> tuple[EinsumMatmul, QTensor, QTensor]:
+        """The lowering and the two operands, transposed to ``[..., i, k]`` and ``[..., k, j]``."""
+        equation, operands = einsum_operands(args, kwargs)
+        plan = self.lowering(equation)
+        if len(operands) != 2:
+            raise ValueError(f"Einsum {self.name!r}: {len(operands)} operand(s), not 2")
+        a, b = operands
+        a = a.transpose(-2, -1) if plan.transpose_a else a
+        b = b.transpose(-2, -1) if plan.transpose_b else b
+        return plan, a, b
+
+    def forward(self, *args: Any, **kwargs: Any) -> QTensor:
+        plan, a, b = self.operands(*args, **kwargs)
+        y = super().forward(a, b)
+        return y.transpose(-2, -1) if plan.transpose_out else y
