@@ -472,6 +472,17 @@ def _refine_einsum(row: OpRow, node: Node | None, module: nn.Module | None) -> O
     return dataclasses.replace(row, refine=None)
 
 
+def _refine_normalize(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    if node is None:
+        return dataclasses.replace(row, refine=None)
+    p, dim, eps = _arg(node, 1, "p", 2.0), _arg(node, 2, "dim", 1), _arg(node, 3, "eps", 1e-12)
+    if any(isinstance(v, Node) for v in (p, dim, eps)) or _arg(node, 4, "out") is not None:
+        return row.as_float("F.normalize with p, dim or eps computed in the graph, or with out=")
+    if p != 2:
+        return row.as_float(f"F.normalize with p={p!r}: the integer form is the L2 norm (p=2)")
+    return dataclasses.replace(row, refine=None)
+
+
 #: operators that compute on sizes in traced code (``x.shape[0] // 2``, ``h == w``)
 _SHAPE_OPERATORS = (
     operator.eq,
@@ -797,6 +808,15 @@ def _table() -> list[OpRow]:
             modules=(nn.GroupNorm,),
             functions=(F.group_norm,),
             refine=_refine_norm_weights,
+        ),
+        _compute(
+            "normalize",
+            "L2Normalize",
+            "normalization",
+            functions=(F.normalize,),
+            refine=_refine_normalize,
+            doc="p=2: int64 sum of squares, rsqrt table, int16 (bayes) / int8 normalized values, "
+            "requantized; other p stay float",
         ),
         _compute(
             "softmax",

@@ -241,6 +241,9 @@ EXAMPLES.update(
         "layer_norm": Example(module=lambda c: c(8), call=_unary((8,))),
         "group_norm": Example(module=lambda c: c(2, 4), call=_unary(2)),
         "softmax": Example(module=lambda c: c(dim=1), call=_unary(1)),
+        "normalize": Example(
+            call=lambda f, x, y: f(x, dim=-1) + f(x, 2, (1, 2)) + f(x * 0.05, 2.0, 1, 0.5)
+        ),
         "multihead_attention": Example(
             ((2, 5, 8),), module=lambda c: _SelfAttention(c(8, 2, batch_first=True))
         ),

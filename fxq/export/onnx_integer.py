@@ -635,6 +635,39 @@ class IntegerWriter:
         tmp = self.requant(acc, r, a["dtype"], a["rounding"], None, None, self.fresh("normalized"))
         self.op("Reshape", [tmp, self.op("Shape", [x])], outs[0])
 
+    def op_l2_normalize(self, node: Node, outs: list[str]) -> None:
+        """``docs/arithmetic.md`` 27: int64 sum of squares, the rsqrt table, two roundings."""
+        a, p = node.attrs, node.params
+        t = a["index_bits"]
+        x = self.cast(self.name(node.inputs[0]), "int64")
+        axes = self.const(np.array(a["axes"], np.int64))
+        s2 = self.op("ReduceSum", [self.op("Mul", [x, x]), axes], keepdims=1)
+        v = self.op("Max", [s2, self.int_const(max(a["eps_term"], 1))])
+        # e = floor((b - T + 1) / 2): Div truncates, so shift the numerator positive first
+        b = self.bit_length(v)
+        e = self.op(
+            "Sub",
+            [
+                self.op("Div", [self.op("Add", [b, self.int_const(41 - t)]), self.int_const(2)]),
+                self.int_const(20),
+            ],
+        )
+        m = self.shift_round_wide(v, self.op("Mul", [e, self.int_const(2)]), a["rounding"], node)
+        index = self.op("Sub", [m, self.int_const(1 << (t - 2))])
+        r = self.op(
+            "Gather", [self.const(p["rsqrt_table"].astype(np.int64), hint="rsqrt"), index], axis=0
+        )
+        shift = self.op("Add", [e, self.int_const(a["fraction_bits"] - a["q_bits"])])
+        z = self.shift_round_double(self.op("Mul", [x, r]), shift, a["rounding"])
+        from .runtime import _RANGES
+
+        lo, hi = _RANGES[a["z_dtype"]]
+        z = self.op(
+            "Clip", [z, self.const(float(lo), np.float64), self.const(float(hi), np.float64)]
+        )
+        r_out = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
+        self.requant(z, r_out, a["dtype"], a["rounding"], None, None, outs[0])
+
     def op_softmax(self, node: Node, outs: list[str]) -> None:
         a, p = node.attrs, node.params
         rounding = a["rounding"]

@@ -337,6 +337,15 @@ class QDQWriter(IntegerWriter):
         y = self.op("Reshape", [y, self.op("Shape", [x])])
         self.qdq(y, node.outputs[0], outs[0])
 
+    def op_l2_normalize(self, node: Node, outs: list[str]) -> None:
+        """The float ``x / max(||x||_2, eps)`` between Q / DQ pairs."""
+        a = node.attrs
+        x = self.name(node.inputs[0])
+        axes = self.const(np.array(a["axes"], np.int64))
+        norm = self.op("Sqrt", [self.op("ReduceSum", [self.op("Mul", [x, x]), axes], keepdims=1)])
+        norm = self.op("Max", [norm, self.const(np.float32(a["eps"]))])
+        self.qdq(self.op("Div", [x, norm]), node.outputs[0], outs[0])
+
     def op_softmax(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
         x = self.name(node.inputs[0])

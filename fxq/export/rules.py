@@ -640,6 +640,33 @@ def _rule_normalization(ex: _Exporter, m: normalization._Normalization, args, kw
     )
 
 
+def _rule_l2_normalize(ex: _Exporter, m: normalization.L2Normalize, args, kwargs, result):
+    x = args[0]
+    dims, eps = m.arguments(x, args[1:], kwargs)
+    plan = m.plan(x, eps)
+    ex.emit(
+        "l2_normalize",
+        [ex.name_of(x)],
+        [result],
+        {
+            "axes": list(dims),
+            "eps": eps,
+            "eps_term": plan.eps_term,
+            "q_bits": plan.q_bits,
+            "index_bits": qf.RSQRT_INDEX_BITS,
+            "fraction_bits": qf.RSQRT_FRACTION_BITS,
+            "z_dtype": m.z_dtype.name[1:],
+            "dtype": _dtype(result),
+            "rounding": _rounding(m),
+        },
+        {
+            "rsqrt_table": _np(qf.rsqrt_table(), np.int64),
+            "multiplier": _np(plan.multiplier, np.int64).reshape(1),
+            "shift": _np(plan.shift, np.int64).reshape(1),
+        },
+    )
+
+
 def softmax_attrs(plan: softmax.SoftmaxPlan, log: bool, axis: int, rounding: str, dtype: str):
     """The attributes and parameters of a ``softmax`` IR node."""
     attrs = {
@@ -1074,6 +1101,7 @@ RULES: dict[type, Callable[..., None]] = {
     interpolate.Interpolate: _rule_interpolate,
     normalization.LayerNorm: _rule_normalization,
     normalization.GroupNorm: _rule_normalization,
+    normalization.L2Normalize: _rule_l2_normalize,
     softmax.Softmax: _rule_softmax,
     attention.ScaledDotProductAttention: _rule_sdpa,
     attention.MultiheadAttention: _rule_mha,

@@ -486,6 +486,22 @@ def _k_normalize(node, inputs):
     return [y.reshape(x.shape)]
 
 
+def _k_l2_normalize(node, inputs):
+    """``x / max(||x||_2, eps)`` over ``axes`` (``docs/arithmetic.md``, 27):
+    ``Z = sat(shift_round(X R, F + e - Q))``, ``(R, e)`` the rsqrt of ``max(sum X**2, E, 1)``,
+    then ``Y = sat(shift_round(Z M, S))``."""
+    a, p = node.attrs, node.params
+    t, f, rounding = a["index_bits"], a["fraction_bits"], a["rounding"]
+    x = inputs[0].astype(np.int64)
+    axes = tuple(a["axes"])
+    v = np.maximum((x * x).sum(axis=axes, keepdims=True), max(a["eps_term"], 1))
+    e = (_bit_length(v) - t + 1) // 2
+    m = shift_round(v, 2 * e, rounding)
+    r = p["rsqrt_table"].astype(np.int64)[m - (1 << (t - 2))]
+    z = np.clip(shift_round(x * r, f + e - a["q_bits"], rounding), *_RANGES[a["z_dtype"]])
+    return [_requant(z, p["multiplier"], p["shift"], a["dtype"], a["rounding"])]
+
+
 def _k_softmax(node, inputs):
     """(Log-)softmax along ``axis`` (``docs/arithmetic.md``, 15); ``causal`` keeps ``j <= i``
     over the last two axes, the ``keep`` parameter (a bool mask) the entries it marks."""
@@ -628,6 +644,7 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "concat": _k_concat,
     "float": _k_float,
     "normalize": _k_normalize,
+    "l2_normalize": _k_l2_normalize,
     "softmax": _k_softmax,
     "divide": _k_divide,
     "extremum": _k_extremum,

@@ -1,4 +1,5 @@
-"""LayerNorm and GroupNorm with an integer twin (``docs/arithmetic.md``, section 14).
+"""LayerNorm and GroupNorm with an integer twin (``docs/arithmetic.md``, section 14), and
+``F.normalize`` (section 27).
 
 During QAT the float op runs with its affine weight fake-quantized per channel
 (int8) and its bias at the int32 grid ``2**-Q s_w`` of the integer model; the
@@ -18,9 +19,14 @@ from fxq.dtypes import QDType
 from fxq.qat.base import FunctionalQAT, quantize_bias
 from fxq.qconfig import QConfig
 from fxq.quantized import functional as qf
-from fxq.quantized.normalization import group_norm_arguments, layer_norm_arguments, norm_z_dtype
+from fxq.quantized.normalization import (
+    group_norm_arguments,
+    layer_norm_arguments,
+    norm_z_dtype,
+    unit_range_scale,
+)
 
-__all__ = ["LayerNorm", "GroupNorm"]
+__all__ = ["LayerNorm", "GroupNorm", "L2Normalize"]
 
 
 class _Normalization(FunctionalQAT):
@@ -90,3 +96,21 @@ class GroupNorm(_Normalization):
         groups, eps = group_norm_arguments(self.op, args, kwargs)
         w, b = self.fake_affine((x.numel() // x.shape[0]) // groups)
         return F.group_norm(x, groups, w, b, eps)
+
+
+class L2Normalize(FunctionalQAT):
+    """``F.normalize(x, p=2, dim, eps)`` with an integer twin: the float op on the fake-quantized
+    input, its output fake-quantized at a fixed scale (``unit_range_scale``: the values lie in
+    ``[-1, 1]``, and an observer would clip the rows with one dominant element that a batch
+    average of ranges misses). A high-precision (int32) output keeps the qconfig's fake quant.
+    """
+
+    def __init__(self, qconfig: QConfig, fn: Any = None, module: nn.Module | None = None) -> None:
+        super().__init__(qconfig, fn, module)
+        fq = self.activation_post_process
+        if not fq.is_high_precision and not fq.is_fixed_scale:
+            scale = unit_range_scale(fq.dtype, self.spec)
+            self.qconfig = QConfig(
+                activation=qconfig.activation.with_args(scale=scale), weight=qconfig.weight
+            )
+            self.activation_post_process = self.qconfig.activation()

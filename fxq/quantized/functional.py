@@ -898,6 +898,54 @@ def normalize_rows(
     return z.clamp_(z_dtype.qmin, z_dtype.qmax)
 
 
+def l2_fraction_bits(z_bits: int) -> int:
+    """Fraction bits ``Q`` of the L2-normalized values ``Z ~ x / ||x|| * 2**Q``: ``|Z| <= 2**Q``
+    fits ``z_bits`` (14 for int16, 6 for int8)."""
+    return z_bits - 2
+
+
+def l2_eps_term(eps: float, in_scale: Tensor) -> int:
+    """``E = round(eps**2 / s_x**2)`` (float64, at most 2**60): ``eps**2`` in the units of
+    ``sum X**2``."""
+    s = float(in_scale.reshape(-1)[0].to(torch.float64))
+    value = (eps / s) ** 2
+    return int(min(math.floor(value + 0.5), 1 << 60))
+
+
+def l2_normalize(
+    x: Tensor,
+    dims: tuple[int, ...],
+    eps_term: int,
+    q_bits: int,
+    z_dtype: QDType,
+    rounding: Rounding,
+) -> Tensor:
+    """Integer ``x / max(||x||_2, eps)`` over ``dims``, with ``q_bits`` fraction bits.
+
+    ``S2 = sum X**2`` (exact int64), ``V = max(S2, E, 1)`` (``E = l2_eps_term``),
+    ``(R, e) = integer_rsqrt(V)`` and ``Z = sat(shift_round(X * R, F + e - Q))``.
+
+    Args:
+        x: integers (any dtype holding them exactly).
+        dims: the (non-negative) axes normalized over.
+
+    Returns:
+        int64 ``Z`` in ``z_dtype``'s range, shaped like ``x``.
+
+    Raises:
+        ValueError: for sums of squares that may not fit int64 (``n max|x|**2 >= 2**62``).
+    """
+    xi = x.to(torch.int64)
+    n = math.prod(xi.shape[d] for d in dims) if dims else 1
+    if xi.numel() and n * int(xi.abs().max()) ** 2 >= 1 << 62:
+        raise ValueError(f"cannot sum the squares of {n} elements exactly in int64")
+    s2 = (xi * xi).sum(dims, keepdim=True) if dims else xi * xi
+    v = s2.clamp(min=max(eps_term, 1))
+    r, e = integer_rsqrt(v, rounding)
+    z = shift_round_signed(xi * r, RSQRT_FRACTION_BITS + e - q_bits, rounding)
+    return z.clamp_(z_dtype.qmin, z_dtype.qmax)
+
+
 @functools.cache
 def _exp2_table() -> tuple[int, ...]:
     """``T[f] = round(2**15 * 2**(-f / 2**P))`` for ``f`` in ``[0, 2**P)`` (float64, correctly

@@ -7,6 +7,10 @@ the per-channel affine like a standalone BatchNorm:
 ``Y[c] = sat(shift_round(sat32(Z * W[c] + B[c]) * M[c], S[c]))`` with ``W`` the
 int8 weight at scale ``s_w[c]``, ``B[c] = round(beta[c] / (2**-Q s_w[c]))`` and
 ``M[c] 2**-S[c] ~ 2**-Q s_w[c] / s_y``. Without an affine, ``W = 1`` and ``s_w = 1``.
+
+``F.normalize(x, p=2, dim, eps)`` (``L2Normalize``, section 27) shares the rsqrt table:
+``Z = sat(shift_round(X R, F + e - Q))`` with ``(R, e) = integer_rsqrt(max(sum X**2, E))``,
+then ``Y = sat(shift_round(Z M, S))`` with ``M 2**-S ~ 2**-Q / s_y``.
 """
 
 from __future__ import annotations
@@ -20,12 +24,23 @@ from torch import Tensor, nn
 
 from fxq.dtypes import QDType, as_qdtype, qint8, qint16, qint32
 from fxq.march import MarchSpec
+from fxq.march.spec import ScaleConstraint
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import check_input, multiplier_for, require_finite
 from fxq.quantized.ops_base import FunctionalQuantized
 
-__all__ = ["LayerNorm", "GroupNorm", "NormPlan", "norm_z_dtype", "layer_norm_arguments"]
+__all__ = [
+    "LayerNorm",
+    "GroupNorm",
+    "L2Normalize",
+    "NormPlan",
+    "L2Plan",
+    "norm_z_dtype",
+    "layer_norm_arguments",
+    "normalize_arguments",
+    "unit_range_scale",
+]
 
 
 def norm_z_dtype(spec: MarchSpec) -> QDType:
@@ -50,6 +65,20 @@ def group_norm_arguments(op: nn.Module | None, args: tuple, kwargs: dict) -> tup
     groups = args[0] if args else kwargs["num_groups"]
     eps = args[3] if len(args) > 3 else kwargs.get("eps", 1e-5)
     return int(groups), float(eps)
+
+
+def normalize_arguments(args: tuple, kwargs: dict) -> tuple[float, int | tuple[int, ...], float]:
+    """``(p, dim, eps)`` of an ``F.normalize`` call (after its input)."""
+    names = ("p", "dim", "eps")
+    defaults = (2.0, 1, 1e-12)
+    values = [
+        args[i] if len(args) > i else kwargs.get(name, default)
+        for i, (name, default) in enumerate(zip(names, defaults))
+    ]
+    if kwargs.get("out") is not None:
+        raise ValueError("F.normalize with out= has no integer form")
+    p, dim, eps = values
+    return float(p), (int(dim) if isinstance(dim, int) else tuple(int(d) for d in dim)), float(eps)
 
 
 @dataclass(frozen=True)
@@ -167,3 +196,76 @@ class GroupNorm(_Normalization):
         z = qf.normalize_rows(rows, plan.eps_term, plan.q_bits, self.z_dtype, self.rounding)
         z = z.reshape(b, c, -1)
         return self.wrap(self.affine(z, plan, [c, 1]).reshape(x.shape))
+
+
+def unit_range_scale(dtype: QDType, spec: MarchSpec) -> float:
+    """The fixed output scale of ``F.normalize`` (values in ``[-1, 1]``): ``1 / qmax``, or
+    ``2**-(bits - 1)`` on marches with power-of-two scales (1.0 then saturates to
+    ``qmax 2**-(bits-1)``, one step below)."""
+    if spec.scale_constraint is ScaleConstraint.POWER_OF_TWO:
+        return 2.0 ** -(dtype.bits - 1)
+    return 1.0 / dtype.qmax
+
+
+@dataclass(frozen=True)
+class L2Plan:
+    """What ``F.normalize`` computes with for one input scale.
+
+    Attributes:
+        eps_term: ``E = round(eps**2 / s_x**2)``.
+        q_bits: fraction bits ``Q`` of ``Z``.
+        multiplier, shift: ``M 2**-S ~ 2**-Q / s_y``.
+    """
+
+    eps_term: int
+    q_bits: int
+    multiplier: Tensor
+    shift: Tensor
+
+
+class L2Normalize(FunctionalQuantized):
+    """Integer ``F.normalize(x, p=2, dim, eps)``: ``x / max(||x||_2, eps)`` over ``dim``
+    (an int or a tuple of ints); the registry keeps other ``p`` in float.
+
+    Raises:
+        ValueError: ``p`` other than 2, ``out=``, or sums of squares too wide for int64.
+    """
+
+    def __init__(self, qat: nn.Module) -> None:
+        super().__init__(qat)
+        self.z_dtype_name = norm_z_dtype(self.spec).name
+
+    @property
+    def z_dtype(self) -> QDType:
+        return as_qdtype(self.z_dtype_name)
+
+    def plan(self, x: QTensor, eps: float) -> L2Plan:
+        """The plan for ``x``'s scale (cached per scale and ``eps``)."""
+        (s_x,) = self.scale_values(x)
+        return self.derived(("l2", s_x, eps), lambda: self._derive(x.scale, eps))
+
+    def _derive(self, s_x: Tensor, eps: float) -> L2Plan:
+        q = qf.l2_fraction_bits(self.z_dtype.bits)
+        s_y = self.output_scale.double()
+        m, s = multiplier_for(self, 2.0**-q / s_y, {"normalized (2**-Q)": 2.0**-q, "output": s_y})
+        return L2Plan(qf.l2_eps_term(eps, s_x), q, m, s)
+
+    def arguments(self, x: QTensor, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], float]:
+        """The normalized axes (non-negative, sorted) and eps of this call."""
+        p, dim, eps = normalize_arguments(args, kwargs)
+        if p != 2.0:
+            raise ValueError(f"L2Normalize {self.name!r}: p={p} (only p=2 is integer)")
+        dims = (dim,) if isinstance(dim, int) else dim
+        return tuple(sorted({d % max(x.dim(), 1) for d in dims})), eps
+
+    def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
+        check_input(self, x, 0, self.input_dtype_names[0] if self.input_dtype_names else None)
+        dims, eps = self.arguments(x, args, kwargs)
+        plan = self.plan(x, eps)
+        z = qf.l2_normalize(
+            x.values(), dims, plan.eps_term, plan.q_bits, self.z_dtype, self.rounding
+        )
+        m, s = plan.multiplier.to(z.device), plan.shift.to(z.device)
+        y = qf.shift_round(z * m, s, self.rounding)
+        dt = self.out_dtype
+        return self.wrap(y.clamp_(dt.qmin, dt.qmax).to(torch.float32))

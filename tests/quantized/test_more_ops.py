@@ -15,6 +15,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxq
@@ -696,3 +697,101 @@ def test_einsum_is_the_integer_matmul_reference_and_close_to_float(bayes):
     # int8 operands, an int8 softmax between the products: measured 34.7 dB (31.5 and 34.1 dB
     # for seeds 4 and 5)
     assert sqnr(reference, got) >= 28.0, sqnr(reference, got)
+
+
+# -- F.normalize ---------------------------------------------------------------------------------
+class _Normalize(nn.Module):
+    """``F.normalize`` as timm's edgenext XCA calls it (over the tokens), and over two axes
+    with an eps larger than some rows' norms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant = fxq.QuantStub()
+
+    def forward(self, x):
+        x = self.quant(x)
+        return F.normalize(x, dim=-1), F.normalize(x, 2.0, (1, 2), 0.5)
+
+
+def ref_l2_normalize(q: list[int], s_x: Fraction, eps: float, z_bits: int) -> list[int]:
+    """``Z`` of one row with Python integers: the rsqrt entry from a 50-digit square root."""
+    from decimal import ROUND_HALF_UP, Decimal, localcontext
+
+    big_e = math.floor((Fraction(eps) / s_x) ** 2 + Fraction(1, 2))
+    v = max(sum(x * x for x in q), big_e, 1)
+    e = (v.bit_length() - 9) // 2
+    m = round_half_up(Fraction(v) / Fraction(4) ** e)
+    assert 256 <= m <= 1024
+    with localcontext() as ctx:
+        ctx.prec = 50
+        r = int((Decimal(2**19) / Decimal(m).sqrt()).quantize(Decimal(1), ROUND_HALF_UP))
+    qb = z_bits - 2
+    lo, hi = -(2 ** (z_bits - 1)), 2 ** (z_bits - 1) - 1
+    return [min(max(round_half_up(x * r / Fraction(2) ** (19 + e - qb)), lo), hi) for x in q]
+
+
+@pytest.mark.parametrize("width", ["int8", "int16"])
+def test_normalize_is_the_integer_reference_and_close_to_float(bayes, width):
+    from fxq.quantized.normalization import L2Normalize
+
+    torch.manual_seed(5)
+    x = torch.randn(2, 3, 4, 16) * 2
+    x[0, 0, 0] = 0.0  # a zero row: 0 everywhere
+    x[1, 1, :, :] *= 0.01  # rows below eps for the second call
+    data = [(x,), (torch.randn(2, 3, 4, 16),)]
+    model = _Normalize()
+    qat, integer = quantize_model(model, data, Q16 if width == "int16" else Q8)
+    with torch.no_grad():
+        expected, got, reference = qat(x), integer(x), model(x)
+    ms = [m for m in integer.modules() if isinstance(m, L2Normalize)]
+    assert len(ms) == 2
+    fq = qat.quant.activation_post_process
+    q = fxq.QTensor.quantize(x, fq.scale, fq.dtype, ms[0].rounding)
+    s_x = Fraction(float(q.scale))
+    z_bits = ms[0].z_dtype.bits  # int16 on bayes, whatever the activations' width
+    assert z_bits == 16
+    for m, y, want, ref_f, dims, eps in zip(
+        ms, got, expected, reference, ((3,), (1, 2)), (1e-12, 0.5)
+    ):
+        assert torch.equal(y, want)
+        values = q.values().movedim(dims, tuple(range(4 - len(dims), 4))).flatten(4 - len(dims))
+        s_y, dt = Fraction(float(m.output_scale)), m.out_dtype
+        real = Fraction(1, 2 ** (z_bits - 2)) / s_y
+        out = torch.round(y / m.output_scale).movedim(dims, tuple(range(4 - len(dims), 4)))
+        out = out.flatten(4 - len(dims)).reshape(-1, values.shape[-1])
+        for row, got_row in zip(values.reshape(-1, values.shape[-1]).tolist(), out.tolist()):
+            z = ref_l2_normalize([int(v) for v in row], s_x, eps, z_bits)
+            ref = [ref_requant(v, real, m.spec, dt.qmin, dt.qmax) for v in z]
+            assert [int(v) for v in got_row] == ref
+        # against float on the dequantized input: the output's rounding and 0.2% of the rsqrt
+        on_grid = F.normalize(q.dequantize(), 2.0, dims, eps)
+        bound = float(m.output_scale) * 0.5 + 2e-3 + 2.0 ** -(z_bits - 2)
+        assert (y - on_grid).abs().max() <= bound, ((y - on_grid).abs().max(), bound)
+        # the first sample (the second's small rows are a few input steps: input rounding)
+        assert sqnr(ref_f[0], y[0]) >= NORMALIZE_SQNR[width], sqnr(ref_f[0], y[0])
+    graph = fxq.export.to_graph(integer, (x,))
+    for a, b in zip(graph.run(x.numpy()), got):
+        assert torch.equal(torch.from_numpy(a), b)
+
+
+#: SQNR (dB) against float on the float input (first sample; fixed output scale 1 / qmax):
+#: measured 38.0 / 39.3 dB (int8) and 70.0 / 69.6 dB (int16) for the two calls
+NORMALIZE_SQNR = {"int8": 34.0, "int16": 62.0}
+
+
+def test_normalize_with_other_p_stays_float_with_the_reason(bayes):
+    class Norms(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.quant = fxq.QuantStub()
+
+        def forward(self, x):
+            return F.normalize(self.quant(x), 1.0, -1)
+
+    gm = fxq.symbolic_trace(Norms())
+    node = next(n for n in gm.graph.nodes if n.target is F.normalize)
+    row = fxq.registry.row_for(node, dict(gm.named_modules()))[0]
+    assert row.kind is fxq.registry.Kind.FLOAT
+    assert "F.normalize with p=1.0: the integer form is the L2 norm (p=2)" in row.reason
+    node.kwargs = {**node.kwargs, "p": 2}
+    assert fxq.registry.row_for(node, dict(gm.named_modules()))[0].kind is fxq.registry.Kind.COMPUTE
