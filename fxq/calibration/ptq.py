@@ -10,23 +10,28 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
 * ``"default"``: the recipe to use unless there is a reason not to, a few
   seconds:
 
-  1. **model outputs wide**: an output produced by a conv / linear keeps its
+  1. **depthwise inputs equalized** (``equalize=True``,
+     ``fxq.calibration.equalization.equalize_depthwise``): the output
+     channels of a conv that feeds a depthwise conv are scaled to a common
+     range and the depthwise weights take the inverse, so the per-tensor
+     int8 activation between them serves every channel (the effect of NNCF's
+     per-channel activation quantizers there, with per-tensor arithmetic);
+  2. **model outputs wide**: an output produced by a conv / linear keeps its
      int32 accumulator on marches that have a high-precision output; other
      outputs become int16 where the march has int16 activations, else keep
      their qconfig's int8 observer (a global min / max);
-  2. **ranges**: every other activation takes the mean over calibration
+  3. **ranges**: every other activation takes the mean over calibration
      samples of each sample's min and max (``mean_min_max``, NNCF's range
      estimator), not the global extremes that a few images stretch;
-  3. optionally (``bias_correction=True``) **fast bias correction** (NNCF's
-     formulation, ``bias_correction(..., mode="fast")``): per layer, the mean
-     output shift caused by rounding its weights and quantizing its mean
-     input is folded into its bias. Off by default: on MobileNetV2 it lowered
-     the logits SQNR (12.80 -> 11.53 dB, ``docs/accuracy.md``).
+  4. **fast bias correction** (``bias_correction=True``, NNCF's formulation,
+     ``bias_correction(..., mode="fast", skip_depthwise=True)``): per layer
+     except depthwise convs, the mean output shift caused by rounding its
+     weights and quantizing its mean input is folded into its bias.
 
 * ``"calibrate"``: the observers of the qconfig as they are (``calibrate``).
 * ``"best"``: ``"default"`` then learned weight rounding block by block
   (``weight_reconstruction(block_depth=2, iters=60, batch_size=8)``; the
-  fast bias correction after it when ``bias_correction=True``).
+  fast bias correction again after it when ``bias_correction=True``).
 """
 
 from __future__ import annotations
@@ -213,7 +218,8 @@ def ptq(
     data: Iterable[Any],
     method: str = "default",
     output: str = "auto",
-    bias_correction: bool = False,
+    bias_correction: bool = True,
+    equalize: bool = True,
     num_batches: int | None = None,
     input_fn: Callable[[Any], Any] | None = None,
     show_progress: bool | None = None,
@@ -230,6 +236,9 @@ def ptq(
             ``"int16"`` or ``"int8"`` (the qconfig's dtype and observer).
         bias_correction: fold the fast bias correction into the biases (after
             the ranges, and again after learned rounding).
+        equalize: for ``"default"`` and ``"best"``, first equalize the
+            activations that feed depthwise convs channel by channel
+            (``fxq.calibration.equalization.equalize_depthwise``).
         num_batches: use only the first batches.
         input_fn: maps a batch to the model's arguments.
         options: for ``"best"``, arguments of ``weight_reconstruction`` (e.g.
@@ -257,6 +266,10 @@ def ptq(
             if bias_correction:
                 _fast_bc(model, batches, input_fn, show_progress)
             return model
+        if equalize:
+            from fxq.calibration.equalization import equalize_depthwise
+
+            equalize_depthwise(model, batches, input_fn=input_fn)
         widen_outputs(model, output)
         outputs = {id(m.activation_post_process) for _, m in output_quants(model)}
         inner = [fq for fq in activation_quants(model) if id(fq) not in outputs]
@@ -281,5 +294,11 @@ def _fast_bc(model, batches, input_fn, show_progress) -> None:
     from fxq.calibration.bias_correction import bias_correction
 
     bias_correction(
-        model, batches, mode="fast", input_fn=input_fn, show_progress=show_progress, show=False
+        model,
+        batches,
+        mode="fast",
+        input_fn=input_fn,
+        show_progress=show_progress,
+        show=False,
+        skip_depthwise=True,
     )
