@@ -236,6 +236,16 @@ def call_wrapped_method(owner: nn.Module, name: str, *args: Any, **kwargs: Any) 
     return getattr(owner, name)(*args, **kwargs)
 
 
+#: torch.nn modules made of other layers: torch.fx keeps every torch.nn module as a leaf
+_TORCH_COMPOSITES = (
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.Transformer,
+)
+
+
 def _is_torch_fx_wrapped(target: Any) -> bool:
     """A Python function registered with ``torch.fx.wrap`` (torchvision's swin helpers...)."""
     from torch.fx._symbolic_trace import _wrapped_fns_to_patch
@@ -286,10 +296,9 @@ class Tracer(torch.fx.Tracer):
         self.uses_root_methods = False
         #: fake and constant values of the recorded nodes (``fxq.fx.example_values``)
         self.example_values = ExampleValues(example_inputs or {}, _ACTIVE)
+        self.has_example_inputs = bool(example_inputs)
         #: condition nodes decided in Python (dropped after tracing when nothing else reads them)
         self.decided: list[torch.fx.Node] = []
-        #: ``get_attr`` nodes of a failed ``inline_fx_wrapped`` (erased after tracing if unused)
-        self.orphans: list[torch.fx.Node] = []
         #: the result nodes of ``inline_fx_wrapped``
         self.inlined: list[torch.fx.Node] = []
 
@@ -346,9 +355,7 @@ class Tracer(torch.fx.Tracer):
             added.append(node)
             node = node.next
         for node in reversed(added):
-            if node.op == "get_attr":
-                self.orphans.append(node)  # torch.fx may have cached its proxy: erased later
-            elif not node.users:
+            if node.op != "get_attr" and not node.users:  # torch.fx may cache get_attr proxies
                 graph.erase_node(node)
         del self.decided[decided:]
         return None
@@ -392,6 +399,10 @@ class Tracer(torch.fx.Tracer):
 
         if isinstance(m, (QuantStub, DeQuantStub)):
             return True
+        if type(m) in _TORCH_COMPOSITES and self.has_example_inputs:
+            # traced through, so that its linear layers, attention and norms quantize (its
+            # mask checks need the example inputs; without them it stays one float node)
+            return False
         return super().is_leaf_module(m, module_qualified_name)
 
     def create_args_for_root(
@@ -671,8 +682,11 @@ def symbolic_trace(
     tracer = Tracer(example_inputs=_inputs_by_name(model, example_inputs, concrete_args))
     graph = tracer.trace(model, concrete_args)
     _drop_decided_conditions(graph, tracer.decided)
-    for node in tracer.orphans:
-        if not node.users:
+    for node in list(graph.nodes):
+        # attributes read only for Python checks (nn.TransformerEncoderLayer's fast-path test
+        # of its weights) or by a failed inline_fx_wrapped: a later pass may swap the module
+        # that holds them
+        if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
     _mark_concrete_placeholders(graph, model, concrete_args or {})
     gm = GraphModule(model, graph, type(model).__name__)

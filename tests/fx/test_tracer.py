@@ -362,3 +362,28 @@ def test_positional_example_inputs_trace_the_later_arguments_at_their_defaults(b
     fxq.set_fake_quantize(qat_model, "validation")
     with torch.no_grad():
         assert torch.equal(fxq.convert_fx(qat_model)(x), qat_model(x))
+
+
+def test_torch_transformer_layers_are_traced_through_and_integer(bayes):
+    # torch.fx keeps every torch.nn module a leaf; nn.TransformerEncoderLayer is made of linear
+    # layers, attention and norms, and reads its weights for a fast-path check (get_attr nodes
+    # nobody uses, which must not survive the fusion that swaps those linear layers)
+    layer = nn.TransformerEncoderLayer(32, 2, 64, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 32)
+    gm = fxq.symbolic_trace(model, example_inputs=(x,))
+    leaves = {type(gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
+    assert nn.TransformerEncoderLayer not in leaves and nn.Linear in leaves
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]
+    assert torch.equal(gm(x), model(x))
+    qat_model = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=(x,), float_ops="error")
+    calibrate(qat_model, [x, torch.randn(2, 5, 32)])
+    with torch.no_grad():
+        assert torch.allclose(qat_model(x), model(x), atol=1e-5)
+        fxq.set_fake_quantize(qat_model, "validation")
+        assert torch.equal(fxq.convert_fx(qat_model)(x), qat_model(x))
+    # without example inputs its mask checks cannot be answered: one (float) node, as before
+    plain = fxq.symbolic_trace(nn.Sequential(layer).eval())
+    assert [
+        type(plain.get_submodule(n.target)) for n in plain.graph.nodes if n.op == "call_module"
+    ] == [nn.TransformerEncoderLayer]
