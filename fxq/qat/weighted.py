@@ -189,7 +189,12 @@ class WeightedQAT(QATModule):
             # the running statistics (what deployment uses), then is unfolded for the BatchNorm.
             # The fold and the unfold cancel, so the folding factor is a constant here and the
             # BatchNorm's affine parameters get their gradient through the BatchNorm alone.
+            # A channel whose factor is 0 (gamma = 0, timm's zero_init_last) or too small to
+            # invert folds with 1 instead: the BatchNorm still sees the conv's true output (its
+            # statistics and gamma's gradient stay right) and outputs beta there, as the folded
+            # weight of 0 does at deployment.
             factor = self.bn_factor().detach()
+            factor = torch.where((1.0 / factor).isfinite(), factor, torch.ones_like(factor))
             w_q = self.weight_from_out_major(self.weight_fake_quant(self._fold_weight(factor)))
             y = self.float_op_forward(x, w_q, None)
             shape = self._channel_shape(y.dim())
