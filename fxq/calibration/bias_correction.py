@@ -154,7 +154,7 @@ def _fast(
     model: nn.Module, batches: list[Any], input_fn, show_progress, skip_depthwise: bool
 ) -> list[dict[str, Any]]:
     layers = _corrected_layers(model, batches[0], input_fn, skip_depthwise)
-    means = {id(layer): _InputMean() for _, layer in layers}
+    means = {id(layer): _InputMean(layer._out_axis) for _, layer in layers}
     hooks = [
         layer.register_forward_pre_hook(lambda m, inputs: means[id(m)].add(inputs[0]))
         for _, layer in layers
@@ -186,9 +186,11 @@ def _fast(
 
 class _InputMean:
     """The mean input of a layer over the samples (dim 0), position by position; over the
-    positions too (per channel, dim 1) when the batches differ in shape."""
+    positions too (per channel: ``axis``, 1 for a conv, -1 for a linear) when the batches
+    differ in shape (images of other sizes, padded sequences of other lengths)."""
 
-    def __init__(self) -> None:
+    def __init__(self, axis: int = 1) -> None:
+        self.axis = axis
         self.total: Tensor | None = None
         self.count = 0
         self.spatial = False
@@ -204,7 +206,8 @@ class _InputMean:
         self.count += x.shape[0]
 
     def _collapse(self, x: Tensor) -> Tensor:
-        dims = tuple(range(2, x.dim()))
+        channel = self.axis % x.dim()
+        dims = tuple(d for d in range(1, x.dim()) if d != channel)
         return x.mean(dims, keepdim=True) if dims else x
 
     def value(self) -> Tensor | None:

@@ -1,5 +1,7 @@
 """Cross-layer equalization of depthwise inputs (``fxq.calibration.equalization``)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -123,3 +125,27 @@ def test_bias_correction_can_leave_depthwise_layers_alone(bayes):
     assert [r["layer"] for r in rows] == ["expand", "project"]
     rows = bias_correction(prepared, _data(2, 0), mode="fast")
     assert [r["layer"] for r in rows] == ["expand", "dw", "project"]
+
+
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_fast_bias_correction_on_sequences_of_different_lengths(bayes):
+    """Padded text batches differ in length: the mean input is then taken per feature (the
+    last axis of a linear layer's input), over samples and positions."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.rand(3, n, 8, generator=g) for n in (5, 7)]
+    prepared = calibrate(fxq.prepare_qat_fx(Tokens().eval(), {"": calib_q8}), batches)
+    same = copy.deepcopy(prepared)
+    rows = bias_correction(prepared, batches, mode="fast")
+    # the same per-sample position means, as batches of one position
+    bias_correction(same, [b.mean(1, keepdim=True) for b in batches], mode="fast")
+    assert [r["layer"] for r in rows] == ["fc1", "fc2"] and rows[0]["shift"] > 0
+    assert torch.allclose(prepared.fc1.bias, same.fc1.bias, atol=1e-6)
