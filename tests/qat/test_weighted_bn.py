@@ -35,7 +35,9 @@ def test_zero_gamma_in_training_mode_is_finite_and_the_float_batchnorm(bayes):
     assert torch.isfinite(got).all()
     assert torch.allclose(got, want, atol=1e-5)
     for c in range(3):
-        assert torch.equal(got[:, c], torch.full_like(got[:, c], float(reference[1].bias[c].detach())))
+        assert torch.equal(
+            got[:, c], torch.full_like(got[:, c], float(reference[1].bias[c].detach()))
+        )
     bn = next(m for m in qat.modules() if isinstance(m, nn.BatchNorm2d))
     assert torch.allclose(bn.running_mean, reference[1].running_mean, atol=1e-6)
     assert torch.allclose(bn.running_var, reference[1].running_var, atol=1e-5)
