@@ -268,6 +268,27 @@ def _refine_sdpa(row: OpRow, node: Node | None, module: nn.Module | None) -> OpR
     return dataclasses.replace(row, refine=None)
 
 
+#: grid_sample variants with an integer implementation (fxq.quantized.grid_sample.MODES /
+#: PADDING_MODES; the registry does not import the integer layer)
+_GRID_MODES = ("bilinear", "nearest")
+_GRID_PADDING_MODES = ("zeros", "border")
+
+
+def _refine_grid_sample(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
+    mode = _arg(node, 2, "mode", "bilinear")
+    padding = _arg(node, 3, "padding_mode", "zeros")
+    if mode not in _GRID_MODES:
+        return row.as_float(
+            f"grid_sample mode {mode!r} has no integer implementation (bilinear and nearest do)"
+        )
+    if padding not in _GRID_PADDING_MODES:
+        return row.as_float(
+            f"grid_sample padding_mode {padding!r} has no integer implementation (zeros and "
+            "border do; reflection folds coordinates and is not implemented yet)"
+        )
+    return dataclasses.replace(row, refine=None)
+
+
 def _refine_mha(row: OpRow, node: Node | None, module: nn.Module | None) -> OpRow:
     if module is not None:
         unsupported = [
@@ -856,6 +877,13 @@ def _table() -> list[OpRow]:
             modules=(nn.UpsamplingBilinear2d,),
         ),
         _pass("upsampling_nearest2d", modules=(nn.UpsamplingNearest2d,), qtensor=None),
+        _compute(
+            "grid_sample",
+            "GridSample",
+            "grid_sample",
+            functions=(F.grid_sample,),
+            refine=_refine_grid_sample,
+        ),
         # -- pass-throughs -------------------------------------------------------------------
         _pass(
             "relu",
@@ -997,6 +1025,9 @@ _DOCS = {
     "clamp": "a clamp in the integer domain (constant bounds)",
     "interpolate": "bilinear with integer weights; nearest keeps the grid",
     "upsampling_bilinear2d": "bilinear with integer weights",
+    "grid_sample": "4-d input, quantized grid: fixed-point coordinates (8 fraction bits), "
+    "bilinear with integer weights or nearest, zeros / border padding, requantized; bicubic "
+    "and reflection stay float",
     "relu": "max(q, 0): the grid is kept",
     "layer_norm": "int64 mean and variance, rsqrt table, int16 (bayes) / int8 normalized values, "
     "int8 per-channel affine, requantized",

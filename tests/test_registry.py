@@ -107,6 +107,17 @@ def _einsum(f: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _grid_sample(f: Callable, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Bilinear with zeros padding (grid values beyond [-1, 1] sample outside), nearest with
+    border padding and align_corners, bilinear with border padding."""
+    return (
+        f(x, y, align_corners=False)
+        + f(x, y, mode="nearest", padding_mode="border", align_corners=True)
+        + f(x, y, "bilinear", "border", False)
+        + f(x, y, "nearest", align_corners=False)
+    )
+
+
 def _first(*args: Any) -> Callable[..., Any]:
     return lambda f, x, y: f(x, *args)[0]
 
@@ -194,6 +205,7 @@ EXAMPLES.update(
             call=_unary(scale_factor=2, mode="bilinear", align_corners=False),
         ),
         "upsampling_bilinear2d": Example(module=lambda c: c(scale_factor=2)),
+        "grid_sample": Example(((2, 4, 8, 8), (2, 5, 6, 2)), call=_grid_sample),
         "upsampling_nearest2d": Example(module=lambda c: c(scale_factor=2)),
         "relu": Example(module=lambda c: c(), call=lambda f, x, y: f(x.clone())),
         "dropout": Example(
