@@ -421,6 +421,76 @@ class IntegerWriter:
             )
         self.cast(x, "int64", outs[0])
 
+    def _grid_gather(self, x: str, iy: str, ix: str, size: tuple[int, ...], border: bool) -> str:
+        """``x[n, c, iy, ix]`` of a float64 ``x`` reshaped to ``(N, C, H*W)``, for float64
+        integer coordinates ``iy, ix (N, Ho, Wo)``; 0 outside the input unless ``border``."""
+        c, h, w, ho, wo = size
+        clip = lambda v, n: self.op(  # noqa: E731
+            "Clip", [v, self.const(0.0, np.float64), self.const(float(n - 1), np.float64)]
+        )
+        index = self.op("Add", [self.op("Mul", [clip(iy, h), self.const(float(w))]), clip(ix, w)])
+        index = self.op("Reshape", [self.cast(index, "int64"), self.const([0, 1, -1], np.int64)])
+        index = self.op("Expand", [index, self.const([1, c, 1], np.int64)])
+        out = self.op("GatherElements", [x, index], axis=2)
+        out = self.op("Reshape", [out, self.const([0, c, ho, wo], np.int64)])
+        if border:
+            return out
+        zero = self.const(0.0, np.float64)
+        inside = [
+            self.op(cmp, [v, bound])
+            for v, n in ((iy, h), (ix, w))
+            for cmp, bound in (("GreaterOrEqual", zero), ("Less", self.const(float(n))))
+        ]
+        valid = self.op("And", [self.op("And", inside[:2]), self.op("And", inside[2:])])
+        valid = self.op("Unsqueeze", [self.cast(valid, "float64"), self.const([1], np.int64)])
+        return self.op("Mul", [out, valid])
+
+    def op_grid_sample(self, node: Node, outs: list[str]) -> None:
+        """float64 arithmetic on integers below ``2**53`` (exact): the coordinates
+        ``G m 2**-s`` (``|G m| < 2**31``) rounded, the neighbours gathered, the weighted sum
+        (``|acc| < 2**33``) cast to int64."""
+        a, p = node.attrs, node.params
+        bits, rounding = a["fraction_bits"], a["rounding"]
+        border = a["padding_mode"] == "border"
+        _, c, h, w = self.graph.tensors[node.inputs[0]].shape
+        ho, wo = self.graph.tensors[node.inputs[1]].shape[1:3]
+        x = self.op("Reshape", [self.as_double(node.inputs[0]), self.const([0, 0, -1], np.int64)])
+        g = self.as_double(node.inputs[1])
+        coords = []
+        for i, (axis, size) in enumerate((("x", w), ("y", h))):
+            gi = self.op("Gather", [g, self.const([i], np.int64)], axis=3)
+            gi = self.op("Squeeze", [gi, self.const([3], np.int64)])
+            r = np.ldexp(p[f"multiplier_{axis}"].astype(np.float64), -p[f"shift_{axis}"])
+            v = self.round_double(self.op("Mul", [gi, self.const(r, np.float64)]), rounding)
+            v = self.op("Add", [v, self.const(float((size - 1) << (bits - 1)))])
+            if border:
+                hi = self.const(float((size - 1) << bits))
+                v = self.op("Clip", [v, self.const(0.0, np.float64), hi])
+            coords.append(v)
+        px, py = coords
+        size = (c, h, w, ho, wo)
+        unit = self.const(2.0**-bits)
+        if a["mode"] == "nearest":
+            iy = self.round_double(self.op("Mul", [py, unit]), rounding)
+            ix = self.round_double(self.op("Mul", [px, unit]), rounding)
+            self.cast(self._grid_gather(x, iy, ix, size, border), "int64", outs[0])
+            return
+        one = self.const(float(1 << bits))
+        x0 = self.op("Floor", [self.op("Mul", [px, unit])])
+        y0 = self.op("Floor", [self.op("Mul", [py, unit])])
+        wx1 = self.op("Sub", [px, self.op("Mul", [x0, one])])
+        wy1 = self.op("Sub", [py, self.op("Mul", [y0, one])])
+        y1 = self.op("Add", [y0, self.const(1.0)])
+        x1 = self.op("Add", [x0, self.const(1.0)])
+        wx0, wy0 = self.op("Sub", [one, wx1]), self.op("Sub", [one, wy1])
+        acc = None
+        for iy, wy in ((y0, wy0), (y1, wy1)):
+            for ix, wx in ((x0, wx0), (x1, wx1)):
+                weight = self.op("Unsqueeze", [self.op("Mul", [wy, wx]), self.const([1], np.int64)])
+                term = self.op("Mul", [self._grid_gather(x, iy, ix, size, border), weight])
+                acc = term if acc is None else self.op("Add", [acc, term])
+        self.cast(acc, "int64", outs[0])
+
     def op_max_pool(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
         t = self.graph.tensors[node.inputs[0]]

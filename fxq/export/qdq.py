@@ -306,6 +306,24 @@ class QDQWriter(IntegerWriter):
             moved = self.op("MatMul", [self.op("Transpose", [x], perm=perm), m])
             x = self.op("Transpose", [moved], outs[0] if last else None, perm=perm)
 
+    def op_grid_sample(self, node: Node, outs: list[str]) -> None:
+        """ONNX GridSample on the dequantized input and grid; bilinear sums are in units of
+        ``2**-2F`` of the input's scale (the requantize that follows divides them out)."""
+        a = node.attrs
+        self._sum_scales[node.outputs[0]] = self.fscale(node.inputs[0])
+        bilinear = a["mode"] == "bilinear"
+        y = self.op(
+            "GridSample",
+            [self.name(node.inputs[0]), self.name(node.inputs[1])],
+            None if bilinear else outs[0],
+            mode="bilinear" if bilinear else "nearest",  # onnxruntime 1.x: not "linear"
+            padding_mode=a["padding_mode"],
+            align_corners=int(node.attrs.get("align_corners", 0)),
+        )
+        if bilinear:
+            one = np.float32(1 << (2 * a["fraction_bits"]))
+            self.op("Mul", [y, self.const(one, np.float32)], outs[0])
+
     def op_reshape(self, node: Node, outs: list[str]) -> None:
         if node.inputs[0] in self._sum_scales:
             self._sum_scales[node.outputs[0]] = self._sum_scales[node.inputs[0]]

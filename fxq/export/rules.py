@@ -26,6 +26,7 @@ from fxq.quantized import (
     division,
     elementwise,
     embedding,
+    grid_sample,
     interpolate,
     matmul,
     normalization,
@@ -597,6 +598,44 @@ def _rule_interpolate(ex: _Exporter, m: interpolate.Interpolate, args, kwargs, r
     )
 
 
+def _rule_grid_sample(ex: _Exporter, m: grid_sample.GridSample, args, kwargs, result) -> None:
+    x, grid = args[0], args[1]
+    p = grid_sample.grid_arguments(tuple(args[2:]), kwargs)
+    params = {}
+    for axis, size in (("x", x.shape[3]), ("y", x.shape[2])):
+        mult, s = multiplier_for(
+            m,
+            grid_sample.coordinate_factor(grid.scale, size, p["align_corners"]),
+            {"grid": grid.scale},
+            left_shift=True,
+        )
+        params[f"multiplier_{axis}"] = _np(mult, np.int64)
+        params[f"shift_{axis}"] = _np(s, np.int64)
+    sums = torch.zeros(tuple(result.shape), dtype=torch.int64)
+    (name,) = ex.emit(
+        "grid_sample",
+        [ex.name_of(x), ex.name_of(grid)],
+        [sums],
+        {
+            "mode": p["mode"],
+            "padding_mode": p["padding_mode"],
+            "align_corners": p["align_corners"],
+            "fraction_bits": qf.INTERP_FRACTION_BITS,
+            "rounding": _rounding(m),
+        },
+        params,
+        suffix="_sum",
+    )
+    mult, s = m.output_factor(x.scale, p["mode"])
+    ex.emit(
+        "requantize",
+        [name],
+        [result],
+        {"dtype": _dtype(result), "rounding": _rounding(m), "lo": None, "hi": None},
+        {"multiplier": _np(mult, np.int64), "shift": _np(s, np.int64)},
+    )
+
+
 # -- rules: normalization and softmax -------------------------------------------------------
 def _rule_normalization(ex: _Exporter, m: normalization._Normalization, args, kwargs, result):
     x = args[0]
@@ -1099,6 +1138,7 @@ RULES: dict[type, Callable[..., None]] = {
     pooling.Mean: _rule_mean,
     pooling.Sum: _rule_sum,
     interpolate.Interpolate: _rule_interpolate,
+    grid_sample.GridSample: _rule_grid_sample,
     normalization.LayerNorm: _rule_normalization,
     normalization.GroupNorm: _rule_normalization,
     normalization.L2Normalize: _rule_l2_normalize,

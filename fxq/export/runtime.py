@@ -359,6 +359,47 @@ def _k_axis_matmul(node, inputs):
     return [x]
 
 
+def _grid_gather(x: np.ndarray, iy: np.ndarray, ix: np.ndarray, border: bool) -> np.ndarray:
+    """``x[n, c, iy, ix]`` for int64 ``x (N, C, H, W)`` and ``iy, ix (N, Ho, Wo)``; 0 outside
+    the input unless ``border``."""
+    n, c, h, w = x.shape
+    valid = (iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)
+    index = (np.clip(iy, 0, h - 1) * w + np.clip(ix, 0, w - 1)).reshape(n, 1, -1)
+    out = np.take_along_axis(x.reshape(n, c, h * w), index, axis=2).reshape(n, c, *iy.shape[1:])
+    return out if border else out * valid[:, None].astype(np.int64)
+
+
+def _k_grid_sample(node, inputs):
+    """``grid_sample`` accumulator (``docs/arithmetic.md``, grid_sample): fixed-point coordinates
+    ``P = shift_round(G m, s) + (n - 1) 2**(F-1)``; bilinear: int64 ``sum X wy wx`` in units of
+    ``2**-2F``; nearest: ``X`` at ``shift_round(P, F)``."""
+    a, p = node.attrs, node.params
+    x = inputs[0].astype(np.int64)
+    g = inputs[1].astype(np.int64)
+    bits, rounding = a["fraction_bits"], a["rounding"]
+    border = a["padding_mode"] == "border"
+    h, w = x.shape[-2:]
+    coords = []
+    for i, (axis, size) in enumerate((("x", w), ("y", h))):
+        c = shift_round(g[..., i] * p[f"multiplier_{axis}"], p[f"shift_{axis}"], rounding)
+        c = c + ((size - 1) << (bits - 1))
+        coords.append(np.clip(c, 0, (size - 1) << bits) if border else c)
+    px, py = coords
+    if a["mode"] == "nearest":
+        return [
+            _grid_gather(
+                x, shift_round(py, bits, rounding), shift_round(px, bits, rounding), border
+            )
+        ]
+    one = 1 << bits
+    x0, y0, wx1, wy1 = px >> bits, py >> bits, px & (one - 1), py & (one - 1)
+    acc = np.zeros(x.shape[:2] + px.shape[1:], np.int64)
+    for iy, wy in ((y0, one - wy1), (y0 + 1, wy1)):
+        for ix, wx in ((x0, one - wx1), (x0 + 1, wx1)):
+            acc += _grid_gather(x, iy, ix, border) * (wy * wx)[:, None]
+    return [acc]
+
+
 def _pool_windows(n: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
     eff = d * (k - 1) + 1
     num = n + 2 * p - eff
@@ -636,6 +677,7 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "lut": _k_lut,
     "segment_lut": _k_segment_lut,
     "axis_matmul": _k_axis_matmul,
+    "grid_sample": _k_grid_sample,
     "max_pool": _k_max_pool,
     "adaptive_max_pool": _k_adaptive_max_pool,
     "reshape": _k_reshape,
