@@ -20,9 +20,11 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
      int32 accumulator on marches that have a high-precision output; other
      outputs become int16 where the march has int16 activations, else keep
      their qconfig's int8 observer (a global min / max);
-  3. **ranges**: every other activation takes the mean over calibration
+  3. **ranges**: every other int8 activation takes the mean over calibration
      samples of each sample's min and max (``mean_min_max``, NNCF's range
-     estimator), not the global extremes that a few images stretch;
+     estimator), not the global extremes that a few images stretch; int16
+     activations keep their qconfig's observer (global min / max: 16 bits
+     leave levels to spare, clipping would only cost);
   4. **fast bias correction** (``bias_correction=True``, NNCF's formulation,
      ``bias_correction(..., mode="fast", skip_depthwise=True)``): per layer
      except depthwise convs, the mean output shift caused by rounding its
@@ -272,7 +274,11 @@ def ptq(
             equalize_depthwise(model, batches, input_fn=input_fn)
         widen_outputs(model, output)
         outputs = {id(m.activation_post_process) for _, m in output_quants(model)}
-        inner = [fq for fq in activation_quants(model) if id(fq) not in outputs]
+        # int16 activations have levels to spare: their qconfig's observer (a global min / max)
+        # keeps the tails that the per-sample mean range would clip
+        inner = [
+            fq for fq in activation_quants(model) if id(fq) not in outputs and fq.dtype.bits <= 8
+        ]
         with observers_swapped(inner, MeanMinMaxObserver):
             calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
         if bias_correction:

@@ -158,7 +158,10 @@ def test_mixed_precision_budget_zero_is_int8_and_a_budget_helps(bayes, pretraine
 
     int8 = _integer_sqnr(base, held, ref)
     assert score(same) == int8
-    assert score(mixed) > int8 + 1.0
+    # measured: 14.74 -> 14.96 dB (before depthwise equalization and bias correction were
+    # in the default: 13.39 -> 14.36); the int16 values chosen on this truncated network
+    # matter less once the depthwise inputs are equalized
+    assert score(mixed) > int8 + 0.1
 
 
 def test_mixed_precision_float_budget_and_march_without_int16(pretrained):
