@@ -453,9 +453,13 @@ class IntegerWriter:
         bits, rounding = a["fraction_bits"], a["rounding"]
         border = a["padding_mode"] == "border"
         _, c, h, w = self.graph.tensors[node.inputs[0]].shape
-        ho, wo = self.graph.tensors[node.inputs[1]].shape[1:3]
         x = self.op("Reshape", [self.as_double(node.inputs[0]), self.const([0, 0, -1], np.int64)])
-        g = self.as_double(node.inputs[1])
+        if len(node.inputs) > 1:
+            ho, wo = self.graph.tensors[node.inputs[1]].shape[1:3]
+            g = self.as_double(node.inputs[1])
+        else:  # a constant grid
+            ho, wo = p["grid"].shape[1:3]
+            g = self.const(p["grid"].astype(np.float64), hint="grid")
         coords = []
         for i, (axis, size) in enumerate((("x", w), ("y", h))):
             gi = self.op("Gather", [g, self.const([i], np.int64)], axis=3)

@@ -312,9 +312,13 @@ class QDQWriter(IntegerWriter):
         a = node.attrs
         self._sum_scales[node.outputs[0]] = self.fscale(node.inputs[0])
         bilinear = a["mode"] == "bilinear"
+        if len(node.inputs) > 1:
+            grid = self.name(node.inputs[1])
+        else:  # a constant grid: its dequantized values
+            grid = self.const(node.params["grid"].astype(np.float32) * np.float32(a["grid_scale"]))
         y = self.op(
             "GridSample",
-            [self.name(node.inputs[0]), self.name(node.inputs[1])],
+            [self.name(node.inputs[0]), grid],
             None if bilinear else outs[0],
             mode="bilinear" if bilinear else "nearest",  # onnxruntime 1.x: not "linear"
             padding_mode=a["padding_mode"],

@@ -71,6 +71,10 @@ def _rule_quantize(ex: _Exporter, m: qstubs.Quantize, args, kwargs, result) -> N
     x = args[0]
     if not isinstance(x, (Tensor, QTensor)):
         return
+    if isinstance(x, Tensor) and id(x) not in ex.names:
+        # a constant (a buffer): its integers are the consumer's parameter (a constant
+        # grid_sample grid); a consumer that cannot take one names the node in its error
+        return
     if isinstance(x, QTensor):
         _requantize_to(ex, x, m.scale, m.dtype, m, result)
         return
@@ -611,16 +615,22 @@ def _rule_grid_sample(ex: _Exporter, m: grid_sample.GridSample, args, kwargs, re
         )
         params[f"multiplier_{axis}"] = _np(mult, np.int64)
         params[f"shift_{axis}"] = _np(s, np.int64)
+    inputs = [ex.name_of(x)]
+    if id(grid) in ex.names:
+        inputs.append(ex.name_of(grid))
+    else:  # a constant grid (a quantized buffer): its integers are a parameter
+        params["grid"] = _np(grid.values(), np.int16 if grid.qdtype.bits > 8 else np.int8)
     sums = torch.zeros(tuple(result.shape), dtype=torch.int64)
     (name,) = ex.emit(
         "grid_sample",
-        [ex.name_of(x), ex.name_of(grid)],
+        inputs,
         [sums],
         {
             "mode": p["mode"],
             "padding_mode": p["padding_mode"],
             "align_corners": p["align_corners"],
             "fraction_bits": qf.INTERP_FRACTION_BITS,
+            "grid_scale": float(grid.scale),
             "rounding": _rounding(m),
         },
         params,

@@ -375,7 +375,7 @@ def _k_grid_sample(node, inputs):
     ``2**-2F``; nearest: ``X`` at ``shift_round(P, F)``."""
     a, p = node.attrs, node.params
     x = inputs[0].astype(np.int64)
-    g = inputs[1].astype(np.int64)
+    g = (inputs[1] if len(inputs) > 1 else p["grid"]).astype(np.int64)
     bits, rounding = a["fraction_bits"], a["rounding"]
     border = a["padding_mode"] == "border"
     h, w = x.shape[-2:]
