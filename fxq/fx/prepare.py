@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+import operator
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
@@ -57,6 +59,7 @@ from fxq.march import MarchSpec, get_march_spec
 from fxq.qat.base import QATModule
 from fxq.qat.stubs import QuantStub
 from fxq.qconfig import QConfig, QConfigChoice, QConfigResolver
+from fxq.registry import _MASK_FILL_LIMIT as MASK_FILL_LIMIT
 from fxq.registry import (
     Kind,
     OpRow,
@@ -235,6 +238,7 @@ class _Preparer:
         self.border: dict[tuple[Node, str], Node] = {}
         self.swapped_first: dict[str, QATModule] = {}
         self.float_ops: list[str] = []  # "node (target, where): reason" of ops that stay float
+        self.mask_ops = additive_mask_ops(gm)
 
     # -- qconfig ---------------------------------------------------------------
     def choice_for(self, node: Node, module: nn.Module | None) -> QConfigChoice:
@@ -256,6 +260,8 @@ class _Preparer:
                 self._install_call_site(node)
                 continue
             rule, module = row_for(node, self.modules)
+            if node in self.mask_ops:
+                rule = rule.as_float(self.mask_ops[node])
             if rule.kind in (Kind.NONTENSOR, Kind.DEQUANT_STUB):
                 continue
             choice = self.choice_for(node, module)
@@ -556,3 +562,56 @@ def _name_fake_quants(qat: QATModule, path: str) -> None:
         wfq.set_name(f"the weight of '{path}'")
     for i, fq in enumerate(getattr(qat, "input_quant", []) or []):
         fq.set_name(f"input {i} of '{path}'")
+
+
+_ADDS = {operator.add, operator.iadd, torch.add}
+_SOFTMAXES = {torch.softmax, torch.nn.functional.softmax}
+_MASK_REASON = (
+    "adds an additive attention mask (0 / <= -1e4, built by torch.where): quantized like an "
+    "activation its scale would round every score to 0, so this add and the softmax after it "
+    "stay float; attn_implementation='sdpa' (scaled_dot_product_attention) takes the mask "
+    "unquantized and runs attention in integers"
+)
+
+
+def _is_mask_where(node: Node) -> bool:
+    if node.op != "call_function" or node.target is not torch.where or len(node.args) < 3:
+        return False
+    fills = [node.args[1], node.args[2]]
+    return any(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v <= MASK_FILL_LIMIT
+        for v in fills
+    )
+
+
+def _is_add(node: Node) -> bool:
+    return (node.op == "call_function" and node.target in _ADDS) or (
+        node.op == "call_method" and node.target in ("add", "add_", "__add__")
+    )
+
+
+def _is_softmax(node: Node, gm: GraphModule) -> bool:
+    if node.op == "call_function":
+        return node.target in _SOFTMAXES
+    if node.op == "call_method":
+        return node.target == "softmax"
+    return node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.Softmax)
+
+
+def additive_mask_ops(gm: GraphModule) -> dict[Node, str]:
+    """The adds of an additive attention mask (eager attention: ``scores + mask`` where the
+    mask is ``torch.where(keep, 0, finfo.min)``, reached through shape ops) and the softmaxes
+    of their sums, with the reason they stay float."""
+    found: dict[Node, str] = {}
+    todo = [n for n in gm.graph.nodes if _is_mask_where(n)]
+    seen = set(todo)
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if _is_add(user):
+                found[user] = _MASK_REASON
+                found.update((s, _MASK_REASON) for s in user.users if _is_softmax(s, gm))
+            elif user not in seen and user.op in ("call_function", "call_method"):
+                seen.add(user)  # a slice, expand or .to of the mask
+                todo.append(user)
+    return found

@@ -157,13 +157,28 @@ def test_small_hf_model_is_fully_integer_and_converts_bit_exact(bayes, name):
 
 def test_eager_attention_keeps_its_additive_mask_float_with_the_reason(bayes):
     """``attn_implementation="eager"`` builds a float mask (``torch.where(keep, 0, finfo.min)``)
-    and adds it to the scores; that ``where`` stays float, with the reason and the fix."""
+    and adds it to the scores. The ``where``, each ``scores + mask`` and the softmax after it
+    stay float, with the reason and the fix: quantizing the sum would give it a scale near
+    1e36 and round every score to 0 (uniform attention over the padding too)."""
     model, make_inputs, _ = _small_model("bert")
     model.set_attn_implementation("eager")
-    _, float_ops = _prepare(model.eval(), {"": q8}, example_inputs=make_inputs(2, 8, padded=True))
-    assert len(float_ops) == 1
+    model.eval()
+    qat, float_ops = _prepare(model, {"": q8}, example_inputs=make_inputs(2, 8, padded=True))
+    assert len(float_ops) == 5  # the where, and per layer the add and the softmax
     assert "builds an additive attention mask" in float_ops[0]
-    assert "attn_implementation='sdpa'" in float_ops[0]
+    assert sum("adds an additive attention mask" in line for line in float_ops) == 4
+    assert all("attn_implementation='sdpa'" in line for line in float_ops)
+    _calibrate(qat, [make_inputs(2, 8, padded=True), make_inputs(3, 12, padded=True)])
+    inputs = make_inputs(2, 10, padded=True)
+    converted = fxq.convert_fx(qat)
+    with torch.no_grad():
+        got, expected = converted(**inputs), qat(**inputs)
+        reference = model(**inputs)
+    assert torch.equal(got["last_hidden_state"], expected["last_hidden_state"])
+    # the padded positions' outputs are not compared: only the kept tokens
+    keep = inputs["attention_mask"].bool()
+    cosine = _cosine(got["last_hidden_state"][keep], reference["last_hidden_state"][keep])
+    assert cosine > 0.95, cosine
 
 
 def test_a_cache_the_graph_cannot_return_is_named_with_the_fix(bayes):
