@@ -647,8 +647,8 @@ class IntegerWriter:
 
     def normalize_rows(self, rows: str, node: Node) -> str:
         """``Z`` of ``docs/arithmetic.md`` 14 over the last axis of int64 ``rows`` -> float64."""
-        a, p = node.attrs, node.params
-        t, axes = a["index_bits"], self.const([-1], np.int64)
+        a = node.attrs
+        axes = self.const([-1], np.int64)
         s1 = self.op("ReduceSum", [rows, axes], keepdims=1)
         s2 = self.op("ReduceSum", [self.op("Mul", [rows, rows]), axes], keepdims=1)
         n = self.int_const(a["n"])
@@ -660,7 +660,13 @@ class IntegerWriter:
                 self.op("Sub", [self.op("Mul", [s1, s1]), self.int_const(a["eps_term"])]),
             ],
         )
-        v = self.op("Max", [v, self.int_const(1)])
+        return self.times_rsqrt(d, self.op("Max", [v, self.int_const(1)]), node)
+
+    def times_rsqrt(self, d: str, v: str, node: Node) -> str:
+        """``sat(shift_round(d * R, F + e - Q))`` with ``(R, e) = integer_rsqrt(v)`` (the
+        table of ``docs/arithmetic.md`` 14, shared by LayerNorm / GroupNorm and l2 normalize)."""
+        a, p = node.attrs, node.params
+        t = a["index_bits"]
         # e = floor((b - T + 1) / 2): Div truncates, so shift the numerator positive first
         b = self.bit_length(v)
         e = self.op(
@@ -712,33 +718,11 @@ class IntegerWriter:
     def op_l2_normalize(self, node: Node, outs: list[str]) -> None:
         """``docs/arithmetic.md`` 27: int64 sum of squares, the rsqrt table, two roundings."""
         a, p = node.attrs, node.params
-        t = a["index_bits"]
         x = self.cast(self.name(node.inputs[0]), "int64")
         axes = self.const(np.array(a["axes"], np.int64))
         s2 = self.op("ReduceSum", [self.op("Mul", [x, x]), axes], keepdims=1)
         v = self.op("Max", [s2, self.int_const(max(a["eps_term"], 1))])
-        # e = floor((b - T + 1) / 2): Div truncates, so shift the numerator positive first
-        b = self.bit_length(v)
-        e = self.op(
-            "Sub",
-            [
-                self.op("Div", [self.op("Add", [b, self.int_const(41 - t)]), self.int_const(2)]),
-                self.int_const(20),
-            ],
-        )
-        m = self.shift_round_wide(v, self.op("Mul", [e, self.int_const(2)]), a["rounding"], node)
-        index = self.op("Sub", [m, self.int_const(1 << (t - 2))])
-        r = self.op(
-            "Gather", [self.const(p["rsqrt_table"].astype(np.int64), hint="rsqrt"), index], axis=0
-        )
-        shift = self.op("Add", [e, self.int_const(a["fraction_bits"] - a["q_bits"])])
-        z = self.shift_round_double(self.op("Mul", [x, r]), shift, a["rounding"])
-        from .runtime import _RANGES
-
-        lo, hi = _RANGES[a["z_dtype"]]
-        z = self.op(
-            "Clip", [z, self.const(float(lo), np.float64), self.const(float(hi), np.float64)]
-        )
+        z = self.times_rsqrt(x, v, node)
         r_out = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
         self.requant(z, r_out, a["dtype"], a["rounding"], None, None, outs[0])
 

@@ -669,14 +669,7 @@ def _rule_normalization(ex: _Exporter, m: normalization._Normalization, args, kw
         {
             "n": n,
             "groups": groups,
-            "eps": eps,
-            "eps_term": plan.eps_term,
-            "q_bits": plan.q_bits,
-            "index_bits": qf.RSQRT_INDEX_BITS,
-            "fraction_bits": qf.RSQRT_FRACTION_BITS,
-            "z_dtype": m.z_dtype.name[1:],
-            "dtype": _dtype(result),
-            "rounding": _rounding(m),
+            **_rsqrt_attrs(m, plan, eps, result),
         },
         {
             "rsqrt_table": _np(qf.rsqrt_table(), np.int64),
@@ -689,6 +682,20 @@ def _rule_normalization(ex: _Exporter, m: normalization._Normalization, args, kw
     )
 
 
+def _rsqrt_attrs(m, plan, eps: float, result) -> dict:
+    """The attributes of a node that scales by the rsqrt table (``normalize``, ``l2_normalize``)."""
+    return {
+        "eps": eps,
+        "eps_term": plan.eps_term,
+        "q_bits": plan.q_bits,
+        "index_bits": qf.RSQRT_INDEX_BITS,
+        "fraction_bits": qf.RSQRT_FRACTION_BITS,
+        "z_dtype": m.z_dtype.name[1:],
+        "dtype": _dtype(result),
+        "rounding": _rounding(m),
+    }
+
+
 def _rule_l2_normalize(ex: _Exporter, m: normalization.L2Normalize, args, kwargs, result):
     x = args[0]
     dims, eps = m.arguments(x, args[1:], kwargs)
@@ -699,14 +706,7 @@ def _rule_l2_normalize(ex: _Exporter, m: normalization.L2Normalize, args, kwargs
         [result],
         {
             "axes": list(dims),
-            "eps": eps,
-            "eps_term": plan.eps_term,
-            "q_bits": plan.q_bits,
-            "index_bits": qf.RSQRT_INDEX_BITS,
-            "fraction_bits": qf.RSQRT_FRACTION_BITS,
-            "z_dtype": m.z_dtype.name[1:],
-            "dtype": _dtype(result),
-            "rounding": _rounding(m),
+            **_rsqrt_attrs(m, plan, eps, result),
         },
         {
             "rsqrt_table": _np(qf.rsqrt_table(), np.int64),
@@ -864,8 +864,7 @@ def _emit_attention_core(ex, m, q, k, v, requants, soft, causal, result, inner, 
 def _rule_sdpa(ex: _Exporter, m: attention.ScaledDotProductAttention, args, kwargs, result):
     q, k, v = args[:3]
     options = attention.sdpa_arguments(args[3:], kwargs)
-    scale = options["scale"]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = attention.sdpa_scale(options, q.shape[-1])
     m_s, k_s, soft, m_o, k_o = m.plan(q, k, v, scale)
     causal = bool(options["is_causal"])
     mask = options["attn_mask"]

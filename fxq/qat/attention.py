@@ -29,7 +29,7 @@ from fxq.fake_quantize import FakeQuantize, FakeQuantState
 from fxq.qat.base import FunctionalQAT, quantize_bias
 from fxq.qconfig import QConfig
 from fxq.quantized import functional as qf
-from fxq.quantized.attention import mha_arguments, mha_keep, sdpa_arguments, sdpa_keep
+from fxq.quantized.attention import mha_arguments, mha_keep, sdpa_scale_and_keep
 
 __all__ = ["ScaledDotProductAttention", "MultiheadAttention", "inner_dtype", "mha_arguments"]
 
@@ -94,18 +94,8 @@ class ScaledDotProductAttention(FunctionalQAT):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if self.validating():
             return self.validation_forward(q, k, v, *args, **kwargs)
-        options = sdpa_arguments(args, kwargs)
-        scale = options["scale"]
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        scale, keep = sdpa_scale_and_keep(self.name, q, k, args, kwargs)
         scores = self.scores_quant(torch.matmul(q, k.transpose(-2, -1)) * scale)
-        keep = sdpa_keep(
-            self.name,
-            options["attn_mask"],
-            bool(options["is_causal"]),
-            q.shape[-2],
-            k.shape[-2],
-            q.device,
-        )
         probs = self.probs_quant(attention_probs(scores, keep))
         return self.quantize_output(torch.matmul(probs, v))
 

@@ -45,6 +45,8 @@ __all__ = [
     "causal_keep",
     "keep_mask",
     "sdpa_keep",
+    "sdpa_scale",
+    "sdpa_scale_and_keep",
     "mha_keep",
     "ADDITIVE_MASK_LIMIT",
 ]
@@ -140,6 +142,23 @@ def sdpa_keep(
     return keep
 
 
+def sdpa_scale(options: dict[str, Any], head_dim: int) -> float:
+    """The score scale of ``F.scaled_dot_product_attention``: ``scale``, else ``1 / sqrt(E)``."""
+    scale = options["scale"]
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def sdpa_scale_and_keep(
+    where: str, q: Tensor, k: Tensor, args: tuple, kwargs: dict
+) -> tuple[float, Tensor | None]:
+    """The score scale and the keep-mask (``sdpa_keep``) of one SDPA call's arguments."""
+    options = sdpa_arguments(args, kwargs)
+    keep = sdpa_keep(
+        where, options["attn_mask"], bool(options["is_causal"]), q.shape[-2], k.shape[-2], q.device
+    )
+    return sdpa_scale(options, q.shape[-1]), keep
+
+
 def mha_keep(
     where: str,
     key_padding_mask: Tensor | None,
@@ -232,18 +251,8 @@ class ScaledDotProductAttention(FunctionalQuantized):
         return m_s, k_s, soft, m_o, k_o
 
     def forward(self, q: QTensor, k: QTensor, v: QTensor, *args: Any, **kwargs: Any) -> QTensor:
-        options = sdpa_arguments(args, kwargs)
-        scale = options["scale"]
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        scale, keep = sdpa_scale_and_keep(self.name, q, k, args, kwargs)
         m_s, k_s, soft, m_o, k_o = self.plan(q, k, v, scale)
-        keep = sdpa_keep(
-            self.name,
-            options["attn_mask"],
-            bool(options["is_causal"]),
-            q.shape[-2],
-            k.shape[-2],
-            q.device,
-        )
         out = attention_core(self, q, k, v, (m_s, k_s), soft, (m_o, k_o), self.inner_dtype, keep)
         return self.wrap(out[0])
 
