@@ -312,6 +312,16 @@ _MASK_FILL_LIMIT = -1e4
 _POW_EXPONENTS = (2, 3)
 
 
+def is_mask_fill(value: Any) -> bool:
+    """Whether ``value`` (a ``torch.where`` operand) is the fill of an additive attention mask:
+    a Python number at or below ``-1e4``."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and value <= _MASK_FILL_LIMIT
+    )
+
+
 def _nontensor(row: OpRow) -> OpRow:
     return dataclasses.replace(row, kind=Kind.NONTENSOR, qat=None, integer=None, refine=None)
 
@@ -346,7 +356,7 @@ def _refine_where(row: OpRow, node: Node | None, module: nn.Module | None) -> Op
         return row.as_float("torch.where(condition) returns indices (integer tensors)")
     values = [_arg(node, 1, "input"), _arg(node, 2, "other")]
     for v in values:
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= _MASK_FILL_LIMIT:
+        if is_mask_fill(v):
             return row.as_float(
                 f"torch.where with the fill value {v:g} builds an additive attention mask "
                 "(0 / -inf), not an activation: scaled_dot_product_attention and "

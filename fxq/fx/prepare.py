@@ -59,12 +59,12 @@ from fxq.march import MarchSpec, get_march_spec
 from fxq.qat.base import QATModule
 from fxq.qat.stubs import QuantStub
 from fxq.qconfig import QConfig, QConfigChoice, QConfigResolver
-from fxq.registry import _MASK_FILL_LIMIT as MASK_FILL_LIMIT
 from fxq.registry import (
     Kind,
     OpRow,
     canonical_key,
     functional_target,
+    is_mask_fill,
     registry_class,
     row_for,
     row_for_module,
@@ -577,11 +577,7 @@ _MASK_REASON = (
 def _is_mask_where(node: Node) -> bool:
     if node.op != "call_function" or node.target is not torch.where or len(node.args) < 3:
         return False
-    fills = [node.args[1], node.args[2]]
-    return any(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and v <= MASK_FILL_LIMIT
-        for v in fills
-    )
+    return is_mask_fill(node.args[1]) or is_mask_fill(node.args[2])
 
 
 def _is_add(node: Node) -> bool:
