@@ -18,7 +18,8 @@ seeds), it measures
   (``min_max``, the qconfig default, ``mean_min_max``, ``percentile``, ``mse``,
   ``kl``, ``mix``), ``auto_calibrate``, ``percentile+learned_rounding``, and
   int16 mixed precision (``mixed_int16``: ``mixed_precision`` with a 10% budget,
-  then ``ptq`` default; its time includes the sensitivity);
+  then ``ptq`` default; ``mixed_int16+best``: then ``ptq`` best; their time
+  includes the sensitivity);
 
 and reports the SQNR of the logits against the float model (dB), top-1
 agreement with the float model, agreement where the float model is confident
@@ -163,13 +164,14 @@ def fxq_method(model: nn.Module, calib: list[torch.Tensor], method: str, iters: 
     base = method.split("+")[0]
     observer = base if base in OBSERVER_METHODS else "min_max"
     qconfig_dict = {"": get_default_qconfig(activation_observer=observer)}
-    if method == "mixed_int16":
+    if method.startswith("mixed_int16"):
         prepared = ptq(fxq.prepare_qat_fx(model, qconfig_dict), calib, show_progress=False)
         sample = [torch.cat(calib)[::3]]  # a third of the crops rank the activations
         qconfig_dict = mixed_precision(model, prepared, sample, int16_budget=0.1)
     prepared = fxq.prepare_qat_fx(model, qconfig_dict)
-    if method in ("default", "best", "mixed_int16"):
-        ptq(prepared, calib, method="best" if method == "best" else "default", show_progress=False)
+    if method in ("default", "best", "mixed_int16", "mixed_int16+best"):
+        recipe = "best" if method.endswith("best") else "default"
+        ptq(prepared, calib, method=recipe, show_progress=False)
     elif method == "auto_calibrate":
         auto_calibrate(prepared, calib, eval_batches=1, show=False, show_progress=False)
     else:
@@ -195,6 +197,7 @@ METHODS = (
     "default",
     "best",
     "mixed_int16",
+    "mixed_int16+best",
     "min_max",
     "mean_min_max",
     "percentile",
@@ -208,6 +211,7 @@ LABELS = {
     "default": "fxq ptq default",
     "best": "fxq ptq best",
     "mixed_int16": "fxq mixed precision (10% int16)",
+    "mixed_int16+best": "fxq mixed precision (10% int16) + ptq best",
     "min_max": "fxq min_max (qconfig default, calibrate)",
 }
 PEERS = {

@@ -275,10 +275,14 @@ def test_failures_part_way_leave_the_model_as_it_was(setup):
     prepared = _calibrated(model, calib, "mse")
     before = {k: v.clone() for k, v in prepared.state_dict().items()}
     calls = []
+    # weight_reconstruction: call 1 finds the layer order, the next ones come when the
+    # streams reach fc, after c1, c2 and c3 were changed; auto_calibrate: after the statistics
+    # pass (4 calls), while the scales are being chosen
+    limit = [2]
 
     def interrupt(module, inputs):
         calls.append(1)
-        if len(calls) > 12:  # well after the first layers were changed
+        if len(calls) > limit[0]:
             raise _Interrupt
 
     handle = prepared.fc.register_forward_pre_hook(interrupt)
@@ -288,6 +292,7 @@ def test_failures_part_way_leave_the_model_as_it_was(setup):
         )
     with pytest.raises(_Interrupt):
         calls.clear()
+        limit[0] = 12
         auto_calibrate(prepared, calib, show=False, show_progress=False)
     handle.remove()
     after = prepared.state_dict()
