@@ -241,23 +241,28 @@ class HistogramObserver(ObserverBase):
         suffix = torch.flip(
             torch.cumsum(torch.flip(hist, [0]), 0), [0]
         )  # counts at or above each bin
-        best, best_i = None, bins
         stride = max((bins - levels) // 512, 1)
-        for i in range(levels, bins + 1, stride):
-            p = hist[:i].clone()
-            if i < bins:
-                p[-1] += suffix[i]
-            level = torch.div(torch.arange(i) * levels, i, rounding_mode="floor")  # bin -> level
-            nonzero = (hist[:i] > 0).to(torch.float64)
-            mass = torch.zeros(levels, dtype=torch.float64).scatter_add_(0, level, hist[:i])
-            count = torch.zeros(levels, dtype=torch.float64).scatter_add_(0, level, nonzero)
-            q = nonzero * (mass / count.clamp(min=1))[level]
-            pn = p / p.sum()
-            qn = q / q.sum().clamp(min=1e-30)
-            mask = pn > 0
-            kl = float((pn[mask] * torch.log(pn[mask] / qn[mask].clamp(min=1e-12))).sum())
-            if best is None or kl < best:
-                best, best_i = kl, i
+        # every candidate threshold at once: row r compares the first thresholds[r] bins
+        thresholds = torch.arange(levels, bins + 1, stride)
+        index = torch.arange(bins)
+        inside = index < thresholds[:, None]
+        p = hist * inside
+        tail = torch.cat([suffix, torch.zeros(1, dtype=suffix.dtype)])[thresholds]
+        p[torch.arange(len(thresholds)), thresholds - 1] += tail  # outliers into the last bin
+        level = torch.div(index * levels, thresholds[:, None], rounding_mode="floor")
+        level = torch.where(inside, level, 0)
+        nonzero = (hist > 0).to(torch.float64) * inside
+        mass = torch.zeros(len(thresholds), levels, dtype=torch.float64).scatter_add_(
+            1, level, hist * inside
+        )
+        count = torch.zeros(len(thresholds), levels, dtype=torch.float64).scatter_add_(
+            1, level, nonzero
+        )
+        q = nonzero * torch.gather(mass / count.clamp(min=1), 1, level)
+        pn = p / p.sum(1, keepdim=True)
+        qn = q / q.sum(1, keepdim=True).clamp(min=1e-30)
+        terms = torch.where(pn > 0, pn * torch.log(pn / qn.clamp(min=1e-12)), 0.0)
+        best_i = int(thresholds[int(torch.argmin(terms.sum(1)))])
         return min(best_i * width, self._observed_max())
 
     def clip(self) -> float:  # pragma: no cover - abstract
