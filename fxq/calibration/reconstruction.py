@@ -445,36 +445,107 @@ class _Sources:
             w0, b0 = original.folded_weight().detach(), original.folded_bias()
             return [_activate(original, _pre_activation(original, t, w0, b0)) for t in float_in]
 
-    def block(self, names: list[str]) -> tuple[GraphModule, list[Tensor], Tensor]:
-        """A block's sub-graph, its inputs in the model as it is now (one tensor per input,
-        batches concatenated) and the reference's block output."""
+    def block(self, names: list[str]) -> tuple[GraphModule, list[list[Any]], list[Tensor]]:
+        """A block's sub-graph, its inputs in the model as it is now and the reference's
+        block output, per batch."""
         sub, inputs, output, first = _block_graph(self.model, names)
         quant, ref = self.streams
         quant.advance(first)
-        x = [torch.cat(quant.values(n)) for n in inputs]
+        per_input = [quant.values(n) for n in inputs]
         ref.advance(ref.index[output] + 1)
-        return sub, x, torch.cat(ref.values(output))
+        return sub, [list(args) for args in zip(*per_input)], ref.values(output)
+
+
+def _same(values: list[Any]) -> bool:
+    first = values[0]
+    if isinstance(first, Tensor):
+        return all(
+            isinstance(v, Tensor) and v.shape == first.shape and torch.equal(v, first)
+            for v in values
+        )
+    return all(v == first for v in values)
+
+
+def _block_chunks(
+    args: list[list[Any]], targets: list[Tensor]
+) -> tuple[list[list[Any]], list[Tensor], list[bool], bool]:
+    """Group a block's per-batch inputs and targets into chunks that training samples from.
+
+    An input is *batched* when in every batch it is a tensor whose first dimension is the
+    batch's sample count (others: sizes, masks shared by the samples...). When the batched
+    inputs and the targets have the same shape in every batch but the first dimension, and
+    the other inputs are the same in every batch, the batches are concatenated into one
+    chunk (samples are then drawn across batches); else each batch is a chunk (sequences of
+    other lengths, inputs that differ per batch). When an input that is not batched is a
+    number or a size (a reshape to the batch's size, as attention does), the block only
+    runs on whole batches: each batch is a chunk and a training step takes one whole
+    (the last value returned is then True).
+    """
+    counts = [t.shape[0] for t in targets]
+    batched = [
+        all(
+            isinstance(a[j], Tensor) and a[j].dim() > 0 and a[j].shape[0] == n
+            for a, n in zip(args, counts)
+        )
+        for j in range(len(args[0]))
+    ]
+    columns = list(zip(*args))
+    sized = any(
+        not is_batched and not isinstance(column[0], Tensor)
+        for column, is_batched in zip(columns, batched)
+    )
+    if sized:
+        return args, targets, batched, True
+    joinable = (
+        all(
+            len({tuple(v.shape[1:]) for v in column}) == 1 if is_batched else _same(list(column))
+            for column, is_batched in zip(columns, batched)
+        )
+        and len({tuple(t.shape[1:]) for t in targets}) == 1
+    )
+    if not joinable or len(args) == 1:
+        return args, targets, batched, False
+    joined = [
+        torch.cat(column) if is_batched else column[0]
+        for column, is_batched in zip(columns, batched)
+    ]
+    return [joined], [torch.cat(targets)], batched, False
 
 
 def _reconstruct_block(model, sources: _Sources, block, opts) -> tuple[float, float]:
-    sub, x, target = sources.block([n for n, _ in block])
-    norm = target.pow(2).mean().clamp(min=1e-12)
+    sub, args, targets = sources.block([n for n, _ in block])
+    chunks, targets, batched, whole = _block_chunks(args, targets)
+    ends = torch.tensor([t.shape[0] for t in targets]).cumsum(0)
+    elements = sum(t.numel() for t in targets)
+    norm = (sum(float(t.pow(2).sum()) for t in targets) / elements) or 1e-12
     roundings = [_Rounding(layer) for _, layer in block]
+
+    def squared_error(chunk: int, local: Tensor | None) -> Tensor:
+        inputs = [
+            a[local.to(a.device)] if local is not None and is_batched else a
+            for a, is_batched in zip(chunks[chunk], batched)
+        ]
+        t = targets[chunk] if local is None else targets[chunk][local.to(targets[chunk].device)]
+        with float_fake_quant(model):
+            return (sub(*inputs) - t).pow(2).sum(), t.numel()
 
     def loss_of(weights: list[Tensor], idx: Tensor | None) -> Tensor:
         for r, w in zip(roundings, weights):  # the block's layers use these weights
             r.layer.quantized_weight = lambda w=w, r=r: r.layer.weight_from_out_major(w)
         try:
-            args = [t if idx is None else t[idx] for t in x]
-            with float_fake_quant(model):
-                y = sub(*args)
+            if idx is None:  # every sample
+                parts = [squared_error(c, None) for c in range(len(chunks))]
+            else:  # the samples of idx that lie in the chunk of its first one
+                chunk = int(torch.searchsorted(ends, idx[:1], right=True))
+                start = 0 if chunk == 0 else int(ends[chunk - 1])
+                local = idx[(idx >= start) & (idx < ends[chunk])] - start
+                parts = [squared_error(chunk, None if whole else local)]
         finally:
             for r in roundings:
                 del r.layer.quantized_weight
-        t = target if idx is None else target[idx]
-        return (y - t).pow(2).mean() / norm
+        return sum(p for p, _ in parts) / sum(n for _, n in parts) / norm
 
-    return _learn(roundings, loss_of, target.shape[0], **opts)
+    return _learn(roundings, loss_of, int(ends[-1]), **opts)
 
 
 def weight_reconstruction(
@@ -513,6 +584,10 @@ def weight_reconstruction(
             ``block_depth`` components (2: ``layer1.0`` in a ResNet,
             ``features.3`` in a MobileNet) are trained together on the block's
             output, with the activations between them fake-quantized.
+            Samples are drawn across batches when the batches stack; a block
+            that reads the batch size as a number (attention's reshapes), or
+            batches of other shapes (padded sequences of other lengths), train
+            on one whole batch per step.
 
     Returns:
         one row per layer (per block with ``block_depth``): ``layer``, the
