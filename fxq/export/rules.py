@@ -86,6 +86,32 @@ def _rule_quantize(ex: _Exporter, m: qstubs.Quantize, args, kwargs, result) -> N
     )
 
 
+def _emit_requantize(
+    ex: _Exporter, source: str, result, module, mult, shift, lo=None, hi=None, suffix=""
+) -> list[str]:
+    """A ``requantize`` node: ``source`` times ``mult`` shifted right by ``shift``, rounded
+    as ``module``'s march rounds, into ``result``'s dtype (clamped to ``[lo, hi]`` when set)."""
+    return ex.emit(
+        "requantize",
+        [source],
+        [result],
+        {"dtype": _dtype(result), "rounding": _rounding(module), "lo": lo, "hi": hi},
+        {"multiplier": _np(mult, np.int64), "shift": _np(shift, np.int64)},
+        suffix=suffix,
+    )
+
+
+def _on_output_grid(ex: _Exporter, m, t: QTensor, derive, suffix: str) -> str:
+    """The name of ``t`` on ``m``'s output scale and dtype: ``t`` itself when it is already
+    there, else a ``requantize`` node with ``derive(t.scale)``'s multiplier and shift."""
+    if torch.equal(t.scale, m.output_scale.to(t.scale.device)) and t.qdtype is m.out_dtype:
+        return ex.name_of(t)
+    mult, shift = derive(t.scale)
+    moved = _placeholder(t.shape, m.output_scale, m.out_dtype)
+    (name,) = _emit_requantize(ex, ex.name_of(t), moved, m, mult, shift, suffix=suffix)
+    return name
+
+
 def _requantize_to(ex: _Exporter, x: QTensor, scale: Tensor, dtype, module, result, suffix=""):
     if torch.equal(x.scale, scale.to(x.scale.device)) and x.qdtype is dtype:
         ex.alias(result, ex.name_of(x))
@@ -93,14 +119,7 @@ def _requantize_to(ex: _Exporter, x: QTensor, scale: Tensor, dtype, module, resu
     m, s = multiplier_for(
         module, qf.scale_ratio(x.scale, scale), {"input": x.scale, "output": scale}
     )
-    ex.emit(
-        "requantize",
-        [ex.name_of(x)],
-        [result],
-        {"dtype": _dtype(result), "rounding": _rounding(module), "lo": None, "hi": None},
-        {"multiplier": _np(m, np.int64), "shift": _np(s, np.int64)},
-        suffix=suffix,
-    )
+    _emit_requantize(ex, ex.name_of(x), result, module, m, s, suffix=suffix)
 
 
 def _rule_requantize(ex, m: qstubs.Requantize, args, kwargs, result) -> None:
@@ -279,21 +298,7 @@ def _rule_mul(ex: _Exporter, m: elementwise.Mul, args, kwargs, result) -> None:
 def _rule_cat(ex: _Exporter, m: elementwise.Cat, args, kwargs, result) -> None:
     tensors = args[0] if args else kwargs["tensors"]
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    names = []
-    for i, t in enumerate(tensors):
-        if torch.equal(t.scale, m.output_scale.to(t.scale.device)) and t.qdtype is m.out_dtype:
-            names.append(ex.name_of(t))
-            continue
-        mult, s = m._derive(t.scale)
-        tmp = QTensor(torch.zeros(t.shape, dtype=torch.float32), m.output_scale, m.out_dtype)
-        names += ex.emit(
-            "requantize",
-            [ex.name_of(t)],
-            [tmp],
-            {"dtype": _dtype(tmp), "rounding": _rounding(m), "lo": None, "hi": None},
-            {"multiplier": _np(mult, np.int64), "shift": _np(s, np.int64)},
-            suffix=f"_requant{i}",
-        )
+    names = [_on_output_grid(ex, m, t, m._derive, f"_requant{i}") for i, t in enumerate(tensors)]
     if isinstance(m, elementwise.Stack):  # each input gets the new axis, then one concat
         axis = int(dim) % result.dim()
         stacked = []
@@ -380,13 +385,7 @@ def _rule_clamp(ex: _Exporter, m: activation.Clamp, args, kwargs, result) -> Non
         rest = rest[:-1]
     lo, hi = activation._clamp_bounds(m.op, m.fn, rest, kwargs)
     mult, s, q_lo, q_hi = m._derive(x.scale, lo, hi)
-    ex.emit(
-        "requantize",
-        [ex.name_of(x)],
-        [result],
-        {"dtype": _dtype(result), "rounding": _rounding(m), "lo": q_lo, "hi": q_hi},
-        {"multiplier": _np(mult, np.int64), "shift": _np(s, np.int64)},
-    )
+    _emit_requantize(ex, ex.name_of(x), result, m, mult, s, q_lo, q_hi)
 
 
 def _rule_lut(ex: _Exporter, m: activation.LookupTable, args, kwargs, result) -> None:
@@ -480,15 +479,9 @@ def _sum_then_requant(
     s_y = m.output_scale.to(torch.float64).cpu()
     real = x.scale.to(torch.float64).cpu() / (distinct * s_y)
     mult, shift = multiplier_for(m, real, {"input": x.scale, "output": s_y})
-    ex.emit(
-        "requantize",
-        [name],
-        [result],
-        {"dtype": _dtype(result), "rounding": _rounding(m), "lo": None, "hi": None},
-        {"multiplier": _np(mult[inverse], np.int64), "shift": _np(shift[inverse], np.int64)}
-        if distinct.numel() > 1
-        else {"multiplier": _np(mult, np.int64), "shift": _np(shift, np.int64)},
-    )
+    if distinct.numel() > 1:  # one multiplier per output position
+        mult, shift = mult[inverse], shift[inverse]
+    _emit_requantize(ex, name, result, m, mult, shift)
 
 
 def _window_matrix(n: int, o: int, windows: list[tuple[int, int]]) -> np.ndarray:
@@ -593,13 +586,7 @@ def _rule_interpolate(ex: _Exporter, m: interpolate.Interpolate, args, kwargs, r
         suffix="_sum",
     )
     mult, s = m._derive(x.scale, dims)
-    ex.emit(
-        "requantize",
-        [name],
-        [result],
-        {"dtype": _dtype(result), "rounding": _rounding(m), "lo": None, "hi": None},
-        {"multiplier": _np(mult, np.int64), "shift": _np(s, np.int64)},
-    )
+    _emit_requantize(ex, name, result, m, mult, s)
 
 
 def _rule_grid_sample(ex: _Exporter, m: grid_sample.GridSample, args, kwargs, result) -> None:
@@ -637,13 +624,7 @@ def _rule_grid_sample(ex: _Exporter, m: grid_sample.GridSample, args, kwargs, re
         suffix="_sum",
     )
     mult, s = m.output_factor(x.scale, p["mode"])
-    ex.emit(
-        "requantize",
-        [name],
-        [result],
-        {"dtype": _dtype(result), "rounding": _rounding(m), "lo": None, "hi": None},
-        {"multiplier": _np(mult, np.int64), "shift": _np(s, np.int64)},
-    )
+    _emit_requantize(ex, name, result, m, mult, s)
 
 
 # -- rules: normalization and softmax -------------------------------------------------------
@@ -987,14 +968,7 @@ def _rule_mha(ex: _Exporter, m: attention.MultiheadAttention, args, kwargs, resu
         mult, shift = plan["weights_mean"]
     else:
         mult, shift = plan["weights"]
-    ex.emit(
-        "requantize",
-        [source],
-        [weights],
-        {"dtype": _dtype(weights), "rounding": _rounding(m), "lo": None, "hi": None},
-        {"multiplier": _np(mult, np.int64), "shift": _np(shift, np.int64)},
-        suffix="_weights",
-    )
+    _emit_requantize(ex, source, weights, m, mult, shift, suffix="_weights")
 
 
 def _part_scale(m: attention.MultiheadAttention, name: str) -> Tensor:
@@ -1034,20 +1008,7 @@ def _rule_where(ex: _Exporter, m: where.Where, args, kwargs, result) -> None:
             constants.append(int(m.operand(value)))
             continue
         constants.append(None)
-        name = ex.name_of(value)
-        same = torch.equal(value.scale, m.output_scale.to(value.scale.device))
-        if not (same and value.qdtype is m.out_dtype):
-            mult, shift = m._derive(value.scale)
-            moved = _placeholder(value.shape, m.output_scale, m.out_dtype)
-            (name,) = ex.emit(
-                "requantize",
-                [name],
-                [moved],
-                {"dtype": _dtype(result), "rounding": _rounding(m), "lo": None, "hi": None},
-                {"multiplier": _np(mult, np.int64), "shift": _np(shift, np.int64)},
-                suffix=f"_operand{i}",
-            )
-        inputs.append(name)
+        inputs.append(_on_output_grid(ex, m, value, m._derive, f"_operand{i}"))
     ex.emit(
         "where",
         inputs,
@@ -1077,21 +1038,7 @@ def _rule_div(ex: _Exporter, m: division.Div, args, kwargs, result) -> None:
 def _rule_extremum(ex: _Exporter, m: elementwise.Maximum, args, kwargs, result) -> None:
     a = args[0] if args else kwargs["input"]
     b = args[1] if len(args) > 1 else kwargs["other"]
-    names = []
-    for i, t in enumerate((a, b)):
-        if torch.equal(t.scale, m.output_scale.to(t.scale.device)) and t.qdtype is m.out_dtype:
-            names.append(ex.name_of(t))
-            continue
-        mult, s = m.rescale(t.scale)
-        tmp = _placeholder(t.shape, m.output_scale, m.out_dtype)
-        names += ex.emit(
-            "requantize",
-            [ex.name_of(t)],
-            [tmp],
-            {"dtype": _dtype(tmp), "rounding": _rounding(m), "lo": None, "hi": None},
-            {"multiplier": _np(mult, np.int64), "shift": _np(s, np.int64)},
-            suffix=f"_requant{i}",
-        )
+    names = [_on_output_grid(ex, m, t, m.rescale, f"_requant{i}") for i, t in enumerate((a, b))]
     fn = "minimum" if isinstance(m, elementwise.Minimum) else "maximum"
     ex.emit("extremum", names, [result], {"fn": fn})
 
