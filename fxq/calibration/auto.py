@@ -105,12 +105,10 @@ class _Whole:
     def run_from(self, start: Any) -> Any:
         return self.model(*self.args[0], **self.args[1])
 
-    refresh = run_from
-
     def values(self) -> dict:
         return {}
 
-    def commit(self, values: dict | None = None) -> None:
+    def commit(self, values: dict) -> None:
         pass
 
 
@@ -122,22 +120,16 @@ class _Suffix(Interpreter):
         self.nodes = list(gm.graph.nodes)
         self.position = {n: i for i, n in enumerate(self.nodes)}
         self.args = args
-        self.base: dict[Node, Any] = {}
-        self.refresh(None)
-
-    def refresh(self, start: Node | None) -> Any:
-        """Run from ``start`` (the whole graph for None) and keep the values as the new base."""
-        out = self.run_from(start)
-        self.base = dict(self.env)
-        return out
+        self.run_from(None)
+        self.base: dict[Node, Any] = dict(self.env)
 
     def values(self) -> dict[Node, Any]:
         """The values of the last run (a shallow copy: the tensors are shared)."""
         return dict(self.env)
 
-    def commit(self, values: dict[Node, Any] | None = None) -> None:
-        """Make ``values`` (from ``values()``; the last run's by default) the base."""
-        self.base = dict(self.env) if values is None else values
+    def commit(self, values: dict[Node, Any]) -> None:
+        """Make ``values`` (from ``values()``) the base."""
+        self.base = values
 
     def run_from(self, start: Node | None) -> Any:
         if start is None:

@@ -295,7 +295,7 @@ def ptq(
         ]
         if method == "best":  # first the other candidate ranges: percentile, no correction
             start = _ModelSnapshot(model)
-            reference = _float_outputs(model, batches, input_fn)
+            reference = _outputs(model, batches, input_fn, bypass)
             with observers_swapped(inner, PercentileObserver):
                 calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
             wide_error = _output_error(model, batches, reference, input_fn)
@@ -320,24 +320,23 @@ def ptq(
 _COMPARED_BATCHES = 4  # batches on which "best" compares its two candidate ranges
 
 
-def _float_outputs(model: nn.Module, batches: list[Any], input_fn) -> list[torch.Tensor]:
+def _outputs(model: nn.Module, batches: list[Any], input_fn, context) -> list[torch.Tensor]:
+    """The model's flattened outputs on the first batches, in eval mode and VALIDATION,
+    within ``context(model)`` (``bypass``: float; ``float_fake_quant``: quantized)."""
     from fxq.calibration.auto import _flatten_outputs
     from fxq.calibration.reconstruction import layerwise_session
 
-    with layerwise_session(model, copy_reference=False), bypass(model):
+    with layerwise_session(model, copy_reference=False), context(model):
         outs = run_batches(model, batches[:_COMPARED_BATCHES], None, input_fn, show_progress=False)
     return [_flatten_outputs(o) for o in outs]
 
 
 def _output_error(model: nn.Module, batches: list[Any], reference, input_fn) -> float:
     """Squared error of the model's outputs (float fake-quant arithmetic) against ``reference``."""
-    from fxq.calibration.auto import _flatten_outputs
-    from fxq.calibration.reconstruction import layerwise_session
     from fxq.debug import float_fake_quant
 
-    with layerwise_session(model, copy_reference=False), float_fake_quant(model):
-        outs = run_batches(model, batches[:_COMPARED_BATCHES], None, input_fn, show_progress=False)
-    return sum(float((_flatten_outputs(o) - r).pow(2).sum()) for o, r in zip(outs, reference))
+    outs = _outputs(model, batches, input_fn, float_fake_quant)
+    return sum(float((o - r).pow(2).sum()) for o, r in zip(outs, reference))
 
 
 def _fast_bc(model, batches, input_fn, show_progress) -> None:

@@ -357,7 +357,6 @@ class _Stream:
             run.env, run.args_iter = {}, iter(signature.bind(*args, **kwargs).args)
             self.runs.append(run)
         self.position = 0
-        self.keep: set[Node] = set()
 
     def advance(self, stop: int) -> None:
         """Run the nodes before index ``stop``."""
@@ -368,9 +367,8 @@ class _Stream:
                     if node.op != "output":
                         run.env[node] = run.run_node(node)
                 for done in self.free_after.get(i, ()):
-                    if done not in self.keep:
-                        for run in self.runs:
-                            run.env.pop(done, None)
+                    for run in self.runs:
+                        run.env.pop(done, None)
         self.position = max(self.position, stop)
 
     def values(self, name: str) -> list[Any]:
