@@ -135,12 +135,14 @@ def fake_quantize_ste(
     Returns:
         ``clamp(round(x / scale), qmin, qmax) * scale`` in the dtype above.
     """
-    if x.dtype is torch.float32 or x.dtype is torch.float64:
-        return _FakeQuantSTE.apply(x, scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact)
-    out = _FakeQuantSTE.apply(
-        x.to(torch.float32), scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact
-    )
-    return out.to(x.dtype) if x.is_floating_point() else out
+    wide = x if x.dtype is torch.float32 or x.dtype is torch.float64 else x.to(torch.float32)
+    if torch.is_grad_enabled() and x.requires_grad:
+        out = _FakeQuantSTE.apply(wide, scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact)
+    else:  # no graph to record: the same numbers without the mask
+        out, _ = qf.fake_quantize(
+            wide, scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact, with_mask=False
+        )
+    return out if out.dtype is x.dtype or not x.is_floating_point() else out.to(x.dtype)
 
 
 class FakeQuantizeFactory:

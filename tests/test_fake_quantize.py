@@ -292,3 +292,29 @@ def test_fake_quantize_does_not_import_the_qat_modules():
     imported = _imported_modules(Path(fxq.fake_quantize.__file__))
     assert not {m for m in imported if m == "fxq.qat" or m.startswith("fxq.qat.")}
     assert not {m for m in imported if m.startswith(("fxq.fx", "fxq.calibration"))}
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("ch_axis", [None, 1])
+def test_no_grad_path_equals_the_autograd_path(bayes, exact, dtype, ch_axis):
+    # without a gradient to record, fake_quantize_ste skips the mask: the same numbers
+    from fxq.fake_quantize import fake_quantize_ste
+    from fxq.march.spec import Rounding
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 3, 5, 5, generator=g) * 3).to(dtype)
+    x[0, 0, 0, :3] = torch.tensor([0.5 - 2**-25, 0.25, -0.25])  # ties and the float below 1/2
+    scale = torch.tensor([0.5]) if ch_axis is None else torch.tensor([0.5, 0.03, 1.0])
+    for qdtype in (fxq.qint8, fxq.qint16):
+        ste = fake_quantize_ste(
+            x.clone().requires_grad_(), scale, qdtype, Rounding.HALF_UP, ch_axis, exact
+        )
+        with torch.no_grad():
+            plain = fake_quantize_ste(
+                x.clone().requires_grad_(), scale, qdtype, Rounding.HALF_UP, ch_axis, exact
+            )
+        direct = fake_quantize_ste(x, scale, qdtype, Rounding.HALF_UP, ch_axis, exact)
+        assert ste.dtype == plain.dtype == direct.dtype == dtype
+        assert torch.equal(ste.detach(), plain) and torch.equal(plain, direct)
+        assert not plain.requires_grad and ste.requires_grad

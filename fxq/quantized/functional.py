@@ -79,7 +79,8 @@ def round_float(x: Tensor, rounding: Rounding, inplace: bool = False, exact: boo
             return x.add_(0.5).floor_() if inplace else torch.floor(x + 0.5)
         low = torch.floor(x)
         frac = x.sub_(low) if inplace else x - low
-        return low.add_(frac >= 0.5)
+        # ``ge_`` writes 1.0 / 0.0 into ``frac``: adding a bool tensor is several times slower
+        return low.add_(frac.ge_(0.5))
     if rounding is Rounding.HALF_EVEN:
         return x.round_() if inplace else torch.round(x)
     raise ValueError(f"unknown rounding {rounding!r}")
@@ -155,7 +156,8 @@ def fake_quantize(
     rounding: Rounding,
     ch_axis: int | None = None,
     exact: bool = True,
-) -> tuple[Tensor, Tensor]:
+    with_mask: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Quantize and dequantize in float, without autograd.
 
     ``exact=False`` (QAT training) multiplies by ``1 / s`` and rounds with the
@@ -165,11 +167,14 @@ def fake_quantize(
     Returns:
         ``(out, mask)``: ``out = clamp(round(x / s), qmin, qmax) * s`` and a bool
         mask that is True where ``round(x / s)`` lay inside ``[qmin, qmax]``
-        (the straight-through estimator passes gradients there).
+        (the straight-through estimator passes gradients there); ``None`` when
+        not ``with_mask`` (no gradient wanted: one pass less).
     """
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
     # exact: the IEEE division of ``quantize``; training: multiply by the reciprocal (cheaper)
     v = round_float(x / s if exact else x * (1.0 / s), rounding, inplace=True, exact=exact)
+    if not with_mask:
+        return v.clamp_(qmin, qmax).mul_(s), None
     clamped = v.clamp(qmin, qmax)
     mask = clamped == v
     return clamped.mul_(s), mask
