@@ -32,7 +32,7 @@ import contextlib
 import enum
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -525,18 +525,28 @@ def bypass(model: nn.Module) -> Iterator[nn.Module]:
         for m in model.modules()
         if not isinstance(m, FakeQuantize) and hasattr(m, "simulate_integer")
     ]
-    saved_fq = [(m, m.__dict__.get("bypassed", _UNSET)) for m in fake_quants]
     saved_qat = [(m, m.__dict__.get("simulate_integer", _UNSET), m.state) for m in qat_modules]
     try:
-        for m in fake_quants:
-            m.bypassed = True
-        for m in qat_modules:
-            m.simulate_integer = False
-            m.state = FakeQuantState.CALIBRATION  # no bias rounding either
-        yield model
+        with bypassed(fake_quants):
+            for m in qat_modules:
+                m.simulate_integer = False
+                m.state = FakeQuantState.CALIBRATION  # no bias rounding either
+            yield model
     finally:
-        for m, bypassed in saved_fq:
-            _restore_attribute(m, "bypassed", bypassed)
         for m, simulate, state in saved_qat:
             _restore_attribute(m, "simulate_integer", simulate)
             m.state = state
+
+
+@contextlib.contextmanager
+def bypassed(fake_quants: Iterable[FakeQuantize]) -> Iterator[None]:
+    """Within the block the given fake quants pass their input through unchanged
+    (no observation, no rounding); re-entrant like ``bypass``."""
+    saved = [(m, m.__dict__.get("bypassed", _UNSET)) for m in fake_quants]
+    try:
+        for m, _ in saved:
+            m.bypassed = True
+        yield
+    finally:
+        for m, value in saved:
+            _restore_attribute(m, "bypassed", value)
