@@ -219,3 +219,27 @@ def test_mixed_precision_float_budget_and_march_without_int16(pretrained):
     assert all(v is None for v in floats.values())
     prepared = fxq.prepare_qat_fx(model, hybrid)  # the dict prepares
     assert prepared is not None
+
+
+def test_mixed_precision_can_rank_with_float_weights(bayes, pretrained, capsys):
+    """``float_weights=True`` ranks as if the weights were float (the ranking for learned
+    rounding): the same choices and SQNRs as on a copy whose weight fake quants pass
+    through, and the weights round again afterwards."""
+    model, calib, _, _ = pretrained
+    base = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, show_progress=False)
+    ranked = mixed_precision(
+        model, base, calib[:1], int16_budget=0.3, float_weights=True, show=True
+    )
+    shown = capsys.readouterr().out
+    assert not any(
+        m.weight_fake_quant.bypassed for m in base.modules() if hasattr(m, "weight_fake_quant")
+    )
+    mixed_precision(model, base, calib[:1], int16_budget=0.3, show=True)
+    assert capsys.readouterr().out != shown  # with rounded weights the SQNRs differ
+    wide = copy.deepcopy(base)
+    for m in wide.modules():
+        if hasattr(m, "weight_fake_quant"):
+            m.weight_fake_quant.dtype = fxq.qint32  # an int32 fake quant passes through
+    same = mixed_precision(model, wide, calib[:1], int16_budget=0.3, show=True)
+    assert capsys.readouterr().out == shown
+    assert same["module_name"].keys() == ranked["module_name"].keys()
