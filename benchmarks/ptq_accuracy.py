@@ -18,8 +18,9 @@ seeds), it measures
   (``min_max``, the qconfig default, ``mean_min_max``, ``percentile``, ``mse``,
   ``kl``, ``mix``), ``auto_calibrate``, ``percentile+learned_rounding``, and
   int16 mixed precision (``mixed_int16``: ``mixed_precision`` with a 10% budget,
-  then ``ptq`` default; ``mixed_int16+best``: then ``ptq`` best; their time
-  includes the sensitivity);
+  then ``ptq`` default; ``mixed_int16+best``: ranked with float weights
+  (``float_weights=True``), then ``ptq`` best; their time includes the
+  sensitivity);
 
 and reports the SQNR of the logits against the float model (dB), top-1
 agreement with the float model, agreement where the float model is confident
@@ -167,7 +168,9 @@ def fxq_method(model: nn.Module, calib: list[torch.Tensor], method: str, iters: 
     if method.startswith("mixed_int16"):
         prepared = ptq(fxq.prepare_qat_fx(model, qconfig_dict), calib, show_progress=False)
         sample = [torch.cat(calib)[::3]]  # a third of the crops rank the activations
-        qconfig_dict = mixed_precision(model, prepared, sample, int16_budget=0.1)
+        qconfig_dict = mixed_precision(
+            model, prepared, sample, int16_budget=0.1, float_weights=method.endswith("best")
+        )
     prepared = fxq.prepare_qat_fx(model, qconfig_dict)
     if method in ("default", "best", "mixed_int16", "mixed_int16+best"):
         recipe = "best" if method.endswith("best") else "default"
