@@ -538,6 +538,15 @@ def bypass(model: nn.Module) -> Iterator[nn.Module]:
             m.state = state
 
 
+def weight_quants(model: nn.Module) -> list[FakeQuantize]:
+    """The weights' fake quants (the ``weight_fake_quant`` of ``model``'s QAT modules)."""
+    return [
+        m.weight_fake_quant
+        for m in model.modules()
+        if isinstance(getattr(m, "weight_fake_quant", None), FakeQuantize)
+    ]
+
+
 @contextlib.contextmanager
 def bypassed(fake_quants: Iterable[FakeQuantize]) -> Iterator[None]:
     """Within the block the given fake quants pass their input through unchanged

@@ -30,7 +30,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from fxq.dtypes import qint16
-from fxq.fake_quantize import FakeQuantize, bypassed
+from fxq.fake_quantize import bypassed, weight_quants
 from fxq.march import spec_for
 from fxq.qat.base import QATModule
 from fxq.qconfig import QConfig
@@ -130,12 +130,7 @@ def mixed_precision(
     chosen: dict[str, QConfig | None] = {}
     float_rows: list[dict[str, Any]] = []
     int16_rows: list[dict[str, Any]] = []
-    weights = [  # bypassed while the sensitivity runs when float_weights
-        m.weight_fake_quant
-        for m in calib_model.modules()
-        if float_weights and isinstance(getattr(m, "weight_fake_quant", None), FakeQuantize)
-    ]
-    with bypassed(weights):
+    with bypassed(weight_quants(calib_model) if float_weights else []):
         if float_share > 0:
             rows = sensitivity(
                 float_model, calib_model, batches, mode="float_one", kinds=("activation",)

@@ -60,7 +60,7 @@ from torch.fx import GraphModule, Node
 from fxq.calibration.observers import MeanMinMaxObserver, PercentileObserver
 from fxq.calibration.runner import calibrate, run_batches
 from fxq.dtypes import qint16, qint32
-from fxq.fake_quantize import FakeQuantize, bypass, bypassed
+from fxq.fake_quantize import FakeQuantize, bypass, bypassed, weight_quants
 from fxq.march import spec_for
 from fxq.observer import ObserverBase
 from fxq.qat.base import QATModule
@@ -111,11 +111,7 @@ def output_quants(model: nn.Module) -> list[tuple[str, QATModule]]:
 
 def activation_quants(model: nn.Module) -> list[FakeQuantize]:
     """Activation fake quants whose scale calibration sets (not weights, fixed scales or int32)."""
-    weights = {
-        id(m.weight_fake_quant)
-        for m in model.modules()
-        if isinstance(getattr(m, "weight_fake_quant", None), FakeQuantize)
-    }
+    weights = {id(fq) for fq in weight_quants(model)}
     return [
         m
         for m in model.modules()
@@ -347,12 +343,7 @@ def _output_error(model: nn.Module, batches: list[Any], reference, input_fn) -> 
 def _activation_error(model: nn.Module, batches: list[Any], reference, input_fn) -> float:
     """``_output_error`` with the weights unrounded: the error that learned rounding cannot
     take away (their fake quants are bypassed; the activations' are not)."""
-    weights = [
-        m.weight_fake_quant
-        for m in model.modules()
-        if isinstance(getattr(m, "weight_fake_quant", None), FakeQuantize)
-    ]
-    with bypassed(weights):
+    with bypassed(weight_quants(model)):
         return _output_error(model, batches, reference, input_fn)
 
 
