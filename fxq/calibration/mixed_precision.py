@@ -130,37 +130,39 @@ def mixed_precision(
     chosen: dict[str, QConfig | None] = {}
     float_rows: list[dict[str, Any]] = []
     int16_rows: list[dict[str, Any]] = []
-    with bypassed(weight_quants(calib_model) if float_weights else []):
-        if float_share > 0:
+    weights = weight_quants(calib_model) if float_weights else []  # left unrounded
+    if float_share > 0:
+        with bypassed(weights):
             rows = sensitivity(
                 float_model, calib_model, batches, mode="float_one", kinds=("activation",)
             )
-            limit = math.floor(float_share * len(rows) + 1e-9)
-            for row in rows:
-                if len(float_rows) >= limit:
-                    break
-                if row["name"] in names and row["name"]:
-                    chosen[row["name"]] = None
-                    float_rows.append(row)
-        if int16_budget > 0:
+        limit = math.floor(float_share * len(rows) + 1e-9)
+        for row in rows:
+            if len(float_rows) >= limit:
+                break
+            if row["name"] in names and row["name"]:
+                chosen[row["name"]] = None
+                float_rows.append(row)
+    if int16_budget > 0:
+        with bypassed(weights):
             rows = sensitivity(
                 float_model, calib_model, batches, dtype=qint16, kinds=("activation",)
             )
-            limit = math.floor(int16_budget * len(rows) + 1e-9)
-            for row in rows:
-                if len(int16_rows) >= limit:
-                    break
-                name = row["name"]
-                if name in chosen or name not in names or not name:
-                    continue
-                if row["sqnr"] - row["baseline"] < min_gain_db or row["sqnr"] <= row["baseline"]:
-                    break  # rows are sorted best first: no later one gains enough
-                module = modules.get(name)
-                qconfig = getattr(module, "qconfig", None)
-                if not isinstance(qconfig, QConfig):
-                    continue
-                chosen[name] = _int16_qconfig(qconfig)
-                int16_rows.append(row)
+        limit = math.floor(int16_budget * len(rows) + 1e-9)
+        for row in rows:
+            if len(int16_rows) >= limit:
+                break
+            name = row["name"]
+            if name in chosen or name not in names or not name:
+                continue
+            if row["sqnr"] - row["baseline"] < min_gain_db or row["sqnr"] <= row["baseline"]:
+                break  # rows are sorted best first: no later one gains enough
+            module = modules.get(name)
+            qconfig = getattr(module, "qconfig", None)
+            if not isinstance(qconfig, QConfig):
+                continue
+            chosen[name] = _int16_qconfig(qconfig)
+            int16_rows.append(row)
     if show:
         for kind, rows in (("float", float_rows), ("int16", int16_rows)):
             for row in rows:
