@@ -37,6 +37,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from fxq.calibration.observers import HistogramObserver
 from fxq.calibration.runner import batch_arguments, call_order, progress, run_batches
 from fxq.debug import float_fake_quant
+from fxq.debug.sensitivity import _clone
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
 from fxq.quantized import functional as qf
 
@@ -147,14 +148,6 @@ class _Suffix(Interpreter):
                 return self.fetch_args_kwargs_from_env(n)[0][0]
             env[n] = self.run_node(n)
         raise RuntimeError("the graph has no output node")
-
-
-def _clone(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.clone()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_clone(v) for v in value)
-    return value
 
 
 def _nodes_of(model: nn.Module) -> dict[int, Node]:
