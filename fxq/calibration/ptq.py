@@ -32,10 +32,11 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
 
 * ``"calibrate"``: the observers of the qconfig as they are (``calibrate``).
 * ``"best"``: the ranges of ``"default"`` or percentile ranges (99.99 %),
-  whichever gives the smaller output error with the weights left unrounded
-  on the first calibration batches, then learned weight rounding block by
-  block (``weight_reconstruction(block_depth=2, iters=60, batch_size=4,
-  lr=0.2)``). Learned rounding absorbs the weights' rounding but not the
+  both recorded in one calibration pass, whichever gives the smaller output
+  error with the weights left unrounded on the first two calibration
+  batches, then learned weight rounding block by block
+  (``weight_reconstruction(block_depth=2, iters=30, batch_size=4,
+  lr=0.4)``). Learned rounding absorbs the weights' rounding but not the
   activations' clipping, so the clipped ranges that serve ``"default"`` best
   can be the wrong start (on EfficientNet-Lite0 percentile ranges end 1.4 dB
   higher, on MobileNetV2 2.1 dB lower), and the activations' own error
@@ -44,7 +45,8 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   ``bias_correction=True`` is passed): the rounding fits the float block
   outputs itself, and a correction first lowered the result by 1.2 dB
   (MobileNetV2) to 3.6 dB (Lite0 with int16 mixed precision); one after, by
-  0.4-0.6 dB. About a minute on MobileNetV2 with 96 crops on 2 cores.
+  0.4-0.6 dB. About 25 s on MobileNetV2 with 96 crops on 2 cores (NNCF's
+  ``nncf.quantize`` about 30 s in the same run).
 """
 
 from __future__ import annotations
@@ -70,10 +72,11 @@ __all__ = ["ptq", "PTQ_METHODS", "output_quants", "activation_quants", "widen_ou
 
 PTQ_METHODS = ("default", "calibrate", "best")
 
-# learned rounding in method="best" (MobileNetV2, 96 crops, 2 cores, after "default"; see
-# docs/accuracy.md): iters 60 / batch 8 / lr 0.03 18.57 dB in 73 s; 120 / 4 / 0.1 19.45 dB in
-# 96 s; 60 / 4 / 0.2 19.26 dB in 53 s; 40 / 4 / 0.2 18.96 dB in 43 s
-BEST_ROUNDING = {"block_depth": 2, "iters": 60, "batch_size": 4, "lr": 0.2}
+# learned rounding in method="best" (MobileNetV2 / EfficientNet-Lite0, 96 crops, 2 cores, after
+# the range choice; see docs/accuracy.md): iters 60 / batch 4 / lr 0.2 20.46 / 21.14 dB in
+# 33 / 46 s; 30 / 4 / 0.4 20.10 / 21.45 dB in 26 / 28 s; 20 / 8 / 0.4 19.96 / 21.25 dB;
+# 25 / 6 / 0.4 20.22 / 20.82 dB (the draws of samples move a result by a few tenths)
+BEST_ROUNDING = {"block_depth": 2, "iters": 30, "batch_size": 4, "lr": 0.4}
 
 
 def _producer_quants(
@@ -220,6 +223,33 @@ def observers_swapped(
             fq._stale = False
 
 
+@contextlib.contextmanager
+def _also_observed(quants: Sequence[FakeQuantize], observers: list[ObserverBase]) -> Iterator[None]:
+    """Within the block, each of ``observers`` (when given) also records what the observer of
+    the fake quant beside it in ``quants`` records."""
+    handles = []
+    for fq, obs in zip(quants, observers):
+        obs.qmax = fq.dtype.qmax
+        obs.name = fq.activation_post_process.name
+        obs.to(fq.scale.device)
+        handles.append(
+            fq.activation_post_process.register_forward_hook(lambda m, args, out, o=obs: o(args[0]))
+        )
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _take_ranges(quants: Sequence[FakeQuantize], observers: list[ObserverBase]) -> None:
+    """Give ``quants`` the ranges that ``observers`` (filled by ``_also_observed``) found, as
+    a calibration with them would."""
+    with observers_swapped(quants, iter(observers).__next__):
+        for fq in quants:
+            fq._stale = True  # the scale comes from the swapped-in observer on exit
+
+
 def _batches(data: Iterable[Any], num_batches: int | None, who: str) -> list[Any]:
     batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
     if not batches:
@@ -294,18 +324,18 @@ def ptq(
         inner = [
             fq for fq in activation_quants(model) if id(fq) not in outputs and fq.dtype.bits <= 8
         ]
-        if method == "best":  # first the other candidate ranges: percentile
-            start = _ModelSnapshot(model)
-            reference = _outputs(model, batches, input_fn, bypass)
-            with observers_swapped(inner, PercentileObserver):
-                calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
-            wide_error = _activation_error(model, batches, reference, input_fn)
-            wide = _ModelSnapshot(model)
-            start.restore()
-        with observers_swapped(inner, MeanMinMaxObserver):
+        # "best" also weighs percentile ranges, observed in the same pass (calibration
+        # passes float activations through, so both observers see the same tensors)
+        wide = [PercentileObserver() for _ in inner] if method == "best" else []
+        with observers_swapped(inner, MeanMinMaxObserver), _also_observed(inner, wide):
             calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
-        if method == "best" and _activation_error(model, batches, reference, input_fn) > wide_error:
-            wide.restore()
+        if method == "best":
+            reference = _outputs(model, batches, input_fn, bypass)
+            mean_error = _activation_error(model, batches, reference, input_fn)
+            mean = _ModelSnapshot(model)
+            _take_ranges(inner, wide)
+            if _activation_error(model, batches, reference, input_fn) >= mean_error:
+                mean.restore()
         if bias_correction:
             _fast_bc(model, batches, input_fn, show_progress)
         if method == "best":
@@ -318,7 +348,7 @@ def ptq(
     return model
 
 
-_COMPARED_BATCHES = 4  # batches on which "best" compares its two candidate ranges
+_COMPARED_BATCHES = 2  # batches on which "best" compares its two candidate ranges
 
 
 def _outputs(model: nn.Module, batches: list[Any], input_fn, context) -> list[torch.Tensor]:

@@ -167,6 +167,11 @@ class _Rounding:
             layer.weight.copy_(layer.weight_from_out_major(unfolded))
 
 
+# samples on which learned rounding is compared with nearest rounding (a forward pass on
+# every sample, twice per block, was a sixth of "best"'s time on MobileNetV2)
+_CHECKED_SAMPLES = 32
+
+
 def _learn(
     roundings: list[_Rounding],
     loss_of: Callable[[list[Tensor], Tensor | None], Tensor],
@@ -180,9 +185,11 @@ def _learn(
 ) -> tuple[float, float]:
     """Train the rounding variables against ``loss_of(weights, sample_index)``, harden,
     keep the result only if it beats nearest rounding, write it back; returns the
-    losses with nearest and with the final rounding (on all samples)."""
+    losses with nearest and with the final rounding, on the first ``_CHECKED_SAMPLES``
+    samples."""
+    checked = torch.arange(min(samples, _CHECKED_SAMPLES))
     with torch.no_grad():
-        before = float(loss_of([r.nearest_weight() for r in roundings], None))
+        before = float(loss_of([r.nearest_weight() for r in roundings], checked))
     opt = torch.optim.Adam([r.v for r in roundings], lr=lr)
     start = int(warmup * iters)
     generator = torch.Generator().manual_seed(0)
@@ -199,7 +206,7 @@ def _learn(
         opt.step()
     with torch.no_grad():
         learned = [r.hard() for r in roundings]
-        after = float(loss_of(learned, None))
+        after = float(loss_of(learned, checked))
         if after > before:  # learning did not help: keep nearest rounding
             learned, after = [r.nearest_weight() for r in roundings], before
         for r, w in zip(roundings, learned):
@@ -589,8 +596,10 @@ def weight_reconstruction(
 
     Returns:
         one row per layer (per block with ``block_depth``): ``layer``, the
-        relative output error with nearest rounding (``error_nearest``) and
-        after (``error_learned``), and the RMS bias shift (``bias_shift``).
+        relative output error on the first 32 samples with nearest rounding
+        (``error_nearest``) and after (``error_learned``; the learned rounding
+        is kept only where it is lower), and the RMS bias shift
+        (``bias_shift``).
 
     Raises:
         RuntimeError: when the model is not calibrated.
