@@ -226,20 +226,26 @@ def observers_swapped(
 @contextlib.contextmanager
 def _also_observed(quants: Sequence[FakeQuantize], observers: list[ObserverBase]) -> Iterator[None]:
     """Within the block, each of ``observers`` (when given) also records what the observer of
-    the fake quant beside it in ``quants`` records."""
-    handles = []
-    for fq, obs in zip(quants, observers):
-        obs.qmax = fq.dtype.qmax
-        obs.name = fq.activation_post_process.name
-        obs.to(fq.scale.device)
-        handles.append(
-            fq.activation_post_process.register_forward_hook(lambda m, args, out, o=obs: o(args[0]))
-        )
+    the fake quant beside it in ``quants`` records.
+
+    Each rides as a child of that observer, so that it is one of the model's modules:
+    ``calibrate`` synchronizes it across ranks like the model's own observers.
+    """
+    hosts, handles = [], []
     try:
+        for fq, obs in zip(quants, observers):
+            obs.qmax = fq.dtype.qmax
+            obs.name = fq.activation_post_process.name
+            host = fq.activation_post_process
+            host.add_module("_also_observed", obs.to(fq.scale.device))
+            hosts.append(host)
+            handles.append(host.register_forward_hook(lambda m, args, out, o=obs: o(args[0])))
         yield
     finally:
         for handle in handles:
             handle.remove()
+        for host in hosts:
+            del host._modules["_also_observed"]
 
 
 def _take_ranges(quants: Sequence[FakeQuantize], observers: list[ObserverBase]) -> None:

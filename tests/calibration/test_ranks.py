@@ -42,6 +42,27 @@ def _scales(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def _best_candidates(batches: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The scales of ``ptq(method="best")``'s two candidate ranges, recorded in one pass (the
+    percentile observers ride beside the per-sample mean ones)."""
+    from fxq.calibration.observers import MeanMinMaxObserver, PercentileObserver
+    from fxq.calibration.ptq import (
+        _also_observed,
+        _take_ranges,
+        activation_quants,
+        observers_swapped,
+    )
+
+    model = _prepared("min_max")
+    quants = activation_quants(model)
+    wide = [PercentileObserver() for _ in quants]
+    with observers_swapped(quants, MeanMinMaxObserver), _also_observed(quants, wide):
+        calibrate(model, batches, show_progress=False)
+    mean = _scales(model)
+    _take_ranges(quants, wide)
+    return [mean, _scales(model)]
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str, sync: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -53,6 +74,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, sync: bool) -> 
                 model, [_shards(s, rank) for s in range(3)], show_progress=False, sync_ranks=sync
             )
             result[observer] = _scales(model)
+        result["best_candidates"] = _best_candidates([_shards(s, rank) for s in range(3)])
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -80,6 +102,17 @@ def test_ranks_reach_the_scales_of_one_process_on_all_data(synced, observer):
         got = synced[rank][observer]
         assert got.keys() == expected.keys()
         assert all(torch.equal(got[k], expected[k]) for k in expected), (rank, observer)
+
+
+def test_ranks_reach_the_candidate_ranges_of_best_of_one_process(synced):
+    """Both of ``ptq(method="best")``'s candidates (the percentile one recorded beside the
+    other, outside the model's own observers) are combined over the ranks."""
+    one = _best_candidates([torch.cat([_shards(s, 0), _shards(s, 1)]) for s in range(3)])
+    for rank in range(2):
+        for got, expected in zip(synced[rank]["best_candidates"], one):
+            assert got.keys() == expected.keys()
+            assert all(torch.equal(got[k], expected[k]) for k in expected), rank
+    assert any(not torch.equal(one[0][k], one[1][k]) for k in one[0])  # two different ranges
 
 
 def test_without_sync_each_rank_keeps_its_own_statistics():
