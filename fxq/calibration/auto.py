@@ -163,6 +163,18 @@ def _nodes_of(model: nn.Module) -> dict[int, Node]:
     return found
 
 
+def _require_one_rank() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "auto_calibrate: each rank would choose its observers from its own batches and "
+            f"leave with its own model ({dist.get_world_size()} ranks); run it in one process "
+            "(e.g. on rank 0 before the others start, then load its state_dict on every rank), "
+            "or use fxq.calibration.ptq, which keeps rank 0's result on every rank"
+        )
+
+
 def auto_calibrate(
     model: nn.Module,
     data: Iterable[Any],
@@ -192,10 +204,13 @@ def auto_calibrate(
     Raises:
         ValueError: for unknown candidates or empty data (a failure part-way
             restores the model's scales and states).
+        RuntimeError: in a ``torch.distributed`` run with several ranks (each
+            would choose from its own batches); run it in one process.
     """
     batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
     if not batches:
         raise ValueError("auto_calibrate: the data yielded no batch")
+    _require_one_rank()
     training = model.training
     model.eval()
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}

@@ -51,7 +51,7 @@ from fxq.calibration.reconstruction import (
     layerwise_session,
     rounded_weight,
 )
-from fxq.calibration.runner import progress, require_calibrated, run_batches
+from fxq.calibration.runner import keep_rank0_result, progress, require_calibrated, run_batches
 from fxq.debug import float_fake_quant
 from fxq.fake_quantize import FakeQuantize, bypass, fake_quantize_ste
 from fxq.qat.weighted import WeightedQAT
@@ -122,6 +122,7 @@ def bias_correction(
             rows = _fast(model, batches, input_fn, show_progress, skip_depthwise)
     else:
         rows = _sequential(model, batches, input_fn, show_progress, skip_depthwise)
+    keep_rank0_result(model)  # the shifts are each rank's own
     if show:
         print(
             tabulate(

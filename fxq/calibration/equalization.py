@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule
 
-from fxq.calibration.runner import run_batches
+from fxq.calibration.runner import keep_rank0_result, run_batches
 from fxq.fake_quantize import bypass
 from fxq.qat.weighted import WeightedQAT, _Conv
 
@@ -210,4 +210,5 @@ def equalize_depthwise(
         report.append(
             EqualizedPair(p, c, float(gain.min()), float(gain.max()), int((gain >= max_gain).sum()))
         )
+    keep_rank0_result(model)  # the peaks are each rank's own
     return report

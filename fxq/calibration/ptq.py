@@ -60,7 +60,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from fxq.calibration.observers import MeanMinMaxObserver, PercentileObserver
-from fxq.calibration.runner import calibrate, run_batches
+from fxq.calibration.runner import calibrate, keep_rank0_result, run_batches
 from fxq.dtypes import qint16, qint32
 from fxq.fake_quantize import FakeQuantize, bypass, bypassed, weight_quants
 from fxq.march import spec_for
@@ -304,6 +304,11 @@ def ptq(
 
     A failure part-way puts the model back as it was (weights, biases, scales,
     observers, dtypes).
+
+    Under ``torch.distributed`` with several ranks, the observers combine every
+    rank's batches (``calibrate``); the other steps see each rank's own batches,
+    and every rank ends with rank 0's model (``keep_rank0_result``). Every rank
+    must call it.
     """
     if method not in PTQ_METHODS:
         raise ValueError(f"ptq: unknown method {method!r}; choose from {', '.join(PTQ_METHODS)}")
@@ -318,6 +323,7 @@ def ptq(
             calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
             if bias_correction:
                 _fast_bc(model, batches, input_fn, show_progress)
+            keep_rank0_result(model)
             return model
         if equalize:
             from fxq.calibration.equalization import equalize_depthwise
@@ -351,6 +357,7 @@ def ptq(
             weight_reconstruction(
                 model, batches, input_fn=input_fn, show_progress=show_progress, **opts
             )
+        keep_rank0_result(model)
     return model
 
 

@@ -48,7 +48,13 @@ from tabulate import tabulate
 from torch import Tensor, nn
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
-from fxq.calibration.runner import batch_arguments, call_order, progress, require_calibrated
+from fxq.calibration.runner import (
+    batch_arguments,
+    call_order,
+    keep_rank0_result,
+    progress,
+    require_calibrated,
+)
 from fxq.debug import float_fake_quant
 from fxq.fake_quantize import FakeQuantState, bypass, set_fake_quantize
 from fxq.fused import ACTIVATIONS
@@ -653,6 +659,7 @@ def weight_reconstruction(
                     shifts.append(delta.pow(2).mean())
                 row["bias_shift"] = float(torch.stack(shifts).mean().sqrt())
             rows.append(row)
+    keep_rank0_result(model)  # each rank learned from its own batches
     if show:
         headers = ["layer", "error_nearest", "error_learned", "bias_shift"]
         print(

@@ -15,7 +15,14 @@ from torch import nn
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
 from fxq.observer import synchronized
 
-__all__ = ["calibrate", "batch_arguments", "progress", "run_batches", "call_order"]
+__all__ = [
+    "calibrate",
+    "batch_arguments",
+    "progress",
+    "run_batches",
+    "call_order",
+    "keep_rank0_result",
+]
 
 
 def _positional_count(model: nn.Module) -> int | None:
@@ -237,6 +244,31 @@ def call_order(
         for h in hooks:
             h.remove()
     return order
+
+
+def keep_rank0_result(model: nn.Module, group: Any = None) -> None:
+    """In a ``torch.distributed`` run with several ranks, give every rank rank 0's parameters
+    and buffers.
+
+    The recipes that change a model from its data beyond the observers (depthwise
+    equalization, bias correction, learned rounding, ``ptq``'s choice of ranges) work on
+    each rank's own batches; they end with this so that the ranks leave with one model,
+    rank 0's, and not one per shard. Outside a distributed run (or with one rank) it does
+    nothing. Every rank must call it (it is a collective).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+        return
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in model.state_dict().values():  # they share the storage of the model's tensors
+            if t.dtype == torch.bool:  # not every backend broadcasts bool
+                carrier = t.to(torch.uint8)
+                dist.broadcast(carrier, src=src, group=group)
+                t.copy_(carrier.bool())
+            else:
+                dist.broadcast(t, src=src, group=group)
 
 
 def require_calibrated(model: nn.Module, who: str) -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fxq
-from fxq.calibration import calibrate
+from fxq.calibration import auto_calibrate, calibrate, ptq
 from fxq.qconfig import get_default_qconfig
 
 OBSERVERS = ("min_max", "moving_average", "percentile", "mse", "mean_min_max")
@@ -75,6 +75,15 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, sync: bool) -> 
             )
             result[observer] = _scales(model)
         result["best_candidates"] = _best_candidates([_shards(s, rank) for s in range(3)])
+        for method in ("default", "best"):
+            model = _prepared("min_max")
+            options = {"iters": 4} if method == "best" else {}
+            ptq(model, [_shards(s, rank) for s in range(3)], method, show_progress=False, **options)
+            result[f"ptq_{method}"] = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            auto_calibrate(_prepared("min_max"), [_shards(0, rank)], show=False)
+        except RuntimeError as e:
+            result["auto_calibrate"] = str(e)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -113,6 +122,25 @@ def test_ranks_reach_the_candidate_ranges_of_best_of_one_process(synced):
             assert got.keys() == expected.keys()
             assert all(torch.equal(got[k], expected[k]) for k in expected), rank
     assert any(not torch.equal(one[0][k], one[1][k]) for k in one[0])  # two different ranges
+
+
+@pytest.mark.parametrize("method", ["default", "best"])
+def test_ptq_leaves_every_rank_with_one_model(synced, method):
+    """Bias correction and learned rounding work on each rank's own shard; the ranks end with
+    rank 0's model, not one model per shard."""
+    first, second = (synced[rank][f"ptq_{method}"] for rank in range(2))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first), [
+        k for k in first if not torch.equal(first[k], second[k])
+    ]
+
+
+def test_auto_calibrate_refuses_several_ranks(synced):
+    for rank in range(2):
+        assert synced[rank]["auto_calibrate"].startswith(
+            "auto_calibrate: each rank would choose its observers from its own batches"
+        )
+        assert "(2 ranks); run it in one process" in synced[rank]["auto_calibrate"]
 
 
 def test_without_sync_each_rank_keeps_its_own_statistics():
