@@ -163,6 +163,7 @@ def mixed_precision(
                 continue
             chosen[name] = _int16_qconfig(qconfig)
             int16_rows.append(row)
+    chosen = _rank0_choice(chosen, modules)
     if show:
         for kind, rows in (("float", float_rows), ("int16", int16_rows)):
             for row in rows:
@@ -171,3 +172,20 @@ def mixed_precision(
     entries.update(chosen)
     base["module_name"] = entries
     return base
+
+
+def _rank0_choice(
+    chosen: dict[str, QConfig | None], modules: dict[str, nn.Module]
+) -> dict[str, QConfig | None]:
+    """Rank 0's choice on every rank of a ``torch.distributed`` run (each rank ranked on its
+    own batches; one qconfig_dict must come out); ``chosen`` itself outside one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return chosen
+    picked = [[(name, qconfig is None) for name, qconfig in chosen.items()]]
+    dist.broadcast_object_list(picked, src=0)
+    return {
+        name: None if is_float else _int16_qconfig(modules[name].qconfig)
+        for name, is_float in picked[0]
+    }

@@ -63,6 +63,21 @@ def _best_candidates(batches: list[torch.Tensor]) -> list[dict[str, torch.Tensor
     return [mean, _scales(model)]
 
 
+def _int16_choice(batches: list[torch.Tensor]) -> list[str]:
+    """The activations ``mixed_precision`` gives int16, ranked on ``batches``."""
+    from fxq.calibration import mixed_precision
+    from tests.helpers import ResidualNet
+
+    model = _prepared("min_max")
+    calibrate(model, batches, show_progress=False)
+    torch.manual_seed(0)
+    float_model = ResidualNet().eval()
+    qconfig_dict = mixed_precision(
+        float_model, model, batches, int16_budget=0.34, min_gain_db=0.05, show=False
+    )
+    return sorted(qconfig_dict["module_name"])
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str, sync: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -80,6 +95,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, sync: bool) -> 
             options = {"iters": 4} if method == "best" else {}
             ptq(model, [_shards(s, rank) for s in range(3)], method, show_progress=False, **options)
             result[f"ptq_{method}"] = {k: v.clone() for k, v in model.state_dict().items()}
+        result["mixed_precision"] = _int16_choice([_shards(s, rank) for s in range(3)])
         try:
             auto_calibrate(_prepared("min_max"), [_shards(0, rank)], show=False)
         except RuntimeError as e:
@@ -133,6 +149,13 @@ def test_ptq_leaves_every_rank_with_one_model(synced, method):
     assert all(torch.equal(first[k], second[k]) for k in first), [
         k for k in first if not torch.equal(first[k], second[k])
     ]
+
+
+def test_mixed_precision_gives_every_rank_one_qconfig_dict(synced):
+    """Each rank ranks on its own shard (their choices differ: below); all return rank 0's."""
+    assert synced[0]["mixed_precision"] == synced[1]["mixed_precision"]
+    assert len(synced[0]["mixed_precision"]) >= 1
+    assert _int16_choice([_shards(s, 1) for s in range(3)]) != synced[0]["mixed_precision"]
 
 
 def test_auto_calibrate_refuses_several_ranks(synced):
