@@ -147,8 +147,9 @@ class HistogramObserver(ObserverBase):
             self.upper = torch.tensor(amax, dtype=torch.float64, device=x.device)
         elif amax > float(self.upper):
             self._grow(amax)
-        counts = torch.histc(x.abs().float(), self.histogram.numel(), 0.0, float(self.upper))
-        zeros = (x == 0).sum().reshape(1).to(torch.float64)
+        magnitude = x if float(mn.min()) >= 0 else x.abs()  # ReLU outputs: no copy
+        counts = torch.histc(magnitude.float(), self.histogram.numel(), 0.0, float(self.upper))
+        zeros = (x.numel() - torch.count_nonzero(x)).reshape(1).to(torch.float64)
         counts = self._sum_over_ranks(torch.cat([counts.to(torch.float64), zeros]))
         self.histogram += counts[:-1]
         self.zeros += counts[-1]
