@@ -348,6 +348,7 @@ def ptq(
             _take_ranges(inner, wide)
             if _activation_error(model, batches, reference, input_fn) >= mean_error:
                 mean.restore()
+            keep_rank0_result(model)  # every rank learns from the same start
         if bias_correction:
             _fast_bc(model, batches, input_fn, show_progress)
         if method == "best":

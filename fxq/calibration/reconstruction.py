@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
 from fxq.calibration.runner import (
+    average_over_ranks,
     batch_arguments,
     call_order,
     keep_rank0_result,
@@ -178,6 +179,14 @@ class _Rounding:
 _CHECKED_SAMPLES = 32
 
 
+def _over_ranks(loss: Tensor) -> float:
+    """``loss`` averaged over the ranks (itself outside a distributed run), so that every
+    rank keeps or drops the learned rounding alike."""
+    loss = loss.detach().reshape(1).to(torch.float64)
+    average_over_ranks([loss])
+    return float(loss)
+
+
 def _learn(
     roundings: list[_Rounding],
     loss_of: Callable[[list[Tensor], Tensor | None], Tensor],
@@ -195,7 +204,7 @@ def _learn(
     samples."""
     checked = torch.arange(min(samples, _CHECKED_SAMPLES))
     with torch.no_grad():
-        before = float(loss_of([r.nearest_weight() for r in roundings], checked))
+        before = _over_ranks(loss_of([r.nearest_weight() for r in roundings], checked))
     opt = torch.optim.Adam([r.v for r in roundings], lr=lr)
     start = int(warmup * iters)
     generator = torch.Generator().manual_seed(0)
@@ -209,10 +218,11 @@ def _learn(
                 loss = loss + reg_weight * (1 - (2 * h - 1).abs().pow(b_now)).mean()
         opt.zero_grad()
         loss.backward()
+        average_over_ranks([r.v.grad for r in roundings if r.v.grad is not None])  # DDP
         opt.step()
     with torch.no_grad():
         learned = [r.hard() for r in roundings]
-        after = float(loss_of(learned, checked))
+        after = _over_ranks(loss_of(learned, checked))
         if after > before:  # learning did not help: keep nearest rounding
             learned, after = [r.nearest_weight() for r in roundings], before
         for r, w in zip(roundings, learned):

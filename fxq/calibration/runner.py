@@ -22,6 +22,7 @@ __all__ = [
     "run_batches",
     "call_order",
     "keep_rank0_result",
+    "average_over_ranks",
 ]
 
 
@@ -269,6 +270,26 @@ def keep_rank0_result(model: nn.Module, group: Any = None) -> None:
                 t.copy_(carrier.bool())
             else:
                 dist.broadcast(t, src=src, group=group)
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def average_over_ranks(tensors: list[torch.Tensor]) -> None:
+    """Average each tensor in place over the ranks of the default process group (nothing
+    outside a distributed run): a step of an algorithm that learns from data then sees every
+    rank's batches. Every rank must call it with tensors of the same shapes."""
+    world = _world()
+    if world < 2:
+        return
+    import torch.distributed as dist
+
+    for t in tensors:
+        dist.all_reduce(t)
+        t.div_(world)
 
 
 def require_calibrated(model: nn.Module, who: str) -> None:

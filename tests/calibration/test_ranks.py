@@ -78,6 +78,20 @@ def _int16_choice(batches: list[torch.Tensor]) -> list[str]:
     return sorted(qconfig_dict["module_name"])
 
 
+def _learned_without_broadcast(batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Learned rounding on ``batches`` with the final broadcast of rank 0's model left out:
+    the weights each rank learned by itself."""
+    from unittest import mock
+
+    from fxq.calibration import weight_reconstruction
+
+    model = _prepared("min_max")
+    calibrate(model, batches, show_progress=False)  # the same scales on every rank
+    with mock.patch("fxq.calibration.reconstruction.keep_rank0_result", lambda model: None):
+        weight_reconstruction(model, batches, iters=6, block_depth=1, show=False)
+    return {k: v.clone() for k, v in model.named_parameters()}
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str, sync: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -96,6 +110,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, sync: bool) -> 
             ptq(model, [_shards(s, rank) for s in range(3)], method, show_progress=False, **options)
             result[f"ptq_{method}"] = {k: v.clone() for k, v in model.state_dict().items()}
         result["mixed_precision"] = _int16_choice([_shards(s, rank) for s in range(3)])
+        result["learned_alone"] = _learned_without_broadcast([_shards(s, rank) for s in range(3)])
         try:
             auto_calibrate(_prepared("min_max"), [_shards(0, rank)], show=False)
         except RuntimeError as e:
@@ -156,6 +171,15 @@ def test_mixed_precision_gives_every_rank_one_qconfig_dict(synced):
     assert synced[0]["mixed_precision"] == synced[1]["mixed_precision"]
     assert len(synced[0]["mixed_precision"]) >= 1
     assert _int16_choice([_shards(s, 1) for s in range(3)]) != synced[0]["mixed_precision"]
+
+
+def test_learned_rounding_averages_its_steps_over_the_ranks(synced):
+    """Each rank draws from its own shard; the steps (and the check against nearest rounding)
+    are averaged over the ranks, so every rank learns the same rounding even before rank 0's
+    model is broadcast (without the averaging they differ)."""
+    first, second = (synced[rank]["learned_alone"] for rank in range(2))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
 
 
 def test_auto_calibrate_refuses_several_ranks(synced):
