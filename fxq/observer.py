@@ -47,6 +47,7 @@ __all__ = [
     "register_observer",
     "keep_dtypes",
     "synchronized",
+    "world_size",
 ]
 
 
@@ -401,6 +402,16 @@ def get_observer_class(name: str, per_channel: bool) -> type[ObserverBase]:
     return cls
 
 
+def world_size(group: Any = None) -> int:
+    """The number of ranks of ``group`` (the default group when None) in a
+    ``torch.distributed`` run; 1 outside one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
 @contextlib.contextmanager
 def synchronized(model: nn.Module, group: Any = None) -> Iterator[nn.Module]:
     """Within the block, activation observers of ``model`` observe across processes.
@@ -417,11 +428,11 @@ def synchronized(model: nn.Module, group: Any = None) -> Iterator[nn.Module]:
     wait for the others. Weight observers are left alone (weights are the
     same on every rank). ``fxq.calibration.calibrate`` uses this by default.
     """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+    if world_size(group) < 2:
         yield model
         return
+    import torch.distributed as dist
+
     observers = [m for m in model.modules() if isinstance(m, ObserverBase) and m.ch_axis is None]
     saved = [(m, m.__dict__.get("sync_group")) for m in observers]
     for m in observers:

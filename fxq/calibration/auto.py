@@ -39,6 +39,7 @@ from fxq.calibration.runner import batch_arguments, call_order, progress, run_ba
 from fxq.debug import float_fake_quant
 from fxq.debug.sensitivity import _clone
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
+from fxq.observer import world_size
 from fxq.quantized import functional as qf
 
 __all__ = ["auto_calibrate", "AUTO_CANDIDATES"]
@@ -164,12 +165,11 @@ def _nodes_of(model: nn.Module) -> dict[int, Node]:
 
 
 def _require_one_rank() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    ranks = world_size()
+    if ranks > 1:
         raise RuntimeError(
             "auto_calibrate: each rank would choose its observers from its own batches and "
-            f"leave with its own model ({dist.get_world_size()} ranks); run it in one process "
+            f"leave with its own model ({ranks} ranks); run it in one process "
             "(e.g. on rank 0 before the others start, then load its state_dict on every rank), "
             "or use fxq.calibration.ptq, which keeps rank 0's result on every rank"
         )

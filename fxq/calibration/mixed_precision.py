@@ -32,6 +32,7 @@ from torch.fx import GraphModule
 from fxq.dtypes import qint16
 from fxq.fake_quantize import bypassed, weight_quants
 from fxq.march import spec_for
+from fxq.observer import world_size
 from fxq.qat.base import QATModule
 from fxq.qconfig import QConfig
 
@@ -179,10 +180,10 @@ def _rank0_choice(
 ) -> dict[str, QConfig | None]:
     """Rank 0's choice on every rank of a ``torch.distributed`` run (each rank ranked on its
     own batches; one qconfig_dict must come out); ``chosen`` itself outside one."""
+    if world_size() < 2:
+        return chosen
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return chosen
     picked = [[(name, qconfig is None) for name, qconfig in chosen.items()]]
     dist.broadcast_object_list(picked, src=0)
     return {

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
-from fxq.observer import synchronized
+from fxq.observer import synchronized, world_size
 
 __all__ = [
     "calibrate",
@@ -257,10 +257,10 @@ def keep_rank0_result(model: nn.Module, group: Any = None) -> None:
     rank 0's, and not one per shard. Outside a distributed run (or with one rank) it does
     nothing. Every rank must call it (it is a collective).
     """
+    if world_size(group) < 2:
+        return
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
-        return
     src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
         for t in model.state_dict().values():  # they share the storage of the model's tensors
@@ -272,17 +272,11 @@ def keep_rank0_result(model: nn.Module, group: Any = None) -> None:
                 dist.broadcast(t, src=src, group=group)
 
 
-def _world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def average_over_ranks(tensors: list[torch.Tensor]) -> None:
     """Average each tensor in place over the ranks of the default process group (nothing
     outside a distributed run): a step of an algorithm that learns from data then sees every
     rank's batches. Every rank must call it with tensors of the same shapes."""
-    world = _world()
+    world = world_size()
     if world < 2:
         return
     import torch.distributed as dist
