@@ -189,7 +189,7 @@ def _over_ranks(loss: Tensor) -> float:
 
 def _learn(
     roundings: list[_Rounding],
-    loss_of: Callable[[list[Tensor], Tensor | None], Tensor],
+    loss_of: Callable[[list[Tensor], Tensor], Tensor],
     samples: int,
     iters: int,
     lr: float,
@@ -239,12 +239,11 @@ def _layer_loss(layer: WeightedQAT, quant_in: list[tuple[Tensor, ...]], targets:
     bias = layer.folded_bias()
     bias = None if bias is None else bias.detach()
 
-    def loss_of(weights: list[Tensor], idx: Tensor | None) -> Tensor:
-        xi = x if idx is None else x[idx.to(x.device)]
-        inputs = (xi,) if res is None else (xi, res if idx is None else res[idx.to(x.device)])
+    def loss_of(weights: list[Tensor], idx: Tensor) -> Tensor:
+        idx = idx.to(x.device)
+        inputs = (x[idx],) if res is None else (x[idx], res[idx])
         y = _activate(layer, _pre_activation(layer, inputs, weights[0], bias))
-        t = target if idx is None else target[idx.to(x.device)]
-        return (y - t).pow(2).mean() / norm
+        return (y - target[idx]).pow(2).mean() / norm
 
     return loss_of, x.shape[0]
 
@@ -550,21 +549,18 @@ def _reconstruct_block(model, sources: _Sources, block, opts) -> tuple[float, fl
         with float_fake_quant(model):
             return (sub(*inputs) - t).pow(2).sum(), t.numel()
 
-    def loss_of(weights: list[Tensor], idx: Tensor | None) -> Tensor:
+    def loss_of(weights: list[Tensor], idx: Tensor) -> Tensor:
         for r, w in zip(roundings, weights):  # the block's layers use these weights
             r.layer.quantized_weight = lambda w=w, r=r: r.layer.weight_from_out_major(w)
-        try:
-            if idx is None:  # every sample
-                parts = [squared_error(c, None) for c in range(len(chunks))]
-            else:  # the samples of idx that lie in the chunk of its first one
-                chunk = int(torch.searchsorted(ends, idx[:1], right=True))
-                start = 0 if chunk == 0 else int(ends[chunk - 1])
-                local = idx[(idx >= start) & (idx < ends[chunk])] - start
-                parts = [squared_error(chunk, None if whole else local)]
+        try:  # the samples of idx that lie in the chunk of its first one
+            chunk = int(torch.searchsorted(ends, idx[:1], right=True))
+            start = 0 if chunk == 0 else int(ends[chunk - 1])
+            local = idx[(idx >= start) & (idx < ends[chunk])] - start
+            error, count = squared_error(chunk, None if whole else local)
         finally:
             for r in roundings:
                 del r.layer.quantized_weight
-        return sum(p for p, _ in parts) / sum(n for _, n in parts) / norm
+        return error / count / norm
 
     return _learn(roundings, loss_of, int(ends[-1]), **opts)
 
