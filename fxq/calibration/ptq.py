@@ -307,8 +307,9 @@ def ptq(
 
     Under ``torch.distributed`` with several ranks, the observers combine every
     rank's batches (``calibrate``); the other steps see each rank's own batches,
-    and every rank ends with rank 0's model (``keep_rank0_result``). Every rank
-    must call it.
+    and each ends with rank 0's model on every rank (``keep_rank0_result``; the
+    equalization, bias correction and learned rounding do it themselves, the
+    choice of ranges here). Every rank must call it.
     """
     if method not in PTQ_METHODS:
         raise ValueError(f"ptq: unknown method {method!r}; choose from {', '.join(PTQ_METHODS)}")
@@ -323,7 +324,6 @@ def ptq(
             calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
             if bias_correction:
                 _fast_bc(model, batches, input_fn, show_progress)
-            keep_rank0_result(model)
             return model
         if equalize:
             from fxq.calibration.equalization import equalize_depthwise
@@ -358,7 +358,6 @@ def ptq(
             weight_reconstruction(
                 model, batches, input_fn=input_fn, show_progress=show_progress, **opts
             )
-        keep_rank0_result(model)
     return model
 
 
