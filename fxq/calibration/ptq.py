@@ -195,6 +195,13 @@ def restored_on_failure(model: nn.Module) -> Iterator[None]:
         raise
 
 
+def _fitted(obs: ObserverBase, fq: FakeQuantize) -> ObserverBase:
+    """``obs`` set up to observe for ``fq``: its levels, its name, its device."""
+    obs.qmax = fq.dtype.qmax
+    obs.name = fq.activation_post_process.name
+    return obs.to(fq.scale.device)
+
+
 @contextlib.contextmanager
 def observers_swapped(
     quants: Sequence[FakeQuantize], make: Callable[[], ObserverBase]
@@ -204,10 +211,7 @@ def observers_swapped(
     observers start from the calibrated scales."""
     originals = [fq.activation_post_process for fq in quants]
     for fq in quants:
-        obs = make()
-        obs.qmax = fq.dtype.qmax
-        obs.name = fq.activation_post_process.name
-        fq.activation_post_process = obs.to(fq.scale.device)
+        fq.activation_post_process = _fitted(make(), fq)
     try:
         yield
     finally:
@@ -234,10 +238,8 @@ def _also_observed(quants: Sequence[FakeQuantize], observers: list[ObserverBase]
     hosts, handles = [], []
     try:
         for fq, obs in zip(quants, observers):
-            obs.qmax = fq.dtype.qmax
-            obs.name = fq.activation_post_process.name
             host = fq.activation_post_process
-            host.add_module("_also_observed", obs.to(fq.scale.device))
+            host.add_module("_also_observed", _fitted(obs, fq))
             hosts.append(host)
             handles.append(host.register_forward_hook(lambda m, args, out, o=obs: o(args[0])))
         yield
