@@ -546,8 +546,7 @@ def _reconstruct_block(model, sources: _Sources, block, opts) -> tuple[float, fl
             for a, is_batched in zip(chunks[chunk], batched)
         ]
         t = targets[chunk] if local is None else targets[chunk][local.to(targets[chunk].device)]
-        with float_fake_quant(model):
-            return (sub(*inputs) - t).pow(2).sum(), t.numel()
+        return (sub(*inputs) - t).pow(2).sum(), t.numel()
 
     def loss_of(weights: list[Tensor], idx: Tensor) -> Tensor:
         for r, w in zip(roundings, weights):  # the block's layers use these weights
@@ -562,7 +561,10 @@ def _reconstruct_block(model, sources: _Sources, block, opts) -> tuple[float, fl
                 del r.layer.quantized_weight
         return error / count / norm
 
-    return _learn(roundings, loss_of, int(ends[-1]), **opts)
+    # the float fake-quant arithmetic, set once for the block (not per step: it walks
+    # every module of the model)
+    with float_fake_quant(model):
+        return _learn(roundings, loss_of, int(ends[-1]), **opts)
 
 
 def weight_reconstruction(
