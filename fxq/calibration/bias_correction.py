@@ -44,15 +44,14 @@ from tabulate import tabulate
 from torch import Tensor, nn
 
 from fxq.calibration.reconstruction import (
-    _capture_inputs,
     _correct_bias,
     _layers_in_order,
     _pre_activation,
+    _Sources,
     layerwise_session,
     rounded_weight,
 )
 from fxq.calibration.runner import keep_rank0_result, progress, require_calibrated, run_batches
-from fxq.debug import float_fake_quant
 from fxq.fake_quantize import FakeQuantize, bypass, fake_quantize_ste
 from fxq.qat.weighted import WeightedQAT
 
@@ -106,8 +105,12 @@ def bias_correction(
         RuntimeError: when the model is not calibrated.
 
     Cost: ``"fast"``: one float forward per batch, and two more convolutions
-    per layer; ``"sequential"``: two partial forwards per layer and batch
-    (each stops at the layer). A failure part-way restores every weight and bias.
+    per layer; ``"sequential"``: on a GraphModule (a model from ``prepare_qat_fx``),
+    one forward of the model and one of its float copy per batch, run node by node in
+    step with the corrections (MobileNetV2, 96 crops, 2 cores: 9 s, against 206 s
+    when each layer re-ran the model up to itself); on other modules, and for layers
+    called inside another module's code, two partial forwards per layer and batch.
+    A failure part-way restores every weight and bias.
     """
     if mode not in BIAS_CORRECTION_MODES:
         raise ValueError(
@@ -221,17 +224,20 @@ def _sequential(model, batches, input_fn, show_progress, skip_depthwise) -> list
     rows: list[dict[str, Any]] = []
     with layerwise_session(model) as reference:
         layers = _corrected_layers(model, batches[0], input_fn, skip_depthwise)
+        # a GraphModule and its reference each run once, node by node, in step with the
+        # corrections, instead of a partial forward per layer; other models re-run up to
+        # each layer
+        sources = _Sources(model, reference, batches, input_fn, layers)
         for name, layer in progress(layers, len(layers), "bias correction", show_progress):
             original = reference.get_submodule(name)
+            float_in = sources.reference_inputs(name)
             with bypass(reference):
-                float_in = _capture_inputs(reference, original, batches, input_fn)
                 w0, b0 = original.folded_weight(), original.folded_bias()
                 outputs = [_pre_activation(original, t, w0, b0) for t in float_in]
                 target = torch.stack([_channel_means(original, y) for y in outputs]).mean(0)
                 rms = float(torch.stack([y.pow(2).mean() for y in outputs]).mean().sqrt())
-                del outputs
-            with float_fake_quant(model):
-                quant_in = _capture_inputs(model, layer, batches, input_fn)
+                del outputs, float_in
+            quant_in = sources.layer_inputs(name, layer)
             wq, b = rounded_weight(layer), layer.folded_bias()
             got = torch.stack(
                 [_channel_means(layer, _pre_activation(layer, t, wq, b)) for t in quant_in]

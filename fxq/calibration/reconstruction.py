@@ -453,6 +453,16 @@ class _Sources:
         self.streams[0].advance(index)
         return [tuple(a) for a in self.streams[0].arguments(node)]
 
+    def reference_inputs(self, name: str) -> list[tuple[Tensor, ...]]:
+        """The float reference layer's inputs, per batch."""
+        if self.streams is not None:
+            index, node = self.first_call[name]
+            self.streams[1].advance(index)
+            return [tuple(a) for a in self.streams[1].arguments(node)]
+        original = self.reference.get_submodule(name)
+        with bypass(self.reference), torch.no_grad():
+            return _capture_inputs(self.reference, original, self.batches, self.input_fn)
+
     def layer_targets(self, name: str) -> list[Tensor]:
         """The float reference layer's outputs (no output quantization), per batch."""
         if self.streams is not None:
@@ -460,8 +470,8 @@ class _Sources:
             self.streams[1].advance(index + 1)
             return self.streams[1].values(node)
         original = self.reference.get_submodule(name)
+        float_in = self.reference_inputs(name)
         with bypass(self.reference), torch.no_grad():
-            float_in = _capture_inputs(self.reference, original, self.batches, self.input_fn)
             w0, b0 = original.folded_weight().detach(), original.folded_bias()
             return [_activate(original, _pre_activation(original, t, w0, b0)) for t in float_in]
 
