@@ -62,7 +62,7 @@ from torch.fx import GraphModule, Node
 from fxq.calibration.observers import MeanMinMaxObserver, PercentileObserver
 from fxq.calibration.runner import calibrate, keep_rank0_result, run_batches
 from fxq.dtypes import qint16, qint32
-from fxq.fake_quantize import FakeQuantize, bypass, bypassed, weight_quants
+from fxq.fake_quantize import FakeQuantize, bypassed, weight_quants
 from fxq.march import spec_for
 from fxq.observer import ObserverBase
 from fxq.qat.base import QATModule
@@ -320,12 +320,18 @@ def ptq(
     batches = _batches(data, num_batches, "ptq")
     if bias_correction is None:
         bias_correction = method != "best"
+    from fxq.calibration.bias_correction import recording_input_means
+
+    # the fast bias correction needs each layer's mean float input: recorded while
+    # calibrating, which passes float activations through (no pass of its own)
+    recorded = recording_input_means if bias_correction else _nothing_recorded
     with restored_on_failure(model):
         if method == "calibrate":
             widen_outputs(model, output)
-            calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
+            with recorded(model) as means:
+                calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
             if bias_correction:
-                _fast_bc(model, batches, input_fn, show_progress)
+                _fast_bc(model, batches, input_fn, show_progress, means)
             return model
         if equalize:
             from fxq.calibration.equalization import equalize_depthwise
@@ -341,10 +347,15 @@ def ptq(
         # "best" also weighs percentile ranges, observed in the same pass (calibration
         # passes float activations through, so both observers see the same tensors)
         wide = [PercentileObserver() for _ in inner] if method == "best" else []
-        with observers_swapped(inner, MeanMinMaxObserver), _also_observed(inner, wide):
+        compared = _COMPARED_BATCHES if method == "best" else 0
+        with (
+            observers_swapped(inner, MeanMinMaxObserver),
+            _also_observed(inner, wide),
+            recorded(model) as means,
+            _first_outputs(model, compared) as reference,
+        ):
             calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
         if method == "best":
-            reference = _outputs(model, batches, input_fn, bypass)
             mean_error = _activation_error(model, batches, reference, input_fn)
             mean = _ModelSnapshot(model)
             _take_ranges(inner, wide)
@@ -352,7 +363,7 @@ def ptq(
                 mean.restore()
             keep_rank0_result(model)  # every rank learns from the same start
         if bias_correction:
-            _fast_bc(model, batches, input_fn, show_progress)
+            _fast_bc(model, batches, input_fn, show_progress, means)
         if method == "best":
             from fxq.calibration.reconstruction import weight_reconstruction
 
@@ -364,6 +375,32 @@ def ptq(
 
 
 _COMPARED_BATCHES = 2  # batches on which "best" compares its two candidate ranges
+
+
+@contextlib.contextmanager
+def _nothing_recorded(model: nn.Module) -> Iterator[None]:
+    yield None
+
+
+@contextlib.contextmanager
+def _first_outputs(model: nn.Module, count: int) -> Iterator[list[torch.Tensor]]:
+    """Within the block, the model's flattened outputs of its first ``count`` calls are
+    collected: while calibrating, the float model's outputs (calibration passes float
+    activations through), the reference that "best" compares its candidate ranges with."""
+    from fxq.calibration.auto import _flatten_outputs
+
+    outputs: list[torch.Tensor] = []
+
+    def keep(module, args, output):
+        if len(outputs) < count:
+            outputs.append(_flatten_outputs(output).detach())
+
+    handle = model.register_forward_hook(keep) if count else None
+    try:
+        yield outputs
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def _outputs(model: nn.Module, batches: list[Any], input_fn, context) -> list[torch.Tensor]:
@@ -392,15 +429,7 @@ def _activation_error(model: nn.Module, batches: list[Any], reference, input_fn)
         return _output_error(model, batches, reference, input_fn)
 
 
-def _fast_bc(model, batches, input_fn, show_progress) -> None:
-    from fxq.calibration.bias_correction import bias_correction
+def _fast_bc(model, batches, input_fn, show_progress, means) -> None:
+    from fxq.calibration.bias_correction import fast_bias_correction
 
-    bias_correction(
-        model,
-        batches,
-        mode="fast",
-        input_fn=input_fn,
-        show_progress=show_progress,
-        show=False,
-        skip_depthwise=True,
-    )
+    fast_bias_correction(model, batches, input_fn, show_progress, skip_depthwise=True, means=means)

@@ -271,3 +271,24 @@ def test_mixed_precision_can_rank_with_float_weights(bayes, pretrained, capsys):
     same = mixed_precision(model, wide, calib[:1], int16_budget=0.3, show=True)
     assert capsys.readouterr().out == shown
     assert same["module_name"].keys() == ranked["module_name"].keys()
+
+
+def test_default_measures_its_bias_correction_while_calibrating(bayes, pretrained):
+    """The fast bias correction takes each layer's mean float input from the calibration pass
+    (which passes float activations through) instead of a pass of its own, with the result
+    of the separate correction."""
+    model, calib, held, ref = pretrained
+    counted = fxq.prepare_qat_fx(model, {"": calib_q8})
+    calls = []
+    counted.get_submodule("0.0.0").register_forward_hook(lambda *a: calls.append(1))
+    ptq(counted, calib, show_progress=False)
+    assert len(calls) == 2 * len(calib) + 1  # equalization, calibration, the layer order
+    separate = ptq(
+        fxq.prepare_qat_fx(model, {"": calib_q8}), calib, bias_correction=False, show_progress=False
+    )
+    before = _integer_sqnr(copy.deepcopy(separate), held, ref)
+    bias_correction(separate, calib, mode="fast", skip_depthwise=True)
+    after, expected = counted.state_dict(), separate.state_dict()
+    assert after.keys() == expected.keys()
+    assert all(torch.equal(after[k], expected[k]) for k in expected)
+    assert _integer_sqnr(counted, held, ref) > before + 0.2  # measured: 14.39 -> 14.73 dB
