@@ -50,6 +50,8 @@ AUTO_CANDIDATES = ("min_max", "percentile", "mse", "kl")
 class _Collector(HistogramObserver):
     """Histogram statistics from which every candidate clip is derived."""
 
+    counts_zeros = True  # the kl candidate leaves exact zeros out
+
     def clips(self, names: Sequence[str]) -> dict[str, float]:
         table = {
             "min_max": self._observed_max,

@@ -237,6 +237,11 @@ class HistogramObserver(ObserverBase):
         quantized exactly by any threshold, and a ReLU's spike of zeros would
         otherwise drag the threshold far too low.
         """
+        if not self.counts_zeros:
+            raise RuntimeError(
+                f"{type(self).__name__}.kl_clip needs the count of exact zeros: set "
+                "counts_zeros = True on the class"
+            )
         hist = self.histogram.cpu().clone()
         hist[0] = (hist[0] - self.zeros.cpu()).clamp(min=0)
         bins = hist.numel()

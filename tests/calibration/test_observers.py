@@ -84,6 +84,19 @@ def test_kl_ignores_a_relu_spike_of_zeros(gaussian):
     assert clip > 0.6 * float(x.max())
 
 
+def test_every_kl_clip_leaves_the_zeros_out(gaussian):
+    """KL needs the count of exact zeros, which only the observers that compute it keep (a
+    full pass over each tensor); auto_calibrate's candidates include kl."""
+    from fxq.calibration.auto import _Collector
+
+    x = torch.relu(gaussian)
+    expected = _observe(KLObserver, x).clip()
+    assert _observe(MixObserver, x).kl_clip() == expected
+    assert _observe(_Collector, x).clips(["kl"]) == {"kl": expected}
+    with pytest.raises(RuntimeError, match="needs the count of exact zeros"):
+        _observe(PercentileObserver, x).kl_clip()
+
+
 def test_mix_picks_the_least_error_candidate(gaussian):
     heavy = torch.distributions.StudentT(3.0).sample((200_000,))
     for x in (gaussian, heavy):
