@@ -7,8 +7,8 @@ QAT can continue from it and ``convert_fx`` gives the integer model.
 Methods (MobileNetV2 on real photos, logits SQNR against float: see
 ``docs/accuracy.md``):
 
-* ``"default"``: the recipe to use unless there is a reason not to, a few
-  seconds:
+* ``"default"``: the recipe to use unless there is a reason not to, two
+  passes over the calibration data (MobileNetV2, 96 crops, 2 cores: 4-6 s):
 
   1. **depthwise inputs equalized** (``equalize=True``,
      ``fxq.calibration.equalization.equalize_depthwise``): the output
@@ -28,7 +28,9 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   4. **fast bias correction** (``bias_correction=True``, NNCF's formulation,
      ``bias_correction(..., mode="fast", skip_depthwise=True)``): per layer
      except depthwise convs, the mean output shift caused by rounding its
-     weights and quantizing its mean input is folded into its bias.
+     weights and quantizing its mean input is folded into its bias. The mean
+     inputs are recorded during the calibration pass, which passes float
+     activations through (no pass of its own).
 
 * ``"calibrate"``: the observers of the qconfig as they are (``calibrate``).
 * ``"best"``: the ranges of ``"default"`` or percentile ranges (99.99 %),
@@ -45,8 +47,8 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   ``bias_correction=True`` is passed): the rounding fits the float block
   outputs itself, and a correction first lowered the result by 1.2 dB
   (MobileNetV2) to 3.6 dB (Lite0 with int16 mixed precision); one after, by
-  0.4-0.6 dB. About 25 s on MobileNetV2 with 96 crops on 2 cores (NNCF's
-  ``nncf.quantize`` about 30 s in the same run).
+  0.4-0.6 dB. 22-30 s on MobileNetV2 with 96 crops on 2 cores, about twice
+  NNCF's ``nncf.quantize`` in the same runs (11-12 s; ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
