@@ -18,3 +18,18 @@ def _isolate_global_state():
 def bayes():
     march_module.set_march("bayes")
     return march_module.get_march_spec()
+
+
+@pytest.fixture
+def layer_by_layer(monkeypatch):
+    """Layer-by-layer algorithms re-run the model up to each layer (forward hooks) instead of
+    streaming it once: the reference that the streamed runs must equal."""
+    import fxq.calibration.reconstruction as reconstruction
+
+    real_init = reconstruction._Sources.__init__
+
+    def hooks_only(self, *args):
+        real_init(self, *args)
+        self.streams = None
+
+    monkeypatch.setattr(reconstruction._Sources, "__init__", hooks_only)

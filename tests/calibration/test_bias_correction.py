@@ -107,12 +107,10 @@ class _ConvChain(nn.Module):
         return self.fc(self.c3(x).mean((2, 3)))
 
 
-def test_sequential_mode_runs_the_model_once_and_equals_the_layer_by_layer_runs(bayes, monkeypatch):
+def test_sequential_mode_runs_the_model_once_and_equals_the_layer_by_layer_runs(bayes, request):
     """On a GraphModule the sequential correction reads every layer's inputs from one run of
     the model and one of its float copy (not a partial run per layer: MobileNetV2 206 s ->
     9 s), with the same corrections as re-running up to each layer."""
-    import fxq.calibration.reconstruction as reconstruction
-
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(8, 3, 10, 10, generator=g) for _ in range(3)]
     streamed = calibrate(fxq.prepare_qat_fx(_ConvChain().eval(), {"": calib_q8}), batches)
@@ -123,14 +121,12 @@ def test_sequential_mode_runs_the_model_once_and_equals_the_layer_by_layer_runs(
     # one call finds the layer order, then one per batch from each stream (the float
     # reference is a copy of the model, hook included)
     assert len(calls) == 1 + 2 * len(batches)
-    real_init = reconstruction._Sources.__init__
-
-    def hooks_only(self, *args):
-        real_init(self, *args)
-        self.streams = None
-
-    monkeypatch.setattr(reconstruction._Sources, "__init__", hooks_only)
+    request.getfixturevalue("layer_by_layer")
+    calls.clear()
+    hooked.c1.register_forward_hook(lambda *a: calls.append(1))
     rows_hooked = bias_correction(hooked, batches, mode="sequential")
+    # both models re-run up to each layer and stop before it: c1 runs for c2, c3 and fc
+    assert len(calls) == 1 + 2 * 3 * len(batches)
     assert [r["layer"] for r in rows] == ["c1", "c2", "c3", "fc"]
     assert [r["layer"] for r in rows_hooked] == [r["layer"] for r in rows]
     assert all(r["shift"] > 0 for r in rows)

@@ -228,11 +228,9 @@ def test_block_wise_reconstruction(setup):
         )
 
 
-def test_weight_reconstruction_streams_the_model_once(setup, monkeypatch):
+def test_weight_reconstruction_streams_the_model_once(setup, request):
     """On a GraphModule every layer's inputs and targets come from one run of the model (and
     one of its float copy), not one run per layer; the result is the hook-based one's."""
-    import fxq.calibration.reconstruction as reconstruction
-
     model, calib, _, _ = setup
     prepared = _calibrated(model, calib, "mse")
     hooked = copy.deepcopy(prepared)
@@ -244,16 +242,13 @@ def test_weight_reconstruction_streams_the_model_once(setup, monkeypatch):
     # one call to find the layer order, then one per batch from each stream (the float
     # reference is a copy of the model, hook included)
     assert len(calls) == 1 + 2 * len(calib)
-    real_init = reconstruction._Sources.__init__
-
-    def hooks_only(self, *args):
-        real_init(self, *args)
-        self.streams = None
-
-    monkeypatch.setattr(reconstruction._Sources, "__init__", hooks_only)
+    request.getfixturevalue("layer_by_layer")
+    calls.clear()
+    hooked.c1.register_forward_hook(lambda *a: calls.append(1))
     rows_hooked = weight_reconstruction(
         hooked, calib, iters=20, bias_correction=True, show=False, show_progress=False
     )
+    assert len(calls) > 1 + 2 * len(calib)  # the models re-ran up to each layer
     for a, b in zip(rows, rows_hooked):
         assert a["layer"] == b["layer"]
         assert a["error_learned"] == pytest.approx(b["error_learned"], rel=1e-4)
