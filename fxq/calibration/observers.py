@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxq.observer import ObserverBase, register_observer
+from fxq.observer import ObserverBase, register_observer, rowwise_minmax
 
 __all__ = [
     "HistogramObserver",
@@ -426,7 +426,7 @@ class MeanMinMaxObserver(ObserverBase):
         local = torch.zeros(3, dtype=torch.float64, device=x.device)
         if x.numel():
             flat = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(1, -1)
-            mn, mx = torch.aminmax(flat.float(), dim=1)
+            mn, mx = rowwise_minmax(flat.float())
             self._check_finite(mn, mx)
             local = torch.stack(
                 [
