@@ -109,7 +109,8 @@ class HistogramObserver(ObserverBase):
         self.bins = bins
         self.register_buffer("histogram", torch.zeros(0, dtype=torch.float64), persistent=False)
         self.register_buffer("upper", torch.zeros((), dtype=torch.float64), persistent=False)
-        # exact zeros (ReLU outputs): quantized exactly by any clip, so KL leaves them out
+        # exact zeros (ReLU outputs), counted where counts_zeros: quantized exactly by any
+        # clip, so KL leaves them out
         self.register_buffer("zeros", torch.zeros((), dtype=torch.float64), persistent=False)
 
     def _num_bins(self) -> int:
