@@ -292,3 +292,16 @@ def test_default_measures_its_bias_correction_while_calibrating(bayes, pretraine
     assert after.keys() == expected.keys()
     assert all(torch.equal(after[k], expected[k]) for k in expected)
     assert _integer_sqnr(counted, held, ref) > before + 0.2  # measured: 14.39 -> 14.73 dB
+
+
+def test_calibration_outputs_are_the_float_models(bayes, pretrained):
+    """``best``'s float reference, recorded while calibrating, is the bypassed model's."""
+    from fxq.calibration.ptq import _first_outputs, _outputs
+
+    model, calib, _, _ = pretrained
+    prepared = fxq.prepare_qat_fx(model, {"": calib_q8})
+    with _first_outputs(prepared, 2) as recorded:
+        calibrate(prepared, calib, show_progress=False)
+    bypassed = _outputs(prepared, calib, None, fxq.fake_quantize.bypass)
+    assert len(recorded) == len(bypassed) == 2
+    assert all(torch.equal(a, b) for a, b in zip(recorded, bypassed))

@@ -550,3 +550,22 @@ def test_ptq_best_on_padded_batches_of_other_lengths(bayes):
         got = fxq.convert_fx(qat)(**inputs)["last_hidden_state"]
         assert torch.equal(got, qat(**inputs)["last_hidden_state"])
         assert _cosine(got, model(**inputs)["last_hidden_state"]) > 0.999  # measured 0.99974
+
+
+def test_calibration_outputs_are_the_float_models(bayes):
+    """``ptq(method="best")`` takes its float reference from the calibration pass (float
+    activations pass through): on a transformer, with its attention and lookup-table ops,
+    those outputs equal the bypassed model's."""
+    from fxq.calibration import calibrate
+    from fxq.calibration.ptq import _first_outputs, _outputs
+
+    torch.manual_seed(0)
+    model, make_inputs, _ = _small_model("bert")
+    model.eval()
+    qat, _ = _prepare(model, {"": q8}, example_inputs=make_inputs(2, 8, padded=True))
+    batches = [make_inputs(4, length, padded=True) for length in (8, 12, 8)]
+    with _first_outputs(qat, 2) as recorded:
+        calibrate(qat, batches, show_progress=False)
+    bypassed = _outputs(qat, batches, None, fxq.fake_quantize.bypass)
+    assert len(recorded) == len(bypassed) == 2
+    assert all(torch.equal(a, b) for a, b in zip(recorded, bypassed))
