@@ -325,12 +325,13 @@ def ptq(
     from fxq.calibration.bias_correction import recording_input_means
 
     # the fast bias correction needs each layer's mean float input: recorded while
-    # calibrating, which passes float activations through (no pass of its own)
-    recorded = recording_input_means if bias_correction else _nothing_recorded
+    # calibrating, which passes float activations through (no pass of its own); entered
+    # once, around the one calibration below
+    recorded = recording_input_means(model) if bias_correction else contextlib.nullcontext()
     with restored_on_failure(model):
         if method == "calibrate":
             widen_outputs(model, output)
-            with recorded(model) as means:
+            with recorded as means:
                 calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
             if bias_correction:
                 _fast_bc(model, batches, input_fn, show_progress, means)
@@ -353,7 +354,7 @@ def ptq(
         with (
             observers_swapped(inner, MeanMinMaxObserver),
             _also_observed(inner, wide),
-            recorded(model) as means,
+            recorded as means,
             _first_outputs(model, compared) as reference,
         ):
             calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
@@ -377,11 +378,6 @@ def ptq(
 
 
 _COMPARED_BATCHES = 2  # batches on which "best" compares its two candidate ranges
-
-
-@contextlib.contextmanager
-def _nothing_recorded(model: nn.Module) -> Iterator[None]:
-    yield None
 
 
 @contextlib.contextmanager
