@@ -248,6 +248,15 @@ class _InputMean:
         self.total = part if self.total is None else self.total + part
         self.count += x.shape[0]
 
+    def scale_channels(self, k: Tensor) -> None:
+        """Multiply the recorded mean of every channel (``axis``) by ``k`` (an equalization
+        that scaled this layer's input after it was recorded)."""
+        if self.total is None:
+            return
+        shape = [1] * self.total.dim()
+        shape[self.axis % self.total.dim()] = -1
+        self.total = self.total * k.to(self.total.device, torch.float64).reshape(shape)
+
     def _collapse(self, x: Tensor) -> Tensor:
         channel = self.axis % x.dim()
         dims = tuple(d for d in range(1, x.dim()) if d != channel)

@@ -32,7 +32,8 @@ The change lives in the prepared model's parameters (QAT continues from it;
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ from torch.fx import GraphModule
 
 from fxq.calibration.runner import keep_rank0_result, run_batches
 from fxq.fake_quantize import bypass
+from fxq.observer import MinMaxObserver
 from fxq.qat.weighted import WeightedQAT, _Conv
 
 __all__ = ["equalize_depthwise", "EqualizedPair", "depthwise_pairs"]
@@ -191,8 +193,18 @@ def equalize_depthwise(
         raise ValueError("equalize_depthwise: `data` yielded no batch")
     producers = {p: model.get_submodule(p) for p, _ in pairs}
     peaks = _channel_max(batches, model, producers, input_fn)
+    report, _ = _equalize(model, pairs, peaks, max_gain)
+    keep_rank0_result(model)  # the peaks are each rank's own
+    return report
+
+
+def _equalize(
+    model: nn.Module, pairs: list[tuple[str, str]], peaks: dict[str, Tensor], max_gain: float
+) -> tuple[list[EqualizedPair], dict[str, Tensor]]:
+    """Scale each pair by the gains its producer's channel peaks give; the producers' output
+    observers are reset. Returns the report and each scaled producer's gains (float64)."""
     report = []
-    done: set[str] = set()
+    gains: dict[str, Tensor] = {}
     for p, c in pairs:
         if p not in peaks:  # not run by these batches
             continue
@@ -201,14 +213,129 @@ def equalize_depthwise(
         if top <= 0:
             continue
         gain = torch.where(peak > 0, top / peak, torch.ones_like(peak)).clamp(1.0, max_gain)
-        producer: WeightedQAT = producers[p]
-        if p not in done:
+        producer: WeightedQAT = model.get_submodule(p)
+        if p not in gains:
             _scale_output_channels(producer, gain)
             producer.activation_post_process.activation_post_process.reset()
-            done.add(p)
+            gains[p] = gain
         _scale_depthwise_inputs(model.get_submodule(c), gain)
         report.append(
             EqualizedPair(p, c, float(gain.min()), float(gain.max()), int((gain >= max_gain).sum()))
         )
-    keep_rank0_result(model)  # the peaks are each rank's own
+    return report, gains
+
+
+class _ChannelRanges:
+    """Per sample and channel, the min and max of a producer's output (dim 1: channels)."""
+
+    def __init__(self) -> None:
+        self.mins: list[Tensor] = []
+        self.maxs: list[Tensor] = []
+
+    def add(self, out: Tensor) -> None:
+        flat = out.detach().reshape(out.shape[0], out.shape[1], -1).float()
+        self.mins.append(flat.amin(2).double())
+        self.maxs.append(flat.amax(2).double())
+
+    def peak(self) -> Tensor:
+        """The largest magnitude of each channel over everything recorded."""
+        low, high = torch.cat(self.mins).amin(0), torch.cat(self.maxs).amax(0)
+        return torch.maximum(-low, high).float()
+
+
+@contextlib.contextmanager
+def recording_channel_ranges(model: nn.Module) -> Iterator[dict[str, _ChannelRanges] | None]:
+    """Within the block, the outputs of the producers ``equalize_depthwise`` would scale are
+    recorded channel by channel as the model runs, so that ``equalize_calibrated`` can
+    equalize after a calibration pass instead of before it (one pass, not two). Yields None
+    when the model has no such pair."""
+    pairs = depthwise_pairs(model)
+    if not pairs:
+        yield None
+        return
+    found = {p: _ChannelRanges() for p, _ in pairs}
+    handles = [
+        model.get_submodule(p).register_forward_hook(
+            lambda m, args, out, r=ranges: r.add(out) if out.dim() > 1 and out.numel() else None
+        )
+        for p, ranges in found.items()
+    ]
+    try:
+        yield found
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def can_equalize_calibrated(model: nn.Module, mean_ranged: set[int]) -> bool:
+    """Whether ``equalize_calibrated`` can give every producer the range a calibration after
+    equalizing would: its output observer is a per-sample mean range (``id`` of the fake
+    quant in ``mean_ranged``) or a plain global min / max, and the process is alone (the
+    recorded ranges are not combined across ranks)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return False
+    for p, _ in depthwise_pairs(model):
+        fq = model.get_submodule(p).activation_post_process
+        if id(fq) not in mean_ranged and type(fq.activation_post_process) is not MinMaxObserver:
+            return False
+    return True
+
+
+@torch.no_grad()
+def equalize_calibrated(
+    model: nn.Module,
+    recorded: dict[str, _ChannelRanges],
+    mean_ranged: set[int],
+    max_gain: float = 32.0,
+    means: dict[int, Any] | None = None,
+) -> list[EqualizedPair]:
+    """``equalize_depthwise`` after a calibration pass that ``recording_channel_ranges``
+    watched (``can_equalize_calibrated`` must hold): the pairs are scaled as before, and what
+    the pass measured is scaled with them, as a calibration after equalizing would have
+    found it:
+
+    * each producer's output range: the per-sample mean of min / max when its fake quant's
+      id is in ``mean_ranged``, else the global min / max, of the gains times the recorded
+      per-sample, per-channel extremes;
+    * the weight scales of both layers of each pair, observed again;
+    * the depthwise convs' mean inputs in ``means`` (``recording_input_means``), per channel.
+
+    The calibration saw float activations, and the pairs' float outputs do not change
+    (ReLU6 included: a channel is amplified only up to its own recorded peak), so the rest
+    of the model's statistics stand.
+    """
+    pairs = depthwise_pairs(model)
+    peaks = {p: r.peak() for p, r in recorded.items() if r.mins}
+    report, gains = _equalize(model, pairs, peaks, max_gain)
+    refreshed: set[str] = set()
+    for p, gain in gains.items():
+        ranges = recorded[p]
+        k = gain.reshape(1, -1)
+        low = torch.cat(ranges.mins).mul(k).amin(1)  # per sample
+        high = torch.cat(ranges.maxs).mul(k).amax(1)
+        fq = model.get_submodule(p).activation_post_process
+        if id(fq) in mean_ranged:  # the float32 of the float64 means, as MeanMinMaxObserver
+            low, high = low.sum() / low.numel(), high.sum() / high.numel()
+        else:
+            low, high = low.amin(), high.amax()
+        obs = fq.activation_post_process
+        obs._resize_to(obs.min_val.new_empty(1))
+        obs.min_val.copy_(low.reshape(1).float())
+        obs.max_val.copy_(high.reshape(1).float())
+        fq.update_scale()
+        refreshed.add(p)
+    for p, c in pairs:
+        if p not in gains:
+            continue
+        if means is not None and id(model.get_submodule(c)) in means:
+            means[id(model.get_submodule(c))].scale_channels(gains[p].float())
+        refreshed.add(c)
+    for name in refreshed:  # the weight scales of the new weights
+        layer: WeightedQAT = model.get_submodule(name)
+        wfq = layer.weight_fake_quant
+        wfq.activation_post_process.reset()
+        layer.quantized_weight()
+        wfq.finalize()
     return report

@@ -273,25 +273,59 @@ def test_mixed_precision_can_rank_with_float_weights(bayes, pretrained, capsys):
     assert same["module_name"].keys() == ranked["module_name"].keys()
 
 
-def test_default_measures_its_bias_correction_while_calibrating(bayes, pretrained):
-    """The fast bias correction takes each layer's mean float input from the calibration pass
-    (which passes float activations through) instead of a pass of its own, with the result
-    of the separate correction."""
+def test_default_calibrates_in_one_pass_as_two_passes_would(bayes, pretrained):
+    """Without its learned rounding (``iters=0``) the default runs the model once per batch:
+    the depthwise equalization is applied after the calibration pass, from channel ranges
+    recorded in it, and the fast bias correction's mean inputs are recorded in it too. The
+    result is that of equalizing first and then calibrating and correcting, each with a pass
+    of its own (up to float rounding: the equalized activations are computed, not scaled)."""
+    from fxq.calibration.equalization import equalize_depthwise
+
     model, calib, held, ref = pretrained
     counted = fxq.prepare_qat_fx(model, {"": calib_q8})
     calls = []
     counted.get_submodule("0.0.0").register_forward_hook(lambda *a: calls.append(1))
-    ptq(counted, calib, show_progress=False)
-    assert len(calls) == 2 * len(calib) + 1  # equalization, calibration, the layer order
-    separate = ptq(
-        fxq.prepare_qat_fx(model, {"": calib_q8}), calib, bias_correction=False, show_progress=False
-    )
+    ptq(counted, calib, iters=0, show_progress=False)
+    assert len(calls) == len(calib)
+    separate = fxq.prepare_qat_fx(model, {"": calib_q8})
+    assert len(equalize_depthwise(separate, calib)) == 6
+    ptq(separate, calib, iters=0, equalize=False, bias_correction=False, show_progress=False)
     before = _integer_sqnr(copy.deepcopy(separate), held, ref)
     bias_correction(separate, calib, mode="fast", skip_depthwise=True)
     after, expected = counted.state_dict(), separate.state_dict()
     assert after.keys() == expected.keys()
-    assert all(torch.equal(after[k], expected[k]) for k in expected)
-    assert _integer_sqnr(counted, held, ref) > before + 0.2  # measured: 14.39 -> 14.73 dB
+    for k, v in expected.items():
+        finite = v.isfinite() if v.is_floating_point() else None
+        if finite is not None and finite.any():
+            assert torch.equal(after[k][~finite], v[~finite]), k  # unobserved: +-inf
+            v, difference = v[finite], float((after[k][finite] - v[finite]).abs().max())
+            if k.endswith("bias"):  # a corrected bias moves more: where the scales differ in
+                # their last bits, a value of the quantized mean input can flip a level
+                assert difference < 1e-4, k  # measured: 5e-5
+            else:
+                assert difference <= 1e-5 * float(v.abs().max()), k
+    one_pass = _integer_sqnr(counted, held, ref)
+    assert one_pass == pytest.approx(_integer_sqnr(separate, held, ref), abs=0.05)  # 14.76, 14.73
+    assert one_pass > before + 0.2  # measured: 14.39 dB uncorrected
+
+
+def test_default_learns_its_rounding_on_the_first_samples(bayes, pretrained):
+    """The default ends with a short learned rounding (``DEFAULT_ROUNDING``) on the first 32
+    samples, with no bias correction (the rounding fits the float block outputs itself);
+    ``iters=0`` leaves it out and corrects the biases instead."""
+    from fxq.calibration.ptq import DEFAULT_ROUNDING
+
+    assert DEFAULT_ROUNDING["num_samples"] == 32 and DEFAULT_ROUNDING["iters"] > 0
+    model, calib, held, ref = pretrained
+    plain = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, iters=0, show_progress=False)
+    default = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, show_progress=False)
+    low, high = _integer_sqnr(plain, held, ref), _integer_sqnr(default, held, ref)
+    assert high > low + 1.5, (low, high)  # measured: 14.76 -> 17.19 dB
+    # the learned weights lie on their grid (the rounding is in the float weights, so QAT and
+    # convert_fx start from it)
+    layer = default.get_submodule("0.2.conv.1.0")
+    w = layer.folded_weight().detach() / layer.weight_fake_quant.scale.reshape(-1, 1, 1, 1)
+    assert float((w - w.round()).abs().max()) < 1e-3
 
 
 def test_calibration_outputs_are_the_float_models(bayes, pretrained):
