@@ -16,7 +16,8 @@ per batch (``attention_mask``). Nothing is downloaded.
 Methods, march bayes, each measured on the **converted integer model**
 (``convert_fx``; bit-exact with the QAT model in VALIDATION state):
 
-* ``int8``: every activation int8, ``fxq.calibration.ptq(..., method="default")``;
+* ``int8``: every activation int8, ``fxq.calibration.ptq(..., method="default", iters=0)``
+  (the default's ranges, without its learned rounding);
 * ``int16_act``: int8 weights, every activation int16
   (``default_qat_8bit_weight_16bit_act_fake_quant_qconfig``), the same ``ptq``;
 * ``int16_act_key8``: ``int16_act`` with int8 keys (``INT8_KEYS``): the
@@ -355,11 +356,13 @@ def fxq_quantize(
 
     The fast bias correction stays off (``bias_correction=False``, ``ptq``'s documented
     default when this was measured): its mean output shift is taken over batches and the
-    padded batches here differ in length."""
+    padded batches here differ in length. ``iters=0``: the default's ranges alone, without
+    the short learned rounding that the default has since gained (what these numbers
+    measured; the rounding has not been measured on this model)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prepared = fxq.prepare_qat_fx(model, qconfig_dict, example_inputs=calib[0])
-        ptq(prepared, list(calib), "default", bias_correction=False, show_progress=False)
+        ptq(prepared, list(calib), "default", bias_correction=False, iters=0, show_progress=False)
         return fxq.convert_fx(prepared)
 
 

@@ -12,8 +12,9 @@
 * ``bias_correction(model, data)``: each layer's mean output matched to the
   float model's (layer by layer, or NNCF's fast form);
 * ``ptq(model, data, method="default" | "best")``: the post-training recipes
-  in one call (wide model outputs, per-sample mean ranges, fast bias
-  correction; ``"best"`` adds learned rounding);
+  in one call (wide model outputs, per-sample mean ranges, depthwise-input
+  equalization, a short learned rounding; ``"best"`` chooses between two range
+  settings and learns longer);
 * ``mixed_precision(float_model, calib_model, data, int16_budget=0.1)``: a
   qconfig_dict giving int16 (or float) to the most sensitive activations.
 

@@ -7,38 +7,51 @@ QAT can continue from it and ``convert_fx`` gives the integer model.
 Methods (MobileNetV2 on real photos, logits SQNR against float: see
 ``docs/accuracy.md``):
 
-* ``"default"``: the recipe to use unless there is a reason not to, two
-  passes over the calibration data (MobileNetV2, 96 crops, 2 cores: 4-6 s):
+* ``"default"``: the recipe to use unless there is a reason not to: one pass
+  over the calibration data, then a short learned rounding on its first 32
+  samples (MobileNetV2, 96 crops, 2 cores: about 8 s, 18.2 dB; see
+  ``docs/accuracy.md``):
 
-  1. **depthwise inputs equalized** (``equalize=True``,
-     ``fxq.calibration.equalization.equalize_depthwise``): the output
-     channels of a conv that feeds a depthwise conv are scaled to a common
-     range and the depthwise weights take the inverse, so the per-tensor
-     int8 activation between them serves every channel (the effect of NNCF's
-     per-channel activation quantizers there, with per-tensor arithmetic);
-  2. **model outputs wide**: an output produced by a conv / linear keeps its
+  1. **model outputs wide**: an output produced by a conv / linear keeps its
      int32 accumulator on marches that have a high-precision output; other
      outputs become int16 where the march has int16 activations, else keep
      their qconfig's int8 observer (a global min / max);
-  3. **ranges**: every other int8 activation takes the mean over calibration
+  2. **ranges**: every other int8 activation takes the mean over calibration
      samples of each sample's min and max (``mean_min_max``, NNCF's range
      estimator), not the global extremes that a few images stretch; int16
      activations keep their qconfig's observer (global min / max: 16 bits
      leave levels to spare, clipping would only cost);
-  4. **fast bias correction** (``bias_correction=True``, NNCF's formulation,
-     ``bias_correction(..., mode="fast", skip_depthwise=True)``): per layer
-     except depthwise convs, the mean output shift caused by rounding its
-     weights and quantizing its mean input is folded into its bias. The mean
-     inputs are recorded during the calibration pass, which passes float
-     activations through (no pass of its own).
+  3. **depthwise inputs equalized** (``equalize=True``,
+     ``fxq.calibration.equalization``): the output channels of a conv that
+     feeds a depthwise conv are scaled to a common range and the depthwise
+     weights take the inverse, so the per-tensor int8 activation between them
+     serves every channel (the effect of NNCF's per-channel activation
+     quantizers there, with per-tensor arithmetic). The channel ranges are
+     recorded in the calibration pass and the pairs scaled after it, with the
+     ranges and weight scales it found scaled alike (``equalize_calibrated``;
+     the same result as equalizing first, without a pass of its own);
+  4. **learned rounding** (``weight_reconstruction(block_depth=2, iters=12,
+     batch_size=4, lr=0.7, num_samples=32)``, ``DEFAULT_ROUNDING``): block by
+     block, the weights' up / down rounding is fitted to the float block
+     outputs. The recorded streams cost in proportion to the samples, so only
+     the first batches holding 32 samples are used. It replaces the fast bias
+     correction, which lowers the result when the rounding is learned after it.
+     Options (e.g. ``iters=0``) override the settings; with ``iters=0`` the
+     default corrects the biases instead (``bias_correction(..., mode="fast",
+     skip_depthwise=True)``, NNCF's formulation: per layer except depthwise
+     convs, the mean output shift caused by rounding its weights and quantizing
+     its mean input is folded into its bias, from mean inputs recorded in the
+     calibration pass).
 
 * ``"calibrate"``: the observers of the qconfig as they are (``calibrate``).
-* ``"best"``: the ranges of ``"default"`` or percentile ranges (99.99 %),
-  both recorded in one calibration pass, whichever gives the smaller output
+* ``"best"``: the depthwise inputs equalized first (a pass of its own: the
+  percentile ranges must see the equalized activations), then the ranges of
+  ``"default"`` or percentile ranges (99.99 %), both recorded in one
+  calibration pass, whichever gives the smaller output
   error with the weights left unrounded on the first two calibration
   batches, then learned weight rounding block by block
   (``weight_reconstruction(block_depth=2, iters=30, batch_size=4,
-  lr=0.4)``). Learned rounding absorbs the weights' rounding but not the
+  lr=0.4)`` on every sample, ``BEST_ROUNDING``). Learned rounding absorbs the weights' rounding but not the
   activations' clipping, so the clipped ranges that serve ``"default"`` best
   can be the wrong start (on EfficientNet-Lite0 percentile ranges end 1.4 dB
   higher, on MobileNetV2 2.1 dB lower), and the activations' own error
@@ -70,7 +83,15 @@ from fxq.observer import ObserverBase
 from fxq.qat.base import QATModule
 from fxq.qat.weighted import WeightedQAT
 
-__all__ = ["ptq", "PTQ_METHODS", "output_quants", "activation_quants", "widen_outputs"]
+__all__ = [
+    "ptq",
+    "PTQ_METHODS",
+    "DEFAULT_ROUNDING",
+    "BEST_ROUNDING",
+    "output_quants",
+    "activation_quants",
+    "widen_outputs",
+]
 
 PTQ_METHODS = ("default", "calibrate", "best")
 
@@ -294,15 +315,17 @@ def ptq(
         output: how model outputs are quantized (``widen_outputs``): ``"auto"``,
             ``"int16"`` or ``"int8"`` (the qconfig's dtype and observer).
         bias_correction: fold the fast bias correction into the biases (after
-            the ranges, before any learned rounding); ``None``: yes for
-            ``"default"`` and ``"calibrate"``, no for ``"best"``.
+            the ranges, before any learned rounding); ``None``: yes where no
+            rounding is learned (``"calibrate"``, or ``iters=0``), else no.
         equalize: for ``"default"`` and ``"best"``, first equalize the
             activations that feed depthwise convs channel by channel
             (``fxq.calibration.equalization.equalize_depthwise``).
         num_batches: use only the first batches.
         input_fn: maps a batch to the model's arguments.
-        options: for ``"best"``, arguments of ``weight_reconstruction`` (e.g.
-            ``iters``).
+        options: for ``"default"`` and ``"best"``, arguments of
+            ``weight_reconstruction`` that override the method's learned-rounding
+            settings (``DEFAULT_ROUNDING``, ``BEST_ROUNDING``; e.g. ``iters=0``:
+            none).
 
     Returns:
         ``model``, calibrated, in CALIBRATION state (switch to VALIDATION or

@@ -261,6 +261,32 @@ def test_weight_reconstruction_streams_the_model_once(setup, request):
         )
 
 
+def test_weight_reconstruction_learns_from_the_first_samples(setup):
+    """``num_samples`` keeps the first whole batches holding that many samples (the streams
+    then run those only); the layer order is read from the graph when the graph calls every
+    layer, else from a run."""
+    from fxq.calibration.reconstruction import _graph_order, leading_batches
+    from fxq.calibration.runner import call_order
+    from fxq.qat.weighted import WeightedQAT
+
+    model, calib, _, _ = setup  # 4 batches of 16
+    prepared = _calibrated(model, calib, "min_max")
+    assert leading_batches(prepared, calib, 17) == calib[:2]
+    assert leading_batches(prepared, calib, 16) == calib[:1]
+    assert leading_batches(prepared, calib, 1000) == calib
+    assert leading_batches(prepared, [(b, 0) for b in calib], 20) == [(b, 0) for b in calib[:2]]
+    with pytest.raises(ValueError, match="num_samples must be at least 1, got 0"):
+        leading_batches(prepared, calib, 0)
+    calls = []
+    prepared.c1.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    weight_reconstruction(prepared, calib, num_samples=20, iters=2, show=False)
+    assert calls == [16, 16, 16, 16]  # two batches, through the model and its float copy
+    layers = [m for m in prepared.modules() if isinstance(m, WeightedQAT)]
+    assert _graph_order(prepared, layers) == call_order(prepared, layers, calib[0])
+    outside = copy.deepcopy(prepared.c1)  # a layer the graph does not call
+    assert _graph_order(prepared, [*layers, outside]) is None
+
+
 class _Interrupt(Exception):
     pass
 

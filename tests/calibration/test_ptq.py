@@ -309,6 +309,39 @@ def test_default_calibrates_in_one_pass_as_two_passes_would(bayes, pretrained):
     assert one_pass > before + 0.2  # measured: 14.39 dB uncorrected
 
 
+def test_default_equalizes_int16_producers_after_calibrating_and_others_before(bayes, pretrained):
+    """An int16 producer keeps its qconfig's observer. A global min / max is what the
+    recorded channel ranges also give after equalization; an int16 percentile cannot be
+    rescaled, so the default then equalizes with a pass of its own (the model runs twice
+    per batch) and gets the same ranges as equalizing by hand first."""
+    from fxq.calibration.equalization import equalize_depthwise
+    from fxq.dtypes import qint16 as q16
+    from fxq.qconfig import default_calib_8bit_weight_16bit_act_fake_quant_qconfig as a16
+    from fxq.qconfig import get_default_qconfig
+
+    model, calib, _, _ = pretrained
+    producer = "0.2.conv.0.0"  # feeds the depthwise 0.2.conv.1.0
+    p16 = get_default_qconfig(activation_observer="percentile", activation_qkwargs={"dtype": q16})
+    for qconfig, passes in ((a16, 1), (p16, 2)):
+        qconfig_dict = {"": calib_q8, "module_name": {producer: qconfig}}
+        counted = fxq.prepare_qat_fx(model, qconfig_dict)
+        calls = []
+        counted.get_submodule("0.0.0").register_forward_hook(lambda *a, c=calls: c.append(1))
+        ptq(counted, calib, iters=0, bias_correction=False, show_progress=False)
+        assert len(calls) == passes * len(calib)
+        by_hand = fxq.prepare_qat_fx(model, qconfig_dict)
+        equalize_depthwise(by_hand, calib)
+        ptq(by_hand, calib, iters=0, equalize=False, bias_correction=False, show_progress=False)
+        for name in (producer, "0.2.conv.1.0"):
+            a, b = counted.get_submodule(name), by_hand.get_submodule(name)
+            for fq_a, fq_b in (
+                (a.activation_post_process, b.activation_post_process),
+                (a.weight_fake_quant, b.weight_fake_quant),
+            ):
+                assert torch.allclose(fq_a.scale, fq_b.scale, rtol=1e-5, atol=0), name
+        assert counted.get_submodule(producer).activation_post_process.dtype is q16
+
+
 def test_default_learns_its_rounding_on_the_first_samples(bayes, pretrained):
     """The default ends with a short learned rounding (``DEFAULT_ROUNDING``) on the first 32
     samples, with no bias correction (the rounding fits the float block outputs itself);
