@@ -17,9 +17,10 @@ seeds), it measures
 * fxq: ``ptq`` (``default`` and ``best``), the observers alone
   (``min_max``, the qconfig default, ``mean_min_max``, ``percentile``, ``mse``,
   ``kl``, ``mix``), ``auto_calibrate``, ``percentile+learned_rounding``, and
-  int16 mixed precision (``mixed_int16``: ``mixed_precision`` with a 10% budget,
-  then ``ptq`` default; ``mixed_int16+best``: ranked with float weights
-  (``float_weights=True``), then ``ptq`` best; their time includes the
+  int16 mixed precision (``mixed_int16``: ``mixed_precision`` with a 10% budget
+  on a model calibrated by ``ptq`` default without its learned rounding
+  (``iters=0``), then ``ptq`` default; ``mixed_int16+best``: ranked with float
+  weights (``float_weights=True``), then ``ptq`` best; their time includes the
   sensitivity);
 
 and reports the SQNR of the logits against the float model (dB), top-1
@@ -166,7 +167,9 @@ def fxq_method(model: nn.Module, calib: list[torch.Tensor], method: str, iters: 
     observer = base if base in OBSERVER_METHODS else "min_max"
     qconfig_dict = {"": get_default_qconfig(activation_observer=observer)}
     if method.startswith("mixed_int16"):
-        prepared = ptq(fxq.prepare_qat_fx(model, qconfig_dict), calib, show_progress=False)
+        # ranked on the default's ranges without its learned rounding (iters=0), which
+        # writes the rounded weights into the float ones (float_weights would not see float)
+        prepared = ptq(fxq.prepare_qat_fx(model, qconfig_dict), calib, iters=0, show_progress=False)
         sample = [torch.cat(calib)[::3]]  # a third of the crops rank the activations
         qconfig_dict = mixed_precision(
             model, prepared, sample, int16_budget=0.1, float_weights=method.endswith("best")

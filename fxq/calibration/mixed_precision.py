@@ -14,7 +14,9 @@ with 60 quantized activations raises at most 6 of them. A budget of 0 changes
 nothing (the returned dict then prepares the same model as before).
 
 When learned rounding follows (``ptq(method="best")``), rank with
-``float_weights=True``: the rounding takes away most of the weights' error,
+``float_weights=True`` on a model calibrated without learned rounding
+(``ptq(model, data, iters=0)``: a learned rounding is written back into the
+float weights, and ``float_weights`` refuses such a model): the rounding takes away most of the weights' error,
 so what int16 should go to is the activations' error alone (MobileNetV2,
 10 % int16 then ``best``: 22.07 dB ranked on the quantized weights, 22.43 dB
 ranked with float weights; docs/accuracy.md).
@@ -26,6 +28,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.fx import GraphModule
 
@@ -51,6 +54,23 @@ def _common_qconfig(calib_model: nn.Module) -> QConfig | None:
             n, _ = counts.get(id(m.qconfig), (0, m.qconfig))
             counts[id(m.qconfig)] = (n + 1, m.qconfig)
     return max(counts.values(), key=lambda c: c[0])[1] if counts else None
+
+
+def _weights_on_their_grid(model: nn.Module) -> bool:
+    """Whether every weighted layer's folded weight is a multiple of its scale (within
+    float error): the mark of learned rounding written back."""
+    from fxq.qat.weighted import WeightedQAT
+
+    layers = [m for m in model.modules() if isinstance(m, WeightedQAT)]
+    if not layers:
+        return False
+    with torch.no_grad():
+        for layer in layers:
+            w = layer.folded_weight()
+            ratio = w / layer.weight_fake_quant.scale.reshape([-1] + [1] * (w.dim() - 1))
+            if float((ratio - ratio.round()).abs().max()) > 1e-3:
+                return False
+    return True
 
 
 def _check_budget(name: str, value: float | None) -> float:
@@ -92,7 +112,8 @@ def mixed_precision(
             much output SQNR over the all-int8 model.
         float_weights: measure the sensitivity with the weights unrounded
             (their fake quants bypassed): the ranking for a model whose
-            weight rounding is learned afterwards.
+            weight rounding is learned afterwards. ``calib_model`` must not
+            have learned its rounding already (``ptq(..., iters=0)``).
         show: print the choices.
 
     Returns:
@@ -105,7 +126,8 @@ def mixed_precision(
     Raises:
         ValueError: a budget outside [0, 1]; an int16 budget on a march without
             int16 activations (e.g. bernoulli2); ``calib_model`` without a qconfig
-            to build on.
+            to build on; ``float_weights`` on a model whose weights are already
+            rounded.
     """
     from fxq.debug import sensitivity
 
@@ -132,6 +154,14 @@ def mixed_precision(
     float_rows: list[dict[str, Any]] = []
     int16_rows: list[dict[str, Any]] = []
     weights = weight_quants(calib_model) if float_weights else []  # left unrounded
+    if float_weights and _weights_on_their_grid(calib_model):
+        raise ValueError(
+            "mixed_precision: float_weights=True, but every weight of calib_model already lies "
+            "on its int8 grid (learned rounding writes the rounded weights back, as ptq's "
+            "'default' and 'best' do), so bypassing the weight fake quants would not measure "
+            "float weights; rank on a model calibrated without learned rounding: "
+            "ptq(model, data, iters=0)"
+        )
     if float_share > 0:
         with bypassed(weights):
             rows = sensitivity(

@@ -254,7 +254,12 @@ def test_mixed_precision_can_rank_with_float_weights(bayes, pretrained, capsys):
     rounding): the same choices and SQNRs as on a copy whose weight fake quants pass
     through, and the weights round again afterwards."""
     model, calib, _, _ = pretrained
-    base = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, show_progress=False)
+    learned = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, show_progress=False)
+    with pytest.raises(
+        ValueError, match=r"already lies on its int8 grid.*ptq\(model, data, iters=0\)"
+    ):
+        mixed_precision(model, learned, calib[:1], int16_budget=0.3, float_weights=True)
+    base = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, iters=0, show_progress=False)
     ranked = mixed_precision(
         model, base, calib[:1], int16_budget=0.3, float_weights=True, show=True
     )
