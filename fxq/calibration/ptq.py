@@ -30,7 +30,7 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
      recorded in the calibration pass and the pairs scaled after it, with the
      ranges and weight scales it found scaled alike (``equalize_calibrated``;
      the same result as equalizing first, without a pass of its own);
-  4. **learned rounding** (``weight_reconstruction(block_depth=2, iters=12,
+  4. **learned rounding** (``weight_reconstruction(block_depth="auto", iters=12,
      batch_size=4, lr=0.7, num_samples=32)``, ``DEFAULT_ROUNDING``): block by
      block, the weights' up / down rounding is fitted to the float block
      outputs. The recorded streams cost in proportion to the samples, so only
@@ -50,7 +50,7 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   calibration pass, whichever gives the smaller output
   error with the weights left unrounded on the first two calibration
   batches, then learned weight rounding block by block
-  (``weight_reconstruction(block_depth=2, iters=30, batch_size=4,
+  (``weight_reconstruction(block_depth="auto", iters=30, batch_size=4,
   lr=0.4)`` on every sample, ``BEST_ROUNDING``). Learned rounding absorbs the weights' rounding but not the
   activations' clipping, so the clipped ranges that serve ``"default"`` best
   can be the wrong start (on EfficientNet-Lite0 percentile ranges end 1.4 dB
@@ -99,12 +99,18 @@ PTQ_METHODS = ("default", "calibrate", "best")
 # the range choice; see docs/accuracy.md): iters 60 / batch 4 / lr 0.2 20.46 / 21.14 dB in
 # 33 / 46 s; 30 / 4 / 0.4 20.10 / 21.45 dB in 26 / 28 s; 20 / 8 / 0.4 19.96 / 21.25 dB;
 # 25 / 6 / 0.4 20.22 / 20.82 dB (the draws of samples move a result by a few tenths)
-BEST_ROUNDING = {"block_depth": 2, "iters": 30, "batch_size": 4, "lr": 0.4}
+BEST_ROUNDING = {"block_depth": "auto", "iters": 30, "batch_size": 4, "lr": 0.4}
 # learned rounding in method="default": fewer steps, on the first 32 samples only (the
 # recorded streams cost in proportion to the samples). MobileNetV2 / EfficientNet-Lite0, 96
 # crops, 2 cores: 12 / 4 / 0.7 on 32 samples 18.43 / 17.41 dB, learning 5-7 s; 15 / 4 / 0.6
 # 18.49 / 17.77 dB; none 15.71 / 11.83 dB (16.44 / 12.67 with the fast bias correction instead)
-DEFAULT_ROUNDING = {"block_depth": 2, "iters": 12, "batch_size": 4, "lr": 0.7, "num_samples": 32}
+DEFAULT_ROUNDING = {
+    "block_depth": "auto",
+    "iters": 12,
+    "batch_size": 4,
+    "lr": 0.7,
+    "num_samples": 32,
+}
 
 
 def _producer_quants(

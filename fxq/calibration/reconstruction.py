@@ -427,14 +427,28 @@ class _Stream:
         return [run.fetch_args_kwargs_from_env(node)[0] for run in self.runs]
 
 
+def block_key(name: str, depth: int | str) -> str:
+    """The block a layer's path puts it in: its first ``depth`` components, or with
+    ``"auto"`` its path up to the first index after the first component (``features.3`` in
+    a MobileNet, ``layer1.0`` in a ResNet, ``encoder.layer.0`` in a BERT: one repeated
+    block of a ModuleList or Sequential), the first two components where it has none."""
+    parts = name.split(".")
+    if depth == "auto":
+        for i in range(1, len(parts)):
+            if parts[i].isdigit():
+                return ".".join(parts[: i + 1])
+        depth = 2
+    return ".".join(parts[:depth])
+
+
 def _blocks(
-    layers: list[tuple[str, WeightedQAT]], depth: int
+    layers: list[tuple[str, WeightedQAT]], depth: int | str
 ) -> list[list[tuple[str, WeightedQAT]]]:
-    """Consecutive layers whose paths share their first ``depth`` components."""
+    """Consecutive layers in the same block (``block_key``)."""
     groups: list[list[tuple[str, WeightedQAT]]] = []
     for name, layer in layers:
-        key = ".".join(name.split(".")[:depth])
-        if groups and ".".join(groups[-1][0][0].split(".")[:depth]) == key:
+        key = block_key(name, depth)
+        if groups and block_key(groups[-1][0][0], depth) == key:
             groups[-1].append((name, layer))
         else:
             groups.append([(name, layer)])
@@ -631,7 +645,7 @@ def weight_reconstruction(
     warmup: float = 0.2,
     learned_rounding: bool = True,
     bias_correction: bool = False,
-    block_depth: int | None = None,
+    block_depth: int | str | None = None,
     input_fn: Callable[[Any], Any] | None = None,
     show_progress: bool | None = None,
     show: bool = True,
@@ -657,8 +671,12 @@ def weight_reconstruction(
         block_depth: None learns layer by layer. An integer learns block by
             block: consecutive layers whose paths share their first
             ``block_depth`` components (2: ``layer1.0`` in a ResNet,
-            ``features.3`` in a MobileNet) are trained together on the block's
-            output, with the activations between them fake-quantized.
+            ``features.3`` in a MobileNet; 0: the whole model) are trained
+            together on the block's output, with the activations between them
+            fake-quantized. ``"auto"``: a block is one element of the model's repeated blocks,
+            the path up to its first index (``layer1.0``, ``features.3``, and
+            ``encoder.layer.0`` in a BERT, where depth 2 would make the whole
+            encoder one block); ``block_key``.
             Samples are drawn across batches when the batches stack; a block
             that reads the batch size as a number (attention's reshapes), or
             batches of other shapes (padded sequences of other lengths), train
@@ -683,6 +701,15 @@ def weight_reconstruction(
         raise ValueError("weight_reconstruction: the data yielded no batch")
     if num_samples is not None:
         batches = leading_batches(model, batches, num_samples, input_fn)
+    if (
+        block_depth is not None
+        and block_depth != "auto"
+        and (isinstance(block_depth, bool) or not isinstance(block_depth, int) or block_depth < 0)
+    ):
+        raise ValueError(
+            f"weight_reconstruction: block_depth must be None, an int >= 0 or 'auto', got "
+            f"{block_depth!r}"
+        )
     if block_depth is not None and not isinstance(model, GraphModule):
         raise ValueError(
             "block-wise reconstruction needs the GraphModule returned by prepare_qat_fx"

@@ -287,6 +287,36 @@ def test_weight_reconstruction_learns_from_the_first_samples(setup):
     assert _graph_order(prepared, [*layers, outside]) is None
 
 
+def test_auto_blocks_are_the_repeated_elements():
+    """``block_depth="auto"`` cuts at the first index after the first component: the depth-2
+    blocks of CNNs, one encoder layer of a BERT (depth 2 would make the whole encoder one)."""
+    from fxq.calibration.reconstruction import _blocks, block_key
+
+    assert (
+        block_key("features.3.conv.0.0", "auto")
+        == "features.3"
+        == block_key("features.3.conv.0.0", 2)
+    )
+    assert block_key("layer1.0.conv1", "auto") == "layer1.0"
+    assert block_key("_blocks.12._project_conv", "auto") == "_blocks.12"
+    assert block_key("0.1.conv.1", "auto") == "0.1"  # a Sequential at the top
+    assert block_key("bert.encoder.layer.4.attention.self.query", "auto") == (
+        "bert.encoder.layer.4"
+    )
+    assert block_key("encoder.layer.4.output.dense", 2) == "encoder.layer"
+    assert block_key("_conv_stem", "auto") == "_conv_stem"
+    assert block_key("pooler.dense", "auto") == "pooler.dense"
+    names = ["embeddings.x", "encoder.layer.0.q", "encoder.layer.0.o", "encoder.layer.1.q"]
+    layers = [(n, None) for n in names]
+    assert [[n for n, _ in g] for g in _blocks(layers, "auto")] == [
+        ["embeddings.x"],
+        ["encoder.layer.0.q", "encoder.layer.0.o"],
+        ["encoder.layer.1.q"],
+    ]
+    with pytest.raises(ValueError, match="block_depth must be None, an int >= 0 or 'auto'"):
+        weight_reconstruction(nn.Sequential(nn.Linear(2, 2)), [torch.zeros(1, 2)], block_depth=-1)
+
+
 class _Interrupt(Exception):
     pass
 
