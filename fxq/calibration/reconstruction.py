@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -727,6 +728,15 @@ def weight_reconstruction(
     with layerwise_session(model) as reference:
         layers = _layers_in_order(model, batches[0], input_fn)
         sources = _Sources(model, reference, batches, input_fn, layers)
+        if block_depth is not None and sources.streams is None:
+            inside = [n for n, _ in layers if n not in sources.first_call] or ["some layers"]
+            warnings.warn(
+                f"weight_reconstruction: {', '.join(inside[:5])} run inside other modules (the "
+                "graph does not call them), so the model cannot be cut into blocks; learning "
+                "layer by layer instead (block_depth=None)",
+                stacklevel=2,
+            )
+            block_depth = None
         groups = (
             [[entry] for entry in layers] if block_depth is None else _blocks(layers, block_depth)
         )

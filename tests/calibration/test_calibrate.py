@@ -317,6 +317,19 @@ def test_auto_blocks_are_the_repeated_elements():
         weight_reconstruction(nn.Sequential(nn.Linear(2, 2)), [torch.zeros(1, 2)], block_depth=-1)
 
 
+def test_blocks_fall_back_to_layers_when_the_model_cannot_be_streamed(setup, request):
+    """Blocks are cut from the graph's streams; where the layers cannot be streamed (layers
+    run inside other modules; simulated here), the learning goes layer by layer and says
+    so, instead of failing."""
+    model, calib, _, _ = setup
+    prepared = _calibrated(model, calib, "min_max")
+    request.getfixturevalue("layer_by_layer")
+    with pytest.warns(UserWarning, match="cannot be cut into blocks; learning layer by layer"):
+        rows = weight_reconstruction(prepared, calib, iters=5, block_depth="auto", show=False)
+    assert [r["layer"] for r in rows] == ["c1", "c2", "c3", "fc"]
+    assert all(r["error_learned"] <= r["error_nearest"] for r in rows)
+
+
 class _Interrupt(Exception):
     pass
 
