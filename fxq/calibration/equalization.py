@@ -85,10 +85,22 @@ def depthwise_pairs(model: GraphModule) -> list[tuple[str, str]]:
 
     The producer is a (fused) conv without a residual add whose activation is
     none, ReLU or ReLU6, called once, and whose output goes only to depthwise
-    convs (each called once).
+    convs (each called once); neither shares its weight with another module (a
+    module called at several places is copied per call site, the copies sharing
+    the weight and BatchNorm that the scaling would change for all of them).
     """
     if not isinstance(model, GraphModule):
         return []
+    # call-site copies of a module called several times share its weight (and BatchNorm):
+    # scaling one copy would scale the others' outputs too
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        if isinstance(m, WeightedQAT):
+            owners[id(m.weight)] = owners.get(id(m.weight), 0) + 1
+
+    def shared(m: nn.Module) -> bool:
+        return owners.get(id(m.weight), 0) > 1
+
     calls: dict[str, int] = {}
     for node in model.graph.nodes:
         if node.op == "call_module":
@@ -98,7 +110,7 @@ def depthwise_pairs(model: GraphModule) -> list[tuple[str, str]]:
         if node.op != "call_module" or calls[node.target] != 1:
             continue
         producer = model.get_submodule(node.target)
-        if not _can_scale_output(producer) or not node.users:
+        if not _can_scale_output(producer) or not node.users or shared(producer):
             continue
         consumers = []
         for user in node.users:
@@ -109,6 +121,7 @@ def depthwise_pairs(model: GraphModule) -> list[tuple[str, str]]:
                 and node not in user.args[1:]
                 and node not in user.kwargs.values()
                 and _is_depthwise(model.get_submodule(user.target))
+                and not shared(model.get_submodule(user.target))
             )
             if not ok:
                 break
@@ -332,6 +345,16 @@ def equalize_calibrated(
         if means is not None and id(model.get_submodule(c)) in means:
             means[id(model.get_submodule(c))].scale_channels(gains[p].float())
         refreshed.add(c)
+    # an all-zero output takes its scale from its inputs' (FakeQuantize.zero_range_inputs):
+    # one whose inputs include a rescaled producer output takes it again
+    rescaled = {id(model.get_submodule(p).activation_post_process) for p in gains}
+    for fq in model.modules():
+        inputs = getattr(fq, "zero_range_inputs", ())
+        if not any(q is not None and id(q) in rescaled for q in inputs):
+            continue
+        obs = fq.activation_post_process
+        if fq.observed.any() and obs.has_statistics() and float(obs.amax().max()) == 0:
+            fq.update_scale()
     for name in refreshed:  # the weight scales of the new weights
         layer: WeightedQAT = model.get_submodule(name)
         wfq = layer.weight_fake_quant

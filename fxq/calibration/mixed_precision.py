@@ -61,7 +61,8 @@ def _weights_on_their_grid(model: nn.Module) -> bool:
     float error): the mark of learned rounding written back."""
     from fxq.qat.weighted import WeightedQAT
 
-    layers = [m for m in model.modules() if isinstance(m, WeightedQAT)]
+    # the layers learned rounding learns (standalone layers, inside fx_wrap code, keep float)
+    layers = [m for m in model.modules() if isinstance(m, WeightedQAT) and not m.standalone]
     if not layers:
         return False
     with torch.no_grad():

@@ -149,3 +149,30 @@ def test_fast_bias_correction_on_sequences_of_different_lengths(bayes):
     bias_correction(same, [b.mean(1, keepdim=True) for b in batches], mode="fast")
     assert [r["layer"] for r in rows] == ["fc1", "fc2"] and rows[0]["shift"] > 0
     assert torch.allclose(prepared.fc1.bias, same.fc1.bias, atol=1e-6)
+
+
+class _CalledTwice(nn.Module):
+    """A conv-bn-relu6 called at two places, each output feeding its own depthwise conv: the
+    call-site copies share one weight and BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = Block()
+        self.p = nn.Sequential(block.expand, block.bn1, nn.ReLU6())
+        self.d1 = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.d2 = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+
+    def forward(self, x):
+        return self.d1(self.p(x)) + self.d2(self.p(x * 0.5))
+
+
+def test_a_producer_called_twice_is_not_equalized(bayes):
+    """Scaling one call site's shared BatchNorm would scale the other's output too: such
+    pairs are left alone, and the float function stays the same."""
+    model = _CalledTwice().eval()
+    prepared = fxq.prepare_qat_fx(model, {"": calib_q8})
+    x = torch.cat(_data(2, 1))
+    assert depthwise_pairs(prepared) == []
+    ptq(prepared, _data(2, 0), iters=0, bias_correction=False, show_progress=False)
+    with torch.no_grad(), bypass(prepared):
+        assert torch.allclose(prepared(x), model(x), atol=1e-5)
