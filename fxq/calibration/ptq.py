@@ -29,7 +29,9 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
      quantizers there, with per-tensor arithmetic). The channel ranges are
      recorded in the calibration pass and the pairs scaled after it, with the
      ranges and weight scales it found scaled alike (``equalize_calibrated``;
-     the same result as equalizing first, without a pass of its own);
+     the same result as equalizing first, without a pass of its own; under
+     ``torch.distributed`` with several ranks, or for an int16 producer whose
+     observer is not a min / max, it is equalized first, with a pass);
   4. **learned rounding** (``weight_reconstruction(block_depth="auto", iters=12,
      batch_size=4, lr=0.7, num_samples=32)``, ``DEFAULT_ROUNDING``): block by
      block, the weights' up / down rounding is fitted to the float block
@@ -44,12 +46,12 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
      calibration pass).
 
 * ``"calibrate"``: the observers of the qconfig as they are (``calibrate``).
-* ``"best"``: the depthwise inputs equalized first (a pass of its own: the
-  percentile ranges must see the equalized activations), then the ranges of
-  ``"default"`` or percentile ranges (99.99 %), both recorded in one
-  calibration pass, whichever gives the smaller output
-  error with the weights left unrounded on the first two calibration
-  batches, then learned weight rounding block by block
+* ``"best"``: the same one calibration pass and equalization, then the ranges
+  of ``"default"`` or percentile ranges (99.99 %), both recorded in that pass
+  (the equalized producers' outputs keep their mean range in both: a
+  histogram cannot be rescaled channel by channel), whichever gives the
+  smaller output error with the weights left unrounded on the first
+  calibration batch, then learned weight rounding block by block
   (``weight_reconstruction(block_depth="auto", iters=30, batch_size=4,
   lr=0.4)`` on every sample, ``BEST_ROUNDING``). Learned rounding absorbs the weights' rounding but not the
   activations' clipping, so the clipped ranges that serve ``"default"`` best
@@ -60,8 +62,8 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   ``bias_correction=True`` is passed): the rounding fits the float block
   outputs itself, and a correction first lowered the result by 1.2 dB
   (MobileNetV2) to 3.6 dB (Lite0 with int16 mixed precision); one after, by
-  0.4-0.6 dB. 22-30 s on MobileNetV2 with 96 crops on 2 cores, about twice
-  NNCF's ``nncf.quantize`` in the same runs (11-12 s; ``benchmarks/RESULTS.md``).
+  0.4-0.6 dB. 15-19 s on MobileNetV2 with 96 crops on 2 cores, about 1.5x
+  NNCF's ``nncf.quantize`` in the same runs (10-12 s; ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -381,6 +383,7 @@ def ptq(
                 _fast_bc(model, batches, input_fn, show_progress, means)
             return model
         from fxq.calibration import equalization
+        from fxq.calibration.equalization import depthwise_pairs as pairs_of
 
         widen_outputs(model, output)
         outputs = {id(m.activation_post_process) for _, m in output_quants(model)}
@@ -389,27 +392,30 @@ def ptq(
         inner = [
             fq for fq in activation_quants(model) if id(fq) not in outputs and fq.dtype.bits <= 8
         ]
-        # "default" equalizes after its calibration pass, from channel ranges recorded in it
-        # (one pass instead of two, same result); "best"'s percentile ranges must see the
-        # equalized activations, so it equalizes first
+        # the depthwise equalization is applied after the calibration pass, from channel
+        # ranges recorded in it (one pass instead of two, same result), where it can be
         mean_ranged = {id(fq) for fq in inner}
-        after = (
-            equalize
-            and method == "default"
-            and equalization.can_equalize_calibrated(model, mean_ranged)
-        )
+        after = equalize and equalization.can_equalize_calibrated(model, mean_ranged)
         if equalize and not after:
             equalization.equalize_depthwise(model, batches, input_fn=input_fn)
         channels = (
             equalization.recording_channel_ranges(model) if after else contextlib.nullcontext()
         )
         # "best" also weighs percentile ranges, observed in the same pass (calibration
-        # passes float activations through, so both observers see the same tensors)
-        wide = [PercentileObserver() for _ in inner] if method == "best" else []
+        # passes float activations through, so both observers see the same tensors); not
+        # on the outputs equalized after the pass (a histogram cannot be rescaled channel by
+        # channel): those keep their mean range in both candidates
+        scaled = (
+            {id(model.get_submodule(p).activation_post_process) for p, _ in pairs_of(model)}
+            if after
+            else set()
+        )
+        candidates = [fq for fq in inner if id(fq) not in scaled] if method == "best" else []
+        wide = [PercentileObserver() for _ in candidates]
         compared = _COMPARED_BATCHES if method == "best" else 0
         with (
             observers_swapped(inner, MeanMinMaxObserver),
-            _also_observed(inner, wide),
+            _also_observed(candidates, wide),
             recorded as means,
             _first_outputs(model, compared) as reference,
             channels as ranges,
@@ -420,7 +426,7 @@ def ptq(
         if method == "best":
             mean_error = _activation_error(model, batches, reference, input_fn)
             mean = _ModelSnapshot(model)
-            _take_ranges(inner, wide)
+            _take_ranges(candidates, wide)
             if _activation_error(model, batches, reference, input_fn) >= mean_error:
                 mean.restore()
             keep_rank0_result(model)  # every rank learns from the same start

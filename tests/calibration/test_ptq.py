@@ -95,6 +95,27 @@ def test_best_learns_rounding_on_top_of_default(bayes, pretrained):
     assert _integer_sqnr(corrected, held, ref) < high - 0.4  # measured: 26.55
 
 
+def test_best_equalizes_from_its_calibration_pass(bayes, pretrained):
+    """``best`` runs the model once per batch to calibrate (the equalization is applied after
+    that pass, not before it with a pass of its own), once per compared batch for each
+    candidate, and once per batch in each of the learning's two streams; the equalized producers' outputs keep their mean range in
+    both candidates (a histogram cannot be rescaled channel by channel)."""
+    from fxq.calibration.ptq import _COMPARED_BATCHES
+
+    model, calib, _, _ = pretrained
+    best = fxq.prepare_qat_fx(model, {"": calib_q8})
+    calls = []
+    best.get_submodule("0.0.0").register_forward_hook(lambda *a: calls.append(1))
+    ptq(best, calib, "best", iters=1, show_progress=False)
+    # + the learning of the first block itself: its one step and its two checks
+    assert len(calls) == len(calib) + 2 * _COMPARED_BATCHES + 2 * len(calib) + 1 + 2
+    plain = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, iters=0, show_progress=False)
+    for producer in ("0.2.conv.0.0", "0.3.conv.0.0", "0.6.conv.0.0"):
+        a = best.get_submodule(producer).activation_post_process.scale
+        b = plain.get_submodule(producer).activation_post_process.scale
+        assert torch.equal(a, b), producer
+
+
 def test_best_compares_the_ranges_with_the_weights_unrounded(bayes, pretrained):
     """The error that picks best's start is the model's with float weights (learned rounding
     works on the weights' error, not on the activations'), and the weights round again after."""
