@@ -9,7 +9,7 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
 
 * ``"default"``: the recipe to use unless there is a reason not to: one pass
   over the calibration data, then a short learned rounding on its first 32
-  samples (MobileNetV2, 96 crops, 2 cores: about 8 s, 18.2 dB; see
+  samples (MobileNetV2, 96 crops, 2 cores: 7-9 s, 18.2 dB; see
   ``docs/accuracy.md``):
 
   1. **model outputs wide**: an output produced by a conv / linear keeps its
@@ -62,8 +62,8 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   ``bias_correction=True`` is passed): the rounding fits the float block
   outputs itself, and a correction first lowered the result by 1.2 dB
   (MobileNetV2) to 3.6 dB (Lite0 with int16 mixed precision); one after, by
-  0.4-0.6 dB. 15-19 s on MobileNetV2 with 96 crops on 2 cores, about 1.5x
-  NNCF's ``nncf.quantize`` in the same runs (10-12 s; ``benchmarks/RESULTS.md``).
+  0.4-0.6 dB. 16-18 s on MobileNetV2 with 96 crops on 2 cores, 1.3x
+  NNCF's ``nncf.quantize`` in the same run (12.5 s; ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
