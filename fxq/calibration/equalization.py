@@ -43,7 +43,7 @@ from torch.fx import GraphModule
 
 from fxq.calibration.runner import keep_rank0_result, run_batches
 from fxq.fake_quantize import bypass
-from fxq.observer import MinMaxObserver
+from fxq.observer import MinMaxObserver, world_size
 from fxq.qat.weighted import WeightedQAT, _Conv
 
 __all__ = ["equalize_depthwise", "EqualizedPair", "depthwise_pairs"]
@@ -285,9 +285,7 @@ def can_equalize_calibrated(model: nn.Module, mean_ranged: set[int]) -> bool:
     equalizing would: its output observer is a per-sample mean range (``id`` of the fake
     quant in ``mean_ranged``) or a plain global min / max, and the process is alone (the
     recorded ranges are not combined across ranks)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         return False
     for p, _ in depthwise_pairs(model):
         fq = model.get_submodule(p).activation_post_process

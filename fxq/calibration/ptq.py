@@ -325,9 +325,11 @@ def ptq(
         bias_correction: fold the fast bias correction into the biases (after
             the ranges, before any learned rounding); ``None``: yes where no
             rounding is learned (``"calibrate"``, or ``iters=0``), else no.
-        equalize: for ``"default"`` and ``"best"``, first equalize the
-            activations that feed depthwise convs channel by channel
-            (``fxq.calibration.equalization.equalize_depthwise``).
+        equalize: for ``"default"`` and ``"best"``, equalize the activations
+            that feed depthwise convs channel by channel
+            (``fxq.calibration.equalization``: after the calibration pass, from
+            the channel ranges recorded in it, where it can; else first, with
+            ``equalize_depthwise``).
         num_batches: use only the first batches.
         input_fn: maps a batch to the model's arguments.
         options: for ``"default"`` and ``"best"``, arguments of
