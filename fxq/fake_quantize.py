@@ -93,7 +93,9 @@ class _FakeQuantSTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (mask,) = ctx.saved_tensors
-        return grad * mask, None, None, None, None, None, None
+        # ``where`` rather than ``grad * mask``: the product first converts the bool mask
+        # to grad's dtype (a pass and a copy more)
+        return torch.where(mask, grad, 0.0), None, None, None, None, None, None
 
 
 def fake_quantize_ste(
@@ -418,6 +420,8 @@ class FakeQuantize(nn.Module):
     # -- forward -----------------------------------------------------------
     #: set by ``bypass``: neither observe nor round (the float model)
     bypassed = False
+    #: set by ``training_rounding``: VALIDATION rounds with QAT training's formula
+    inexact = False
 
     def forward(self, x: Tensor) -> Tensor:
         """Observe and / or round ``x`` as the state says (dtypes: see ``fake_quantize_ste``)."""
@@ -428,7 +432,9 @@ class FakeQuantize(nn.Module):
         state = self.state
         if state is FakeQuantState.VALIDATION:
             self._require_observed()
-            return fake_quantize_ste(x, self.scale, self.dtype, self.rounding, self.ch_axis)
+            return fake_quantize_ste(
+                x, self.scale, self.dtype, self.rounding, self.ch_axis, exact=not self.inexact
+            )
         if x.numel() == 0:  # an empty tensor carries no statistics (as in torch.ao)
             return x
         self.activation_post_process(x)
@@ -536,6 +542,29 @@ def bypass(model: nn.Module) -> Iterator[nn.Module]:
         for m, simulate, state in saved_qat:
             _restore_attribute(m, "simulate_integer", simulate)
             m.state = state
+
+
+@contextlib.contextmanager
+def training_rounding(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block the model's fake quants round in VALIDATION as in QAT training:
+    multiplied by ``1 / scale`` and ``floor(v + 0.5)``, three passes over the tensor fewer
+    than the exact division and rounding (``fake_quantize``). The two differ at most by
+    one step, where ``x / scale`` lies within a float32 rounding of a half: for the many
+    steps of an optimisation that only approximates the integer model anyway (learned
+    rounding), not for results that must equal the integer model. Re-entrant like
+    ``bypass``."""
+    saved = [
+        (m, m.__dict__.get("inexact", _UNSET))
+        for m in model.modules()
+        if isinstance(m, FakeQuantize)
+    ]
+    try:
+        for m, _ in saved:
+            m.inexact = True
+        yield model
+    finally:
+        for m, value in saved:
+            _restore_attribute(m, "inexact", value)
 
 
 def weight_quants(model: nn.Module) -> list[FakeQuantize]:

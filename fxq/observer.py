@@ -69,6 +69,26 @@ def keep_dtypes(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
     return apply
 
 
+def memory_order(x: Tensor, keep_batch: bool = False) -> Tensor:
+    """``x`` with its dims permuted into the order they lie in memory, when that makes a
+    contiguous view (``channels_last``: NCHW -> NHWC); else ``x`` itself. With
+    ``keep_batch`` only a permutation that leaves dim 0 first is used (per-sample
+    reductions).
+
+    Reductions over every element, or over all but the batch dim, then read the memory as
+    it lies instead of first copying the tensor into the default layout (``reshape``,
+    ``aminmax`` and ``histc`` copy a ``channels_last`` tensor: a third of an observer's
+    time).
+    """
+    if x.dim() < 2 or x.is_contiguous():
+        return x
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    if keep_batch and order[0] != 0:
+        return x
+    dense = x.permute(order)
+    return dense if dense.is_contiguous() else x
+
+
 def rowwise_minmax(flat: Tensor) -> tuple[Tensor, Tensor]:
     """The min and max of each row of a 2-d tensor.
 
@@ -112,7 +132,7 @@ class ObserverBase(nn.Module):
         """Per-tensor ``[1]`` or per-channel ``[C]`` float32 min and max of a non-empty ``x``."""
         x = x.detach()
         if self.ch_axis is None:
-            mn, mx = torch.aminmax(x)
+            mn, mx = torch.aminmax(memory_order(x))
             return mn.reshape(1).float(), mx.reshape(1).float()
         axis = self.ch_axis % x.dim()
         flat = x.transpose(0, axis).reshape(x.shape[axis], -1)

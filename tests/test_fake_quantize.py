@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import fxq
 import fxq.debug
@@ -43,6 +44,25 @@ def test_straight_through_gradient_is_zero_where_clipped(bayes):
     x = torch.tensor([0.3, 126.9, 127.6, -128.4, -129.0], requires_grad=True)
     fq(x).sum().backward()
     assert x.grad.tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]
+
+
+def test_training_rounding_gives_validation_the_qat_formula_within_the_block(bayes):
+    """Learned rounding's steps round as QAT training does (three passes fewer); the
+    formulas differ at the float just below a half, where only the exact one rounds down."""
+    from fxq.fake_quantize import training_rounding
+
+    fq = _fq()
+    fq.scale.fill_(1.0)
+    fq.observed.fill_(True)
+    fq.set_fake_quant_state("validation")
+    x = torch.tensor([0.5 - 2**-25, 1.5, -2.5, 7.3])
+    assert fq(x).tolist() == [0.0, 2.0, -2.0, 7.0]
+    with training_rounding(nn.Sequential(fq)):
+        assert fq(x).tolist() == [1.0, 2.0, -2.0, 7.0]
+        with training_rounding(fq):  # re-entrant
+            pass
+        assert fq.inexact
+    assert fq(x).tolist() == [0.0, 2.0, -2.0, 7.0] and "inexact" not in fq.__dict__
 
 
 def test_states(bayes):

@@ -5,7 +5,13 @@ import pytest
 import torch
 
 import fxq.observer
-from fxq.calibration.observers import HistogramObserver, MSEObserver, PerChannelMSEObserver
+from fxq.calibration.observers import (
+    HistogramObserver,
+    MeanMinMaxObserver,
+    MSEObserver,
+    PercentileObserver,
+    PerChannelMSEObserver,
+)
 from fxq.observer import (
     FixedScaleObserver,
     MinMaxObserver,
@@ -156,3 +162,42 @@ def test_observer_module_imports_nothing_from_calibration():
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module or "")
     assert {m for m in imported if m.startswith("fxq")} == set()
+
+
+def _channels_last_sample() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(3, 5, 7, 6, generator=torch.Generator().manual_seed(0))
+    x[1, 2, 3, 4] = 9.0  # one outlier, so the statistics are not symmetric
+    return x, x.contiguous(memory_format=torch.channels_last)
+
+
+def test_memory_order_is_a_copy_free_view_in_memory_order():
+    from fxq.observer import memory_order
+
+    x, cl = _channels_last_sample()
+    dense = memory_order(cl)
+    assert dense.is_contiguous() and dense.data_ptr() == cl.data_ptr()
+    assert torch.equal(dense, x.permute(0, 2, 3, 1))  # NCHW -> NHWC
+    assert memory_order(x) is x  # contiguous already
+    assert memory_order(cl, keep_batch=True).shape == (3, 7, 6, 5)  # the batch stays first
+    odd = x.permute(1, 0, 2, 3)  # dim 0 is not the outermost in memory
+    assert memory_order(odd, keep_batch=True) is odd
+    assert memory_order(odd).is_contiguous()
+    sliced = x[:, :, ::2]  # not dense in any order
+    assert memory_order(sliced) is sliced
+
+
+@pytest.mark.parametrize(
+    "make",
+    [MinMaxObserver, PercentileObserver, MeanMinMaxObserver, MSEObserver],
+)
+def test_observers_see_the_same_statistics_in_either_layout(make):
+    """A channels_last tensor (what ``ptq`` runs images in on CPU) is observed without a
+    copy and gives the statistics of the same values in the default layout."""
+    x, cl = _channels_last_sample()
+    a, b = make(), make()
+    for obs, t in ((a, x), (b, cl)):
+        obs(t)
+        obs(t * 0.5 - 1)
+    for key, value in a.state_dict().items():
+        assert torch.equal(value, b.state_dict()[key]), key
+    assert torch.equal(a.amax(), b.amax())

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxq.observer import ObserverBase, register_observer, rowwise_minmax
+from fxq.observer import ObserverBase, memory_order, register_observer, rowwise_minmax
 
 __all__ = [
     "HistogramObserver",
@@ -150,6 +150,7 @@ class HistogramObserver(ObserverBase):
             self.upper = torch.tensor(amax, dtype=torch.float64, device=x.device)
         elif amax > float(self.upper):
             self._grow(amax)
+        x = memory_order(x)
         magnitude = x if float(mn.min()) >= 0 else x.abs()  # ReLU outputs: no copy
         counts = torch.histc(magnitude.float(), self.histogram.numel(), 0.0, float(self.upper))
         if self.counts_zeros:
@@ -426,7 +427,11 @@ class MeanMinMaxObserver(ObserverBase):
         x = x.detach()
         local = torch.zeros(3, dtype=torch.float64, device=x.device)
         if x.numel():
-            flat = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(1, -1)
+            flat = (
+                memory_order(x, keep_batch=True).reshape(x.shape[0], -1)
+                if x.dim() > 1
+                else x.reshape(1, -1)
+            )
             mn, mx = rowwise_minmax(flat.float())
             self._check_finite(mn, mx)
             local = torch.stack(

@@ -77,7 +77,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from fxq.calibration.observers import MeanMinMaxObserver, PercentileObserver
-from fxq.calibration.runner import calibrate, keep_rank0_result, run_batches
+from fxq.calibration.runner import calibrate, fast_layout, keep_rank0_result, run_batches
 from fxq.dtypes import qint16, qint32
 from fxq.fake_quantize import FakeQuantize, bypassed, weight_quants
 from fxq.march import spec_for
@@ -360,7 +360,7 @@ def ptq(
             f"ptq: {sorted(options)} (learned-rounding settings) do not apply to "
             "method='calibrate', which learns no rounding"
         )
-    batches = _batches(data, num_batches, "ptq")
+    batches = fast_layout(model, _batches(data, num_batches, "ptq"))
     rounding = {}
     if method != "calibrate":
         _check_options(options)

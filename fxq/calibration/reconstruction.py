@@ -53,12 +53,13 @@ from fxq.calibration.runner import (
     average_over_ranks,
     batch_arguments,
     call_order,
+    fast_layout,
     keep_rank0_result,
     progress,
     require_calibrated,
 )
 from fxq.debug import float_fake_quant
-from fxq.fake_quantize import FakeQuantState, bypass, set_fake_quantize
+from fxq.fake_quantize import FakeQuantState, bypass, set_fake_quantize, training_rounding
 from fxq.fused import ACTIVATIONS
 from fxq.qat.weighted import WeightedQAT
 
@@ -609,9 +610,9 @@ def _reconstruct_block(model, sources: _Sources, block, opts) -> tuple[float, fl
                 del r.layer.quantized_weight
         return error / count / norm
 
-    # the float fake-quant arithmetic, set once for the block (not per step: it walks
-    # every module of the model)
-    with float_fake_quant(model):
+    # the float fake-quant arithmetic with training's faster rounding, set once for the
+    # block (not per step: it walks every module of the model)
+    with float_fake_quant(model), training_rounding(sub):
         return _learn(roundings, loss_of, int(ends[-1]), **opts)
 
 
@@ -702,6 +703,7 @@ def weight_reconstruction(
         raise ValueError("weight_reconstruction: the data yielded no batch")
     if num_samples is not None:
         batches = leading_batches(model, batches, num_samples, input_fn)
+    batches = fast_layout(model, batches)
     if (
         block_depth is not None
         and block_depth != "auto"

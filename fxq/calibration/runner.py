@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.fx import GraphModule
 
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
 from fxq.observer import synchronized, world_size
@@ -23,6 +24,7 @@ __all__ = [
     "call_order",
     "keep_rank0_result",
     "average_over_ranks",
+    "fast_layout",
 ]
 
 
@@ -69,6 +71,72 @@ def batch_arguments(
         if batch and set(batch) <= names:
             return (), dict(batch)
     return (batch,), {}
+
+
+# tensor methods whose result depends on the memory layout (a ``view`` of a channels_last
+# tensor fails where the same view of a contiguous one works)
+_LAYOUT_METHODS = frozenset(
+    {"view", "as_strided", "stride", "is_contiguous", "data_ptr", "storage", "untyped_storage"}
+)
+_LAYOUT_FREE_PACKAGES = ("torch", "fxq", "operator", "_operator", "math", "builtins")
+
+
+def _layout_free(model: nn.Module) -> bool:
+    """Whether every op of a GraphModule is known to work on tensors of any memory layout:
+    its modules are torch's or fxq's, its functions come from torch, fxq or the standard
+    library, and no node calls a layout-dependent tensor method (``view``...). A module of
+    the user's own (kept as a leaf, or inside a wrapper) may do anything: False."""
+    if not isinstance(model, GraphModule):
+        return False
+    for m in model.modules():
+        if type(m).__module__.split(".")[0] not in ("torch", "fxq"):
+            return False
+        if not isinstance(m, GraphModule):
+            continue
+        for node in m.graph.nodes:
+            if node.op == "call_method" and node.target in _LAYOUT_METHODS:
+                return False
+            if node.op == "call_function":
+                package = (getattr(node.target, "__module__", None) or "").split(".")[0]
+                name = getattr(node.target, "__name__", "")
+                if package not in _LAYOUT_FREE_PACKAGES or name in _LAYOUT_METHODS:
+                    return False
+    return True
+
+
+def _channels_last(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if (
+            value.dim() == 4
+            and value.is_floating_point()
+            and value.device.type == "cpu"
+            and not value.is_contiguous(memory_format=torch.channels_last)
+        ):
+            return value.contiguous(memory_format=torch.channels_last)
+        return value
+    if isinstance(value, (tuple, list)):
+        return (
+            type(value)(_channels_last(v) for v in value) if type(value) in (tuple, list) else value
+        )
+    if type(value) is dict:
+        return {k: _channels_last(v) for k, v in value.items()}
+    return value
+
+
+def fast_layout(model: nn.Module, batches: list[Any]) -> list[Any]:
+    """The calibration batches in the memory layout the model's passes run fastest in.
+
+    On CPU, 4-d float tensors (images) are given the ``channels_last`` layout, which
+    convolutions (oneDNN) run in about half the time of the default layout on 2 cores,
+    forward and backward; the layout then carries through the model. This is only done
+    when every op of the model is known not to depend on the layout (``_layout_free``: a
+    ``view`` fails on a channels_last tensor). Values agree with the default layout's to
+    float rounding (the convolutions sum in another order). CUDA tensors are left as
+    they are (not measured). Nothing else in the batches changes.
+    """
+    if not _layout_free(model):
+        return batches
+    return [_channels_last(b) for b in batches]
 
 
 def progress(

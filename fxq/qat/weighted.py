@@ -213,7 +213,9 @@ class WeightedQAT(QATModule):
         if self.add:
             y = y + residual
         if self.activation is not None:
-            y = ACTIVATIONS[self.activation](y, inplace=True)  # y is this module's own tensor
+            # in place when no gradient flows (y is this module's own tensor); under autograd
+            # an in-place ReLU6 first copies its input for the backward pass
+            y = ACTIVATIONS[self.activation](y, inplace=not y.requires_grad)
         return self.quantize_output(y)
 
     def fused_description(self) -> str:

@@ -176,3 +176,18 @@ def test_a_producer_called_twice_is_not_equalized(bayes):
     ptq(prepared, _data(2, 0), iters=0, bias_correction=False, show_progress=False)
     with torch.no_grad(), bypass(prepared):
         assert torch.allclose(prepared(x), model(x), atol=1e-5)
+
+
+def test_channel_ranges_are_the_same_in_either_layout():
+    """The per-sample, per-channel ranges recorded for the equalization read a channels_last
+    output (``ptq``'s layout on CPU) in place and equal the default layout's."""
+    from fxq.calibration.equalization import _ChannelRanges
+
+    out = torch.randn(4, 6, 5, 3, generator=torch.Generator().manual_seed(1))
+    plain, fast = _ChannelRanges(), _ChannelRanges()
+    plain.add(out)
+    fast.add(out.contiguous(memory_format=torch.channels_last))
+    assert torch.equal(torch.cat(plain.mins), torch.cat(fast.mins))
+    assert torch.equal(torch.cat(plain.maxs), torch.cat(fast.maxs))
+    assert torch.cat(fast.maxs).shape == (4, 6)
+    assert torch.equal(fast.peak(), out.abs().amax((0, 2, 3)))
