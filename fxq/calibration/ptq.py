@@ -79,7 +79,7 @@ from torch.fx import GraphModule, Node
 from fxq.calibration.observers import MeanMinMaxObserver, PercentileObserver
 from fxq.calibration.runner import calibrate, fast_layout, keep_rank0_result, run_batches
 from fxq.dtypes import qint16, qint32
-from fxq.fake_quantize import FakeQuantize, bypassed, weight_quants
+from fxq.fake_quantize import FakeQuantize, bypassed, training_rounding, weight_quants
 from fxq.march import spec_for
 from fxq.observer import ObserverBase
 from fxq.qat.base import QATModule
@@ -415,12 +415,23 @@ def ptq(
         candidates = [fq for fq in inner if id(fq) not in scaled] if method == "best" else []
         wide = [PercentileObserver() for _ in candidates]
         compared = _COMPARED_BATCHES if method == "best" else 0
+        # the float block outputs that learned rounding reproduces, recorded in the same pass
+        # (the float model then need not run again); not when bias correction changes the
+        # float model after the pass, nor the outputs of producers equalized after it (their
+        # channels are scaled then): those blocks read the streamed reference
+        equalized = {p for p, _ in pairs_of(model)} if after else set()
+        targets = (
+            _recording_targets(model, batches, rounding, input_fn, equalized)
+            if learns and not bias_correction
+            else contextlib.nullcontext()
+        )
         with (
             observers_swapped(inner, MeanMinMaxObserver),
             _also_observed(candidates, wide),
             recorded as means,
             _first_outputs(model, compared) as reference,
             channels as ranges,
+            targets as outputs,
         ):
             calibrate(model, batches, input_fn=input_fn, show_progress=show_progress)
         if ranges is not None:
@@ -435,11 +446,16 @@ def ptq(
         if bias_correction:
             _fast_bc(model, batches, input_fn, show_progress, means)
         if learns:
-            from fxq.calibration.reconstruction import weight_reconstruction
+            from fxq.calibration.reconstruction import _weight_reconstruction
 
             opts = {"show": False, **rounding}
-            weight_reconstruction(
-                model, batches, input_fn=input_fn, show_progress=show_progress, **opts
+            _weight_reconstruction(
+                model,
+                batches,
+                input_fn=input_fn,
+                show_progress=show_progress,
+                recorded=None if outputs is None else outputs.complete(),
+                **opts,
             )
     return model
 
@@ -470,6 +486,23 @@ def _check_options(options: dict[str, Any]) -> None:
             f"ptq: unknown option(s) {unknown}; the learned-rounding options are "
             f"{', '.join(sorted(allowed))} (weight_reconstruction's arguments)"
         )
+
+
+def _recording_targets(
+    model: nn.Module, batches: list[Any], rounding: dict, input_fn, skipped: set[str]
+):
+    """``recording_outputs`` of the blocks' last layers (but ``skipped``) on the batches that
+    learned rounding will use; a null context (yielding None) where none can be recorded."""
+    from fxq.calibration import reconstruction
+
+    names = reconstruction.block_outputs(model, rounding.get("block_depth"))
+    names = [n for n in names or () if n not in skipped]
+    if not names:
+        return contextlib.nullcontext()
+    used = batches if rounding.get("num_batches") is None else batches[: rounding["num_batches"]]
+    if rounding.get("num_samples") is not None:
+        used = reconstruction.leading_batches(model, used, rounding["num_samples"], input_fn)
+    return reconstruction.recording_outputs(model, names, len(used))
 
 
 @contextlib.contextmanager
@@ -505,10 +538,12 @@ def _outputs(model: nn.Module, batches: list[Any], input_fn, context) -> list[to
 
 
 def _output_error(model: nn.Module, batches: list[Any], reference, input_fn) -> float:
-    """Squared error of the model's outputs (float fake-quant arithmetic) against ``reference``."""
+    """Squared error of the model's outputs (float fake-quant arithmetic, with QAT training's
+    faster rounding: it only ranks candidates) against ``reference``."""
     from fxq.debug import float_fake_quant
 
-    outs = _outputs(model, batches, input_fn, float_fake_quant)
+    with training_rounding(model):
+        outs = _outputs(model, batches, input_fn, float_fake_quant)
     return sum(float((o - r).pow(2).sum()) for o, r in zip(outs, reference))
 
 
