@@ -9,7 +9,7 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
 
 * ``"default"``: the recipe to use unless there is a reason not to: one pass
   over the calibration data, then a short learned rounding on its first 32
-  samples (MobileNetV2, 96 crops, 2 cores: 7-9 s, 18.2 dB; see
+  samples (MobileNetV2, 96 crops, 2 cores: 6-7 s, 18.4 dB; see
   ``docs/accuracy.md``):
 
   1. **model outputs wide**: an output produced by a conv / linear keeps its
@@ -62,8 +62,16 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   ``bias_correction=True`` is passed): the rounding fits the float block
   outputs itself, and a correction first lowered the result by 1.2 dB
   (MobileNetV2) to 3.6 dB (Lite0 with int16 mixed precision); one after, by
-  0.4-0.6 dB. 16-18 s on MobileNetV2 with 96 crops on 2 cores, 1.3x
-  NNCF's ``nncf.quantize`` in the same run (12.5 s; ``benchmarks/RESULTS.md``).
+  0.4-0.6 dB. 12-14 s on MobileNetV2 with 96 crops on 2 cores, 1.2x
+  NNCF's ``nncf.quantize`` in the same run (11.7 s; ``benchmarks/RESULTS.md``).
+
+Speed (both learning methods): on CPU the batches' 4-d float tensors run in
+the ``channels_last`` layout, where oneDNN's convolutions take about half the
+time, when every op of the model is known to allow it (``fast_layout``; a
+``view`` or a module of the user's own keeps the given layout); the float
+block outputs that the learned rounding reproduces are recorded in the
+calibration pass (``recording_outputs``), so the float model runs once; and
+the learning rounds as QAT training does (``training_rounding``).
 """
 
 from __future__ import annotations
