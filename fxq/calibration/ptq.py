@@ -454,15 +454,15 @@ def ptq(
         if bias_correction:
             _fast_bc(model, batches, input_fn, show_progress, means)
         if learns:
-            from fxq.calibration.reconstruction import _weight_reconstruction
+            from fxq.calibration.reconstruction import weight_reconstruction
 
             opts = {"show": False, **rounding}
-            _weight_reconstruction(
+            weight_reconstruction(
                 model,
                 batches,
                 input_fn=input_fn,
                 show_progress=show_progress,
-                recorded=None if outputs is None else outputs.complete(),
+                _recorded=None if outputs is None else outputs.complete(),
                 **opts,
             )
     return model
@@ -487,6 +487,7 @@ def _check_options(options: dict[str, Any]) -> None:
         "input_fn",
         "show_progress",
         "num_batches",
+        "_recorded",
     }
     unknown = sorted(set(options) - allowed)
     if unknown:

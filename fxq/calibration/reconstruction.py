@@ -769,6 +769,8 @@ def weight_reconstruction(
     input_fn: Callable[[Any], Any] | None = None,
     show_progress: bool | None = None,
     show: bool = True,
+    *,
+    _recorded: dict[str, list[Tensor]] | None = None,
 ) -> list[dict[str, Any]]:
     """Learned weight rounding and bias correction for a calibrated model.
 
@@ -801,6 +803,9 @@ def weight_reconstruction(
             that reads the batch size as a number (attention's reshapes), or
             batches of other shapes (padded sequences of other lengths), train
             on one whole batch per step.
+        _recorded: internal (``ptq``): the float block outputs recorded while
+            calibrating (``recording_outputs``), read instead of streaming the
+            float reference.
 
     Returns:
         one row per layer (per block with ``block_depth``): ``layer``, the
@@ -816,47 +821,6 @@ def weight_reconstruction(
 
     A failure part-way (an exception, Ctrl-C) restores the model's weights and biases.
     """
-    return _weight_reconstruction(
-        model=model,
-        data=data,
-        num_batches=num_batches,
-        num_samples=num_samples,
-        iters=iters,
-        batch_size=batch_size,
-        lr=lr,
-        reg_weight=reg_weight,
-        beta=beta,
-        warmup=warmup,
-        learned_rounding=learned_rounding,
-        bias_correction=bias_correction,
-        block_depth=block_depth,
-        input_fn=input_fn,
-        show_progress=show_progress,
-        show=show,
-    )
-
-
-def _weight_reconstruction(
-    model: nn.Module,
-    data: Iterable[Any],
-    num_batches: int | None = None,
-    num_samples: int | None = None,
-    iters: int = 300,
-    batch_size: int = 4,
-    lr: float = 3e-2,
-    reg_weight: float = 0.01,
-    beta: tuple[float, float] = (20.0, 2.0),
-    warmup: float = 0.2,
-    learned_rounding: bool = True,
-    bias_correction: bool = False,
-    block_depth: int | str | None = None,
-    input_fn: Callable[[Any], Any] | None = None,
-    show_progress: bool | None = None,
-    show: bool = True,
-    recorded: dict[str, list[Tensor]] | None = None,
-) -> list[dict[str, Any]]:
-    """``weight_reconstruction``; ``recorded``: the float block outputs recorded while
-    calibrating (``recording_outputs``), used instead of streaming the reference."""
     batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
     if not batches:
         raise ValueError("weight_reconstruction: the data yielded no batch")
@@ -888,14 +852,14 @@ def _weight_reconstruction(
     rows = []
     with layerwise_session(model) as reference:
         layers = _layers_in_order(model, batches[0], input_fn)
-        sources = _Sources(model, reference, batches, input_fn, layers, recorded)
+        sources = _Sources(model, reference, batches, input_fn, layers, _recorded)
         if block_depth is not None and sources.streams is None:
             inside = [n for n, _ in layers if n not in sources.first_call] or ["some layers"]
             warnings.warn(
                 f"weight_reconstruction: {', '.join(inside[:5])} run inside other modules (the "
                 "graph does not call them), so the model cannot be cut into blocks; learning "
                 "layer by layer instead (block_depth=None)",
-                stacklevel=3,
+                stacklevel=2,
             )
             block_depth = None
         groups = (
