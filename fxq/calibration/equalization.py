@@ -43,7 +43,7 @@ from torch.fx import GraphModule
 
 from fxq.calibration.runner import keep_rank0_result, run_batches
 from fxq.fake_quantize import bypass
-from fxq.observer import MinMaxObserver, memory_order, world_size
+from fxq.observer import MinMaxObserver, world_size
 from fxq.qat.weighted import WeightedQAT, _Conv
 
 __all__ = ["equalize_depthwise", "EqualizedPair", "depthwise_pairs"]
@@ -248,11 +248,9 @@ class _ChannelRanges:
     def add(self, out: Tensor) -> None:
         out = out.detach()
         if out.dim() > 2 and out.stride(1) == 1 and not out.is_contiguous():
-            # channels_last: the channels are the innermost dim in memory (no copy)
-            flat, dim = (
-                memory_order(out, keep_batch=True).reshape(out.shape[0], -1, out.shape[1]),
-                1,
-            )
+            # channels_last: the channels are the innermost dim in memory (a view, no copy;
+            # for any other layout a copy, with the same values)
+            flat, dim = out.movedim(1, -1).reshape(out.shape[0], -1, out.shape[1]), 1
         else:
             flat, dim = out.reshape(out.shape[0], out.shape[1], -1), 2
         flat = flat.float()

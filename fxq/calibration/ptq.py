@@ -368,7 +368,7 @@ def ptq(
             f"ptq: {sorted(options)} (learned-rounding settings) do not apply to "
             "method='calibrate', which learns no rounding"
         )
-    batches = fast_layout(model, _batches(data, num_batches, "ptq"))
+    batches = fast_layout(model, _batches(data, num_batches, "ptq"), input_fn)
     rounding = {}
     if method != "calibrate":
         _check_options(options)
@@ -430,7 +430,7 @@ def ptq(
         equalized = {p for p, _ in pairs_of(model)} if after else set()
         targets = (
             _recording_targets(model, batches, rounding, input_fn, equalized)
-            if learns and not bias_correction
+            if learns and rounding.get("learned_rounding", True) and not bias_correction
             else contextlib.nullcontext()
         )
         with (
@@ -479,7 +479,7 @@ def _check_options(options: dict[str, Any]) -> None:
     anything runs."""
     import inspect
 
-    from fxq.calibration.reconstruction import weight_reconstruction
+    from fxq.calibration.reconstruction import check_block_depth, weight_reconstruction
 
     allowed = set(inspect.signature(weight_reconstruction).parameters) - {
         "model",
@@ -495,6 +495,7 @@ def _check_options(options: dict[str, Any]) -> None:
             f"ptq: unknown option(s) {unknown}; the learned-rounding options are "
             f"{', '.join(sorted(allowed))} (weight_reconstruction's arguments)"
         )
+    check_block_depth(options.get("block_depth"))
 
 
 def _recording_targets(

@@ -14,7 +14,10 @@ GraphModule the model and its float copy are each run once, node by node, in
 step with the layers (``_Stream``): a layer's inputs are read when the run
 reaches it, after the layers before it have changed, so the cost of the
 recording is two forward passes in all, not two per layer (MobileNetV2, 96
-crops: block-wise learned rounding 189 s -> 82 s on 2 cores).
+crops: block-wise learned rounding 189 s -> 82 s on 2 cores). ``ptq`` records
+the float block outputs in its calibration pass instead (``recording_outputs``;
+the same model, run once before the call), so the float copy runs only for
+the blocks it could not record.
 
 1. **learned rounding** (AdaRound, Nagel et al. 2020): each weight rounds
    down or up (``floor(w / s) + h``, ``h`` in {0, 1}) instead of to the
@@ -234,8 +237,11 @@ def _learn(
     variables = [r.v for r in roundings]
     # the fused step (one kernel for all variables) where torch has one: a third of the
     # per-step optimizer time on CPU
-    fused = all(v.device.type in ("cpu", "cuda") for v in variables)
-    opt = torch.optim.Adam(variables, lr=lr, fused=fused or None)
+    try:
+        fused = all(v.device.type in ("cpu", "cuda") for v in variables)
+        opt = torch.optim.Adam(variables, lr=lr, fused=fused or None)
+    except RuntimeError:  # torch < 2.4 fuses on CUDA only
+        opt = torch.optim.Adam(variables, lr=lr)
     start = int(warmup * iters)
     generator = torch.Generator().manual_seed(0)
     for it in range(iters):
@@ -434,6 +440,19 @@ class _Stream:
         return [run.fetch_args_kwargs_from_env(node)[0] for run in self.runs]
 
 
+def check_block_depth(block_depth: Any) -> None:
+    """Raise unless ``block_depth`` is None, an int >= 0 or ``"auto"``."""
+    if (
+        block_depth is not None
+        and block_depth != "auto"
+        and (isinstance(block_depth, bool) or not isinstance(block_depth, int) or block_depth < 0)
+    ):
+        raise ValueError(
+            f"weight_reconstruction: block_depth must be None, an int >= 0 or 'auto', got "
+            f"{block_depth!r}"
+        )
+
+
 def block_key(name: str, depth: int | str) -> str:
     """The block a layer's path puts it in: its first ``depth`` components, or with
     ``"auto"`` its path up to the first index after the first component (``features.3`` in
@@ -544,7 +563,7 @@ class _Sources:
         per_input = [quant.values(n) for n in inputs]
         target = quant.nodes[quant.index[output]].target
         if self.recorded is not None and target in self.recorded:
-            targets = self.recorded[target]  # recorded while calibrating
+            targets = self.recorded.pop(target)  # recorded while calibrating (read once)
         else:
             ref.advance(ref.index[output] + 1)
             targets = ref.values(output)
@@ -684,7 +703,8 @@ def block_outputs(model: nn.Module, block_depth: int | str | None) -> list[str] 
 class RecordedOutputs:
     """The outputs of some layers over the first batches, recorded by forward hooks while
     the model runs (``recording_outputs``). ``values`` maps each layer to its output per
-    batch; None when recording stopped (more than ``_RECORDED_BYTES``)."""
+    batch; None when recording stopped (more than ``_RECORDED_BYTES``, or an output that is
+    not a tensor)."""
 
     def __init__(self, names: list[str], batches: int) -> None:
         self.batches = batches
@@ -826,16 +846,8 @@ def weight_reconstruction(
         raise ValueError("weight_reconstruction: the data yielded no batch")
     if num_samples is not None:
         batches = leading_batches(model, batches, num_samples, input_fn)
-    batches = fast_layout(model, batches)
-    if (
-        block_depth is not None
-        and block_depth != "auto"
-        and (isinstance(block_depth, bool) or not isinstance(block_depth, int) or block_depth < 0)
-    ):
-        raise ValueError(
-            f"weight_reconstruction: block_depth must be None, an int >= 0 or 'auto', got "
-            f"{block_depth!r}"
-        )
+    batches = fast_layout(model, batches, input_fn)
+    check_block_depth(block_depth)
     if block_depth is not None and not isinstance(model, GraphModule):
         raise ValueError(
             "block-wise reconstruction needs the GraphModule returned by prepare_qat_fx"

@@ -76,16 +76,28 @@ def batch_arguments(
 # tensor methods whose result depends on the memory layout (a ``view`` of a channels_last
 # tensor fails where the same view of a contiguous one works)
 _LAYOUT_METHODS = frozenset(
-    {"view", "as_strided", "stride", "is_contiguous", "data_ptr", "storage", "untyped_storage"}
+    {
+        "view",
+        "view_as",
+        "view_as_complex",
+        "view_as_real",
+        "as_strided",
+        "stride",
+        "is_contiguous",
+        "data_ptr",
+        "storage",
+        "untyped_storage",
+    }
 )
 _LAYOUT_FREE_PACKAGES = ("torch", "fxq", "operator", "_operator", "math", "builtins")
 
 
 def _layout_free(model: nn.Module) -> bool:
-    """Whether every op of a GraphModule is known to work on tensors of any memory layout:
-    its modules are torch's or fxq's, its functions come from torch, fxq or the standard
-    library, and no node calls a layout-dependent tensor method (``view``...). A module of
-    the user's own (kept as a leaf, or inside a wrapper) may do anything: False."""
+    """Whether every op of a GraphModule is expected to work on tensors of any memory
+    layout: its modules are torch's or fxq's, its functions come from torch, fxq or the
+    standard library, and no node calls one of the tensor methods known to depend on the
+    layout (``_LAYOUT_METHODS``: ``view``, ``view_as``...). A module of the user's own (kept
+    as a leaf, or inside a wrapper) may do anything: False."""
     if not isinstance(model, GraphModule):
         return False
     for m in model.modules():
@@ -123,7 +135,7 @@ def _channels_last(value: Any) -> Any:
     return value
 
 
-def fast_layout(model: nn.Module, batches: list[Any]) -> list[Any]:
+def fast_layout(model: nn.Module, batches: list[Any], input_fn=None) -> list[Any]:
     """The calibration batches in the memory layout the model's passes run fastest in.
 
     On CPU, 4-d float tensors (images) are given the ``channels_last`` layout, which
@@ -131,10 +143,13 @@ def fast_layout(model: nn.Module, batches: list[Any]) -> list[Any]:
     forward and backward; the layout then carries through the model. This is only done
     when every op of the model is known not to depend on the layout (``_layout_free``: a
     ``view`` fails on a channels_last tensor). Values agree with the default layout's to
-    float rounding (the convolutions sum in another order). CUDA tensors are left as
-    they are (not measured). Nothing else in the batches changes.
+    float rounding (the convolutions sum in another order). A model on another device
+    (CUDA: not measured) and batches that an ``input_fn`` turns into arguments (it may
+    ``view`` them) keep their layout. Nothing else in the batches changes.
     """
-    if not _layout_free(model):
+    first = next(model.parameters(), None)
+    on_cpu = first is None or first.device.type == "cpu"
+    if input_fn is not None or not on_cpu or not _layout_free(model):
         return batches
     return [_channels_last(b) for b in batches]
 

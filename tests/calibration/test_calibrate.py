@@ -468,13 +468,16 @@ def test_calibrating_vanishing_activations_warns_with_the_layer_and_its_range(ba
 
 
 class _Viewing(nn.Module):
-    def __init__(self):
+    def __init__(self, as_other: bool = False):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3)
+        self.as_other = as_other
 
     def forward(self, x):
         y = self.conv(x)
-        return y.view(y.shape[0], -1)  # fails on a channels_last tensor
+        if self.as_other:
+            return y.view_as(y.flatten(1))
+        return y.view(y.shape[0], -1)  # both fail on a channels_last tensor
 
 
 def test_fast_layout_gives_images_channels_last_only_where_every_op_allows(bayes):
@@ -493,6 +496,9 @@ def test_fast_layout_gives_images_channels_last_only_where_every_op_allows(bayes
     assert fast[3] is batches[3]  # integers (camera frames) keep their layout
     viewing = fxq.prepare_qat_fx(_Viewing(), {"": get_default_qconfig()})
     assert fast_layout(viewing, batches) is batches
+    assert fast_layout(prepared, batches, input_fn=lambda b: b) is batches  # it may view them
+    viewing_as = fxq.prepare_qat_fx(_Viewing(as_other=True), {"": get_default_qconfig()})
+    assert fast_layout(viewing_as, batches) is batches
     ptq_model = fxq.calibration.ptq(viewing, [x], method="calibrate", show_progress=False)
     assert ptq_model(x).shape == (4, 400)  # the view still works: its batches kept the layout
 
@@ -511,7 +517,7 @@ def test_ptq_in_channels_last_gives_the_scales_of_the_default_layout(setup, monk
 
     fast = scales(method="calibrate")
     monkeypatch.setattr(
-        importlib.import_module("fxq.calibration.ptq"), "fast_layout", lambda m, b: b
+        importlib.import_module("fxq.calibration.ptq"), "fast_layout", lambda m, b, f=None: b
     )
     plain = scales(method="calibrate")
     assert len(fast) == len(plain) > 6

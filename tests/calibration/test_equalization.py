@@ -191,3 +191,8 @@ def test_channel_ranges_are_the_same_in_either_layout():
     assert torch.equal(torch.cat(plain.maxs), torch.cat(fast.maxs))
     assert torch.cat(fast.maxs).shape == (4, 6)
     assert torch.equal(fast.peak(), out.abs().amax((0, 2, 3)))
+    sliced = out.contiguous(memory_format=torch.channels_last)[:, :, ::2]  # not dense
+    odd, expected = _ChannelRanges(), _ChannelRanges()
+    odd.add(sliced)
+    expected.add(sliced.contiguous())
+    assert torch.equal(torch.cat(odd.maxs), torch.cat(expected.maxs))

@@ -71,6 +71,30 @@ def test_default_beats_min_max_and_keeps_the_prepared_form(bayes):
     assert high > low + 1.0, (low, high)  # measured: 12.51 -> 14.23 dB
 
 
+def test_a_bad_block_depth_is_refused_before_anything_runs(bayes, pretrained):
+    model, calib, _, _ = pretrained
+    prepared = fxq.prepare_qat_fx(model, {"": calib_q8})
+    with pytest.raises(ValueError, match="block_depth must be None, an int >= 0 or 'auto'"):
+        ptq(prepared, calib, block_depth="Auto", show_progress=False)
+    assert not any(bool(fq.observed) for fq in fxq.fake_quantize.weight_quants(prepared))
+
+
+def test_learning_falls_back_to_the_plain_adam_step(bayes, pretrained, monkeypatch):
+    """torch < 2.4 has no fused Adam on CPU: the learning takes the plain step instead."""
+    model, calib, held, ref = pretrained
+    plain_adam = torch.optim.Adam
+
+    def adam(params, lr, fused=None):
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be CUDA tensors")
+        return plain_adam(params, lr=lr)
+
+    monkeypatch.setattr(torch.optim, "Adam", adam)
+    learned = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, show_progress=False)
+    ranges = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, iters=0, show_progress=False)
+    assert _integer_sqnr(learned, held, ref) > _integer_sqnr(ranges, held, ref) + 1.0
+
+
 @pytest.mark.parametrize("limit", [None, 1000])
 def test_learning_reads_the_block_outputs_recorded_while_calibrating(
     bayes, pretrained, monkeypatch, limit
