@@ -516,6 +516,20 @@ def _restore_attribute(module: nn.Module, name: str, saved: object) -> None:
 
 
 @contextlib.contextmanager
+def _attribute_set(modules: Iterable[nn.Module], name: str, value: object) -> Iterator[None]:
+    """Within the block each module's attribute ``name`` is ``value``; on exit each gets
+    back what it had (its own value, or the class default): re-entrant."""
+    saved = [(m, m.__dict__.get(name, _UNSET)) for m in modules]
+    try:
+        for m, _ in saved:
+            setattr(m, name, value)
+        yield
+    finally:
+        for m, previous in saved:
+            _restore_attribute(m, name, previous)
+
+
+@contextlib.contextmanager
 def bypass(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block the model computes in float: fake quants neither observe
     nor round, and QAT modules use their float path (statistics are untouched).
@@ -553,18 +567,10 @@ def training_rounding(model: nn.Module) -> Iterator[nn.Module]:
     steps of an optimisation that only approximates the integer model anyway (learned
     rounding), not for results that must equal the integer model. Re-entrant like
     ``bypass``."""
-    saved = [
-        (m, m.__dict__.get("inexact", _UNSET))
-        for m in model.modules()
-        if isinstance(m, FakeQuantize)
-    ]
-    try:
-        for m, _ in saved:
-            m.inexact = True
+    with _attribute_set(
+        [m for m in model.modules() if isinstance(m, FakeQuantize)], "inexact", True
+    ):
         yield model
-    finally:
-        for m, value in saved:
-            _restore_attribute(m, "inexact", value)
 
 
 def weight_quants(model: nn.Module) -> list[FakeQuantize]:
@@ -580,11 +586,5 @@ def weight_quants(model: nn.Module) -> list[FakeQuantize]:
 def bypassed(fake_quants: Iterable[FakeQuantize]) -> Iterator[None]:
     """Within the block the given fake quants pass their input through unchanged
     (no observation, no rounding); re-entrant like ``bypass``."""
-    saved = [(m, m.__dict__.get("bypassed", _UNSET)) for m in fake_quants]
-    try:
-        for m, _ in saved:
-            m.bypassed = True
+    with _attribute_set(fake_quants, "bypassed", True):
         yield
-    finally:
-        for m, value in saved:
-            _restore_attribute(m, "bypassed", value)

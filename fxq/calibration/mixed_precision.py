@@ -59,10 +59,9 @@ def _common_qconfig(calib_model: nn.Module) -> QConfig | None:
 def _weights_on_their_grid(model: nn.Module) -> bool:
     """Whether every weighted layer's folded weight is a multiple of its scale (within
     float error): the mark of learned rounding written back."""
-    from fxq.qat.weighted import WeightedQAT
+    from fxq.calibration.reconstruction import _learned_layers
 
-    # the layers learned rounding learns (standalone layers, inside fx_wrap code, keep float)
-    layers = [m for m in model.modules() if isinstance(m, WeightedQAT) and not m.standalone]
+    layers = _learned_layers(model)  # the layers learned rounding learns
     if not layers:
         return False
     with torch.no_grad():

@@ -87,7 +87,7 @@ from torch.fx import GraphModule, Node
 from fxq.calibration.observers import MeanMinMaxObserver, PercentileObserver
 from fxq.calibration.runner import calibrate, fast_layout, keep_rank0_result, run_batches
 from fxq.dtypes import qint16, qint32
-from fxq.fake_quantize import FakeQuantize, bypassed, training_rounding, weight_quants
+from fxq.fake_quantize import FakeQuantize, bypassed, weight_quants
 from fxq.march import spec_for
 from fxq.observer import ObserverBase
 from fxq.qat.base import QATModule
@@ -415,11 +415,8 @@ def ptq(
         # passes float activations through, so both observers see the same tensors); not
         # on the outputs equalized after the pass (a histogram cannot be rescaled channel by
         # channel): those keep their mean range in both candidates
-        scaled = (
-            {id(model.get_submodule(p).activation_post_process) for p, _ in pairs_of(model)}
-            if after
-            else set()
-        )
+        equalized = {p for p, _ in pairs_of(model)} if after else set()
+        scaled = {id(model.get_submodule(p).activation_post_process) for p in equalized}
         candidates = [fq for fq in inner if id(fq) not in scaled] if method == "best" else []
         wide = [PercentileObserver() for _ in candidates]
         compared = _COMPARED_BATCHES if method == "best" else 0
@@ -427,7 +424,6 @@ def ptq(
         # (the float model then need not run again); not when bias correction changes the
         # float model after the pass, nor the outputs of producers equalized after it (their
         # channels are scaled then): those blocks read the streamed reference
-        equalized = {p for p, _ in pairs_of(model)} if after else set()
         targets = (
             _recording_targets(model, batches, rounding, input_fn, equalized)
             if learns and rounding.get("learned_rounding", True) and not bias_correction
@@ -550,10 +546,9 @@ def _outputs(model: nn.Module, batches: list[Any], input_fn, context) -> list[to
 def _output_error(model: nn.Module, batches: list[Any], reference, input_fn) -> float:
     """Squared error of the model's outputs (float fake-quant arithmetic, with QAT training's
     faster rounding: it only ranks candidates) against ``reference``."""
-    from fxq.debug import float_fake_quant
+    from fxq.calibration.reconstruction import _quantized_arithmetic
 
-    with training_rounding(model):
-        outs = _outputs(model, batches, input_fn, float_fake_quant)
+    outs = _outputs(model, batches, input_fn, _quantized_arithmetic)
     return sum(float((o - r).pow(2).sum()) for o, r in zip(outs, reference))
 
 

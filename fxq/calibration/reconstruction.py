@@ -82,12 +82,22 @@ def _inverse_rectified_sigmoid(h: Tensor) -> Tensor:
 
 def _layers_in_order(model: nn.Module, batch: Any, input_fn) -> list[tuple[str, WeightedQAT]]:
     """Weighted layers in the order the model runs them (call-site copies share their weight: once)."""
-    layers = [m for m in model.modules() if isinstance(m, WeightedQAT) and not m.standalone]
-    names = {id(m): n for n, m in model.named_modules()}
-    out, weights = [], set()
+    layers = _learned_layers(model)
     order = _graph_order(model, layers)
     if order is None:  # layers called from inside other modules: run the model to see
         order = call_order(model, layers, batch, input_fn)
+    return _named_once(model, order)
+
+
+def _learned_layers(model: nn.Module) -> list[WeightedQAT]:
+    """The layers whose rounding is learned (standalone ones, in fx_wrap code, keep float)."""
+    return [m for m in model.modules() if isinstance(m, WeightedQAT) and not m.standalone]
+
+
+def _named_once(model: nn.Module, order: list[nn.Module]) -> list[tuple[str, WeightedQAT]]:
+    """``order`` with the layers' names, each weight once (call-site copies share theirs)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out, weights = [], set()
     for m in order:
         if id(m.weight) not in weights:
             weights.add(id(m.weight))
@@ -673,16 +683,10 @@ def block_outputs(model: nn.Module, block_depth: int | str | None) -> list[str] 
     itself, or a last layer that the graph calls more than once."""
     if block_depth is None or not isinstance(model, GraphModule):
         return None
-    layers = [m for m in model.modules() if isinstance(m, WeightedQAT) and not m.standalone]
-    order = _graph_order(model, layers)
+    order = _graph_order(model, _learned_layers(model))
     if order is None:
         return None
-    names = {id(m): n for n, m in model.named_modules()}
-    weights, ordered = set(), []
-    for m in order:  # as _layers_in_order: call-site copies share their weight, once
-        if id(m.weight) not in weights:
-            weights.add(id(m.weight))
-            ordered.append((names[id(m)], m))
+    ordered = _named_once(model, order)
     calls: dict[str, int] = {}
     for node in model.graph.nodes:
         if node.op == "call_module":
