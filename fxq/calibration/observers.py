@@ -86,6 +86,38 @@ def expected_quantization_error(hist: Tensor, upper: float, clips: Tensor, qmax:
     return ((inside + beyond) * hist).sum(1)
 
 
+# elements counted at a time by ``uniform_counts``: its temporaries stay small enough for
+# the allocator to reuse (a temporary the size of an activation is mapped fresh each time,
+# and on a virtual machine its page faults cost as much as the counting)
+_COUNTED_AT_ONCE = 1 << 18
+
+
+def uniform_counts(values: Tensor, bins: int, upper: float, absolute: bool = False) -> Tensor:
+    """The counts of ``values`` (of ``|values|`` with ``absolute``; in ``[0, upper]``,
+    ``upper > 0``) in ``bins`` equal bins from 0 to ``upper`` (``upper`` itself in the
+    last), float64.
+
+    The bin indices are counted with ``bincount``, a slice of the values at a time: on CPU
+    ``histc`` takes three times as long (2 threads, 16 samples of a 96x112x112 activation:
+    145 ms against 50 ms). A value within a float32 rounding of a bin edge may land in the
+    bin beside ``histc``'s.
+    """
+    flat = values.reshape(-1)
+    counts = torch.zeros(bins, dtype=torch.int64, device=values.device)
+    scaled = torch.empty(min(flat.numel(), _COUNTED_AT_ONCE), dtype=flat.dtype, device=flat.device)
+    index = torch.empty(scaled.shape, dtype=torch.int32, device=flat.device)
+    for part in flat.split(_COUNTED_AT_ONCE):
+        n = part.numel()
+        out, idx = scaled[:n], index[:n]
+        if absolute:
+            torch.abs(part, out=out).mul_(bins / upper)
+        else:
+            torch.mul(part, bins / upper, out=out)
+        idx.copy_(out).clamp_(0, bins - 1)  # truncation: the bin of a non-negative value
+        counts += torch.bincount(idx, minlength=bins)
+    return counts.to(torch.float64)
+
+
 class HistogramObserver(ObserverBase):
     """Base: a histogram of ``|x|`` with exact merging on range growth.
 
@@ -151,8 +183,9 @@ class HistogramObserver(ObserverBase):
         elif amax > float(self.upper):
             self._grow(amax)
         x = memory_order(x)
-        magnitude = x if float(mn.min()) >= 0 else x.abs()  # ReLU outputs: no copy
-        counts = torch.histc(magnitude.float(), self.histogram.numel(), 0.0, float(self.upper))
+        counts = uniform_counts(
+            x.float(), self.histogram.numel(), float(self.upper), absolute=float(mn.min()) < 0
+        )
         if self.counts_zeros:
             zeros = (x.numel() - torch.count_nonzero(x)).reshape(1).to(torch.float64)
         else:  # a pass over the tensor (a third of the histogram's time) that only KL reads

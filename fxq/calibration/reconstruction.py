@@ -40,9 +40,11 @@ without a bias gets one), so QAT can continue from it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import inspect
+import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -630,26 +632,53 @@ def _block_chunks(
     if not joinable or len(args) == 1:
         return args, targets, batched, False
     joined = [
-        torch.cat(column) if is_batched else column[0]
+        _Joined(list(column)) if is_batched else column[0]
         for column, is_batched in zip(columns, batched)
     ]
-    return [joined], [torch.cat(targets)], batched, False
+    return [joined], [_Joined(targets)], batched, False
+
+
+class _Joined:
+    """The batches' values of a batched input (or their targets) read as one along dim 0,
+    without copying them into one tensor: a step gathers its samples from the batches they
+    lie in (the copy of every sample, per block, cost more than the steps' gathers)."""
+
+    def __init__(self, parts: list[Tensor]) -> None:
+        self.parts = parts
+        self.ends = list(itertools.accumulate(p.shape[0] for p in parts))
+
+    def take(self, idx: Tensor) -> Tensor:
+        """The samples ``idx`` (indices into the joined dim 0), in that order."""
+        pieces = []
+        for i in idx.tolist():
+            part = bisect.bisect_right(self.ends, i)
+            j = i - (self.ends[part - 1] if part else 0)
+            pieces.append(self.parts[part][j : j + 1])
+        return torch.cat(pieces)
+
+
+def _rows(value: Tensor | _Joined) -> int:
+    return value.ends[-1] if isinstance(value, _Joined) else value.shape[0]
+
+
+def _take(value: Tensor | _Joined, idx: Tensor) -> Tensor:
+    return value.take(idx) if isinstance(value, _Joined) else value[idx.to(value.device)]
 
 
 def _reconstruct_block(model, sources: _Sources, block, opts) -> tuple[float, float]:
     sub, args, targets = sources.block([n for n, _ in block])
-    chunks, targets, batched, whole = _block_chunks(args, targets)
-    ends = torch.tensor([t.shape[0] for t in targets]).cumsum(0)
     elements = sum(t.numel() for t in targets)
-    norm = (sum(float(t.pow(2).sum()) for t in targets) / elements) or 1e-12
+    norm = (sum(float(torch.linalg.vector_norm(t)) ** 2 for t in targets) / elements) or 1e-12
+    chunks, targets, batched, whole = _block_chunks(args, targets)
+    ends = torch.tensor([_rows(t) for t in targets]).cumsum(0)
     roundings = [_Rounding(layer) for _, layer in block]
 
     def squared_error(chunk: int, local: Tensor | None) -> Tensor:
         inputs = [
-            a[local.to(a.device)] if local is not None and is_batched else a
+            _take(a, local) if local is not None and is_batched else a
             for a, is_batched in zip(chunks[chunk], batched)
         ]
-        t = targets[chunk] if local is None else targets[chunk][local.to(targets[chunk].device)]
+        t = targets[chunk] if local is None else _take(targets[chunk], local)
         return (sub(*inputs) - t).pow(2).sum(), t.numel()
 
     def loss_of(weights: list[Tensor], idx: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ from fxq.calibration.observers import (
     PercentileObserver,
     PerChannelMSEObserver,
     expected_quantization_error,
+    uniform_counts,
 )
 
 
@@ -136,6 +137,24 @@ def test_histogram_merges_exactly_when_the_range_grows():
     assert float(obs.histogram.sum()) == every.numel()
     assert float((obs.histogram - reference).abs().sum()) <= 0.001 * every.numel()
     assert float(obs.upper) >= float(every.abs().max())
+
+
+def test_uniform_counts_bin_like_histc():
+    # values at bin centres land in the same bin as histc's; 0 and the upper edge count
+    bins, upper = 2048, 3.7
+    gen = torch.Generator().manual_seed(0)
+    which = torch.randint(0, bins, (50_000,), generator=gen)
+    centres = (which.double() + 0.5) * upper / bins
+    values = torch.cat([centres.float(), torch.tensor([0.0, upper])])
+    counts = uniform_counts(values, bins, upper)
+    assert counts.dtype == torch.float64
+    assert torch.equal(counts, torch.histc(values, bins, 0.0, upper).double())
+    assert counts[0] >= 1 and counts[-1] >= 1
+    # a channels_last activation's permuted view counts as the tensor itself
+    x = torch.rand(2, 8, 5, 5, generator=gen).contiguous(memory_format=torch.channels_last)
+    assert torch.equal(
+        uniform_counts(x.permute(0, 2, 3, 1), 64, 1.0), uniform_counts(x.contiguous(), 64, 1.0)
+    )
 
 
 def test_weight_mse_per_channel():
