@@ -105,8 +105,12 @@ def fake_quantize_ste(
     rounding: Rounding,
     ch_axis: int | None = None,
     exact: bool = True,
+    inplace: bool = False,
 ) -> Tensor:
     """Differentiable fake quantization (gradient passes where not clipped).
+
+    ``inplace``: the result may be written into ``x`` where no gradient is recorded
+    (the caller owns ``x`` and no longer needs it).
 
     ``exact=False`` rounds with the faster ``floor(v + 0.5)`` (QAT training).
 
@@ -142,9 +146,32 @@ def fake_quantize_ste(
         out = _FakeQuantSTE.apply(wide, scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact)
     else:  # no graph to record: the same numbers without the mask
         out, _ = qf.fake_quantize(
-            wide, scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact, with_mask=False
+            wide,
+            scale,
+            dtype.qmin,
+            dtype.qmax,
+            rounding,
+            ch_axis,
+            exact,
+            with_mask=False,
+            inplace=inplace and wide is x and not x.requires_grad,
         )
     return out if out.dtype is x.dtype or not x.is_floating_point() else out.to(x.dtype)
+
+
+def quantize_in_place(fq: nn.Module, x: Tensor) -> bool:
+    """Whether ``fq(x, inplace=True)`` may round ``x`` in place, for a caller that owns ``x``:
+    ``fq`` is a ``FakeQuantize`` without hooks (a hook may read the input after the call,
+    as the debugging tools do), no module hook is registered globally, and nothing records
+    ``x`` for autograd."""
+    return (
+        isinstance(fq, FakeQuantize)
+        and not x.requires_grad
+        and not fq._forward_hooks
+        and not fq._forward_pre_hooks
+        and not nn.modules.module._global_forward_hooks
+        and not nn.modules.module._global_forward_pre_hooks
+    )
 
 
 class FakeQuantizeFactory:
@@ -423,8 +450,12 @@ class FakeQuantize(nn.Module):
     #: set by ``training_rounding``: VALIDATION rounds with QAT training's formula
     inexact = False
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Observe and / or round ``x`` as the state says (dtypes: see ``fake_quantize_ste``)."""
+    def forward(self, x: Tensor, inplace: bool = False) -> Tensor:
+        """Observe and / or round ``x`` as the state says (dtypes: see ``fake_quantize_ste``).
+
+        ``inplace``: in VALIDATION without autograd, the rounded values may be written into
+        ``x`` (a module's own output, which nothing else reads; see ``quantize_in_place``).
+        """
         if self.is_high_precision or self.bypassed:
             return x
         if not x.is_floating_point():
@@ -433,7 +464,13 @@ class FakeQuantize(nn.Module):
         if state is FakeQuantState.VALIDATION:
             self._require_observed()
             return fake_quantize_ste(
-                x, self.scale, self.dtype, self.rounding, self.ch_axis, exact=not self.inexact
+                x,
+                self.scale,
+                self.dtype,
+                self.rounding,
+                self.ch_axis,
+                exact=not self.inexact,
+                inplace=inplace,
             )
         if x.numel() == 0:  # an empty tensor carries no statistics (as in torch.ao)
             return x

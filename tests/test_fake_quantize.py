@@ -338,3 +338,39 @@ def test_no_grad_path_equals_the_autograd_path(bayes, exact, dtype, ch_axis):
         assert ste.dtype == plain.dtype == direct.dtype == dtype
         assert torch.equal(ste.detach(), plain) and torch.equal(plain, direct)
         assert not plain.requires_grad and ste.requires_grad
+        # in place (a caller's own tensor): the same numbers, in x's memory where x has the
+        # result's dtype; a float16 x is rounded in float32 and left as it was
+        own = x.clone()
+        rounded = fake_quantize_ste(own, scale, qdtype, Rounding.HALF_UP, ch_axis, exact, True)
+        assert torch.equal(rounded, direct)
+        assert (rounded.data_ptr() == own.data_ptr()) == (dtype is not torch.float16)
+        assert torch.equal(own, rounded if dtype is not torch.float16 else x)
+
+
+def test_layers_round_their_own_outputs_in_place_unless_something_reads_them(bayes):
+    """A conv's output fake quant rounds the conv's own output in place without autograd;
+    a hook on the fake quant (the debugging tools record its input) keeps the copy."""
+    from fxq.debug import float_fake_quant
+    from fxq.fake_quantize import quantize_in_place
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    prepared = fxq.prepare_qat_fx(model, {"": default_qat_8bit_fake_quant_qconfig})
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    prepared(x)
+    fxq.set_fake_quantize(prepared, FakeQuantState.VALIDATION)
+    conv = next(m for m in prepared.modules() if isinstance(m, fxq.qat.Conv2d))
+    fq = conv.activation_post_process
+    with float_fake_quant(prepared):
+        reference = prepared(x).detach()  # autograd on: rounded into a new tensor
+        seen = []
+        handle = fq.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+        with torch.no_grad():
+            assert not quantize_in_place(fq, x)  # a hook reads the input
+            hooked = prepared(x)
+        handle.remove()
+        ((before, after),) = seen
+        assert before.data_ptr() != after.data_ptr() and not torch.equal(before, after)
+        with torch.no_grad():
+            assert quantize_in_place(fq, x)
+            assert torch.equal(prepared(x), reference) and torch.equal(hooked, reference)
+    assert not quantize_in_place(fq, x.requires_grad_())

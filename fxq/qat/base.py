@@ -30,7 +30,13 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxq.dtypes import qint32
-from fxq.fake_quantize import FakeQuantize, FakeQuantState, _as_state, fake_quantize_ste
+from fxq.fake_quantize import (
+    FakeQuantize,
+    FakeQuantState,
+    _as_state,
+    fake_quantize_ste,
+    quantize_in_place,
+)
 from fxq.march import spec_for
 from fxq.qconfig import QConfig
 
@@ -195,8 +201,14 @@ class QATModule(nn.Module):
     def high_precision_output(self) -> bool:
         return self.has_output_quant and self.activation_post_process.dtype is qint32
 
-    def quantize_output(self, y: Tensor) -> Tensor:
-        return self.activation_post_process(y)
+    def quantize_output(self, y: Tensor, own: bool = False) -> Tensor:
+        """The output fake quant applied to ``y``. ``own``: ``y`` is a tensor this module
+        made and nothing else reads, so without autograd it may be rounded in place (one
+        activation-sized allocation less per layer)."""
+        fq = self.activation_post_process
+        if own and quantize_in_place(fq, y):
+            return fq(y, inplace=True)
+        return fq(y)
 
     def extra_repr(self) -> str:
         parts = [f"state={self.state.value}"]

@@ -216,7 +216,9 @@ class WeightedQAT(QATModule):
             # in place when no gradient flows (y is this module's own tensor); under autograd
             # an in-place ReLU6 first copies its input for the backward pass
             y = ACTIVATIONS[self.activation](y, inplace=not y.requires_grad)
-        return self.quantize_output(y)
+        # y is this module's own tensor (float_op_forward returns a new one): without
+        # autograd it is rounded in place
+        return self.quantize_output(y, own=True)
 
     def fused_description(self) -> str:
         parts = [type(self).__name__]

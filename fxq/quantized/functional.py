@@ -78,9 +78,11 @@ def round_float(x: Tensor, rounding: Rounding, inplace: bool = False, exact: boo
         if not exact:
             return x.add_(0.5).floor_() if inplace else torch.floor(x + 0.5)
         low = torch.floor(x)
-        frac = x.sub_(low) if inplace else x - low
-        # ``ge_`` writes 1.0 / 0.0 into ``frac``: adding a bool tensor is several times slower
-        return low.add_(frac.ge_(0.5))
+        # ``ge_`` writes 1.0 / 0.0 into the fraction: adding a bool tensor is several times
+        # slower; in place the result ends in ``x``'s memory (low + 0 or 1 is exact)
+        if inplace:
+            return x.sub_(low).ge_(0.5).add_(low)
+        return low.add_((x - low).ge_(0.5))
     if rounding is Rounding.HALF_EVEN:
         return x.round_() if inplace else torch.round(x)
     raise ValueError(f"unknown rounding {rounding!r}")
@@ -157,12 +159,14 @@ def fake_quantize(
     ch_axis: int | None = None,
     exact: bool = True,
     with_mask: bool = True,
+    inplace: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Quantize and dequantize in float, without autograd.
 
     ``exact=False`` (QAT training) multiplies by ``1 / s`` and rounds with the
     faster ``floor(v + 0.5)`` (see ``round_float``); VALIDATION uses the exact
-    division and rounding of ``quantize``.
+    division and rounding of ``quantize``. ``inplace`` (without the mask only) writes
+    the result into ``x``, which must have the result's dtype.
 
     Returns:
         ``(out, mask)``: ``out = clamp(round(x / s), qmin, qmax) * s`` and a bool
@@ -172,7 +176,11 @@ def fake_quantize(
     """
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
     # exact: the IEEE division of ``quantize``; training: multiply by the reciprocal (cheaper)
-    v = round_float(x / s if exact else x * (1.0 / s), rounding, inplace=True, exact=exact)
+    if inplace and not with_mask:
+        v = x.div_(s) if exact else x.mul_(1.0 / s)
+    else:
+        v = x / s if exact else x * (1.0 / s)
+    v = round_float(v, rounding, inplace=True, exact=exact)
     if not with_mask:
         return v.clamp_(qmin, qmax).mul_(s), None
     clamped = v.clamp(qmin, qmax)
