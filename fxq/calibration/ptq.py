@@ -62,8 +62,9 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   ``bias_correction=True`` is passed): the rounding fits the float block
   outputs itself, and a correction first lowered the result by 1.2 dB
   (MobileNetV2) to 3.6 dB (Lite0 with int16 mixed precision); one after, by
-  0.4-0.6 dB. 12-14 s on MobileNetV2 with 96 crops on 2 cores, 1.2x
-  NNCF's ``nncf.quantize`` in the same run (11.7 s; ``benchmarks/RESULTS.md``).
+  0.4-0.6 dB. On MobileNetV2 with 96 crops on 2 cores: 12-14 s on a machine
+  where NNCF's ``nncf.quantize`` took 11.7 s (1.2x), 24.4 s where it took
+  26.4 s (0.92x; ``benchmarks/RESULTS.md``).
 
 Speed (both learning methods): on CPU the batches' 4-d float tensors run in
 the ``channels_last`` layout, where oneDNN's convolutions take about half the
