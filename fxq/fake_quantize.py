@@ -161,11 +161,13 @@ def fake_quantize_ste(
 
 def quantize_in_place(fq: nn.Module, x: Tensor) -> bool:
     """Whether ``fq(x, inplace=True)`` may round ``x`` in place, for a caller that owns ``x``:
-    ``fq`` is a ``FakeQuantize`` without hooks (a hook may read the input after the call,
-    as the debugging tools do), no module hook is registered globally, and nothing records
-    ``x`` for autograd."""
+    ``fq`` is a ``FakeQuantize`` whose ``forward`` is fxq's (a subclass's own may not take
+    ``inplace``), without hooks (a hook may read the input after the call, as the debugging
+    tools do), no module hook is registered globally, and nothing records ``x`` for
+    autograd."""
     return (
         isinstance(fq, FakeQuantize)
+        and type(fq).forward is FakeQuantize.forward
         and not x.requires_grad
         and not fq._forward_hooks
         and not fq._forward_pre_hooks

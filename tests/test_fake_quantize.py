@@ -374,3 +374,9 @@ def test_layers_round_their_own_outputs_in_place_unless_something_reads_them(bay
             assert quantize_in_place(fq, x)
             assert torch.equal(prepared(x), reference) and torch.equal(hooked, reference)
     assert not quantize_in_place(fq, x.requires_grad_())
+
+    class OwnForward(FakeQuantize):  # a user's fake quant with forward(x) only
+        def forward(self, x):
+            return super().forward(x)
+
+    assert not quantize_in_place(OwnForward(observer=MinMaxObserver), x.detach())
