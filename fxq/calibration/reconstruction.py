@@ -600,8 +600,9 @@ def _block_chunks(
     An input is *batched* when in every batch it is a tensor whose first dimension is the
     batch's sample count (others: sizes, masks shared by the samples...). When the batched
     inputs and the targets have the same shape in every batch but the first dimension, and
-    the other inputs are the same in every batch, the batches are concatenated into one
-    chunk (samples are then drawn across batches); else each batch is a chunk (sequences of
+    the other inputs are the same in every batch, the batches form one chunk (``_Joined``:
+    read as one, not copied; samples are then drawn across batches); else each batch is a
+    chunk (sequences of
     other lengths, inputs that differ per batch). When an input that is not batched is a
     number or a size (a reshape to the batch's size, as attention does), the block only
     runs on whole batches: each batch is a chunk and a training step takes one whole
