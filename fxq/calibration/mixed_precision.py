@@ -8,10 +8,16 @@ that gives int16 to the best ones within a budget, and optionally leaves the
 ones whose quantization costs most in float (``float_budget``, for hybrid
 deployment where the accelerator hands some ops to the CPU).
 
-Budgets are fractions of the model's quantized activations **counted as
-tensors** (fake quants), not of their bytes: ``int16_budget=0.1`` on a model
-with 60 quantized activations raises at most 6 of them. A budget of 0 changes
-nothing (the returned dict then prepares the same model as before).
+Budgets are fractions of the model's quantized activations, **counted as
+tensors** (fake quants; ``budget_unit="tensors"``, the default):
+``int16_budget=0.1`` on a model with 60 quantized activations raises at most 6
+of them. With ``budget_unit="bytes"`` they are fractions of the activations'
+elements, measured on the first batch: the int16 ones hold at most that share
+of the values the quantized activations hold, so the activation memory and
+traffic grow by at most that share (an early, large feature map costs more
+than a late, small one; the ranking skips what does not fit and goes on). A
+budget of 0 changes nothing (the returned dict then prepares the same model
+as before).
 
 When learned rounding follows (``ptq(method="best")``), rank with
 ``float_weights=True`` on a model calibrated without learned rounding
@@ -39,7 +45,10 @@ from fxq.observer import world_size
 from fxq.qat.base import QATModule
 from fxq.qconfig import QConfig
 
-__all__ = ["mixed_precision"]
+__all__ = ["mixed_precision", "BUDGET_UNITS"]
+
+#: how ``mixed_precision``'s budgets count the activations
+BUDGET_UNITS = ("tensors", "bytes")
 
 
 def _int16_qconfig(qconfig: QConfig) -> QConfig:
@@ -90,6 +99,7 @@ def mixed_precision(
     qconfig_dict: Mapping[str, Any] | None = None,
     min_gain_db: float = 0.0,
     float_weights: bool = False,
+    budget_unit: str = "tensors",
     show: bool = False,
 ) -> dict[str, Any]:
     """A qconfig_dict with int16 activations (and float ops) where they help the output most.
@@ -100,7 +110,7 @@ def mixed_precision(
             (e.g. with ``fxq.calibration.ptq``); left as it was.
         batches: calibration batches for the sensitivity (a list; a few suffice).
         int16_budget: the largest fraction of the quantized activations (counted
-            as tensors) that become int16.
+            as ``budget_unit`` says) that become int16.
         float_budget: the largest fraction left in float (a qconfig of None):
             those whose quantization costs the model output most (sensitivity
             in ``"float_one"`` mode). They are chosen first; int16 goes to the
@@ -114,6 +124,9 @@ def mixed_precision(
             (their fake quants bypassed): the ranking for a model whose
             weight rounding is learned afterwards. ``calib_model`` must not
             have learned its rounding already (``ptq(..., iters=0)``).
+        budget_unit: ``"tensors"``: the budgets count activations as tensors;
+            ``"bytes"``: as their elements on the first batch of ``batches``
+            (the share of activation bytes that widens).
         show: print the choices.
 
     Returns:
@@ -124,7 +137,8 @@ def mixed_precision(
         qconfig_dict on their own and are never chosen.
 
     Raises:
-        ValueError: a budget outside [0, 1]; an int16 budget on a march without
+        ValueError: a budget outside [0, 1] or an unknown ``budget_unit``; an int16
+            budget on a march without
             int16 activations (e.g. bernoulli2); ``calib_model`` without a qconfig
             to build on; ``float_weights`` on a model whose weights are already
             rounded.
@@ -133,6 +147,10 @@ def mixed_precision(
 
     int16_budget = _check_budget("int16_budget", int16_budget)
     float_share = _check_budget("float_budget", float_budget)
+    if budget_unit not in BUDGET_UNITS:
+        raise ValueError(
+            f"mixed_precision: budget_unit must be one of {BUDGET_UNITS}, got {budget_unit!r}"
+        )
     qat_modules = [m for m in calib_model.modules() if isinstance(m, QATModule)]
     if int16_budget > 0 and qat_modules:
         spec = spec_for(qat_modules[0].march)
@@ -154,6 +172,15 @@ def mixed_precision(
     float_rows: list[dict[str, Any]] = []
     int16_rows: list[dict[str, Any]] = []
     weights = weight_quants(calib_model) if float_weights else []  # left unrounded
+    measured: list[dict[str, int]] = []
+
+    def sizes() -> dict[str, int] | None:  # measured once, when a budget counts bytes
+        if budget_unit != "bytes":
+            return None
+        if not measured:
+            measured.append(_activation_sizes(calib_model, batches))
+        return measured[0]
+
     if float_weights and _weights_on_their_grid(calib_model):
         raise ValueError(
             "mixed_precision: float_weights=True, but every weight of calib_model already lies "
@@ -167,11 +194,11 @@ def mixed_precision(
             rows = sensitivity(
                 float_model, calib_model, batches, mode="float_one", kinds=("activation",)
             )
-        limit = math.floor(float_share * len(rows) + 1e-9)
+        budget = _Budget(float_share, rows, sizes(), budget_unit)
         for row in rows:
-            if len(float_rows) >= limit:
+            if budget.spent:
                 break
-            if row["name"] in names and row["name"]:
+            if row["name"] in names and row["name"] and budget.take(row["name"]):
                 chosen[row["name"]] = None
                 float_rows.append(row)
     if int16_budget > 0:
@@ -179,9 +206,9 @@ def mixed_precision(
             rows = sensitivity(
                 float_model, calib_model, batches, dtype=qint16, kinds=("activation",)
             )
-        limit = math.floor(int16_budget * len(rows) + 1e-9)
+        budget = _Budget(int16_budget, rows, sizes(), budget_unit)
         for row in rows:
-            if len(int16_rows) >= limit:
+            if budget.spent:
                 break
             name = row["name"]
             if name in chosen or name not in names or not name:
@@ -190,7 +217,7 @@ def mixed_precision(
                 break  # rows are sorted best first: no later one gains enough
             module = modules.get(name)
             qconfig = getattr(module, "qconfig", None)
-            if not isinstance(qconfig, QConfig):
+            if not isinstance(qconfig, QConfig) or not budget.take(name):
                 continue
             chosen[name] = _int16_qconfig(qconfig)
             int16_rows.append(row)
@@ -203,6 +230,63 @@ def mixed_precision(
     entries.update(chosen)
     base["module_name"] = entries
     return base
+
+
+class _Budget:
+    """What is left of a budget: a number of activations (``sizes`` None) or of their
+    elements (``sizes``: each activation's, by module name)."""
+
+    def __init__(
+        self, share: float, rows: list[dict[str, Any]], sizes: dict[str, int] | None, unit: str
+    ) -> None:
+        self.sizes = sizes
+        if sizes is None:
+            self.left = math.floor(share * len(rows) + 1e-9)
+        else:
+            self.left = share * sum(sizes.get(r["name"], 0) for r in rows)
+
+    @property
+    def spent(self) -> bool:
+        return self.left < 1 if self.sizes is None else self.left <= 0
+
+    def take(self, name: str) -> bool:
+        """Spend ``name``'s cost if it fits (else nothing; a smaller one may fit later)."""
+        cost = 1 if self.sizes is None else self.sizes.get(name, 0)
+        if cost > self.left:
+            return False
+        self.left -= cost
+        return True
+
+
+def _activation_sizes(calib_model: GraphModule, batches: Any) -> dict[str, int]:
+    """The elements each quantized activation holds on the first batch, by module name
+    (one float pass with the fake quants bypassed: no statistics change)."""
+    from fxq.debug.capture import as_inputs, eval_no_grad
+    from fxq.debug.sensitivity import quantized_values
+    from fxq.fake_quantize import bypass
+
+    sizes: dict[str, int] = {}
+
+    def count(name: str):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                sizes[name] = sizes.get(name, 0) + output.numel()
+
+        return hook
+
+    handles = [
+        v.fake_quant.register_forward_hook(count(v.name))
+        for v in quantized_values(calib_model)
+        if v.kind == "activation"
+    ]
+    first = batches[0] if isinstance(batches, list) else batches  # as sensitivity reads them
+    try:
+        with eval_no_grad(calib_model), bypass(calib_model):
+            calib_model(*as_inputs(first))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sizes
 
 
 def _rank0_choice(
