@@ -14,8 +14,11 @@ tensors** (fake quants; ``budget_unit="tensors"``, the default):
 of them. With ``budget_unit="bytes"`` they are fractions of the activations'
 elements, measured on the first batch: the int16 ones hold at most that share
 of the values the quantized activations hold, so the activation memory and
-traffic grow by at most that share (an early, large feature map costs more
-than a late, small one; the ranking skips what does not fit and goes on). A
+traffic grow by at most that share. An early, large feature map costs more
+than a late, small one, so activations are then taken in order of the output
+noise each removes per element, skipping what no longer fits (MobileNetV2,
+then ``best``: 10 % of the bytes 22.03 dB; 33 % of the bytes, what the 10 %
+tensor budget's five early maps hold, 24.01 dB against their 22.15 dB). A
 budget of 0 changes nothing (the returned dict then prepares the same model
 as before).
 
@@ -195,7 +198,7 @@ def mixed_precision(
                 float_model, calib_model, batches, mode="float_one", kinds=("activation",)
             )
         budget = _Budget(float_share, rows, sizes(), budget_unit)
-        for row in rows:
+        for row in budget.order(rows):
             if budget.spent:
                 break
             if row["name"] in names and row["name"] and budget.take(row["name"]):
@@ -207,14 +210,14 @@ def mixed_precision(
                 float_model, calib_model, batches, dtype=qint16, kinds=("activation",)
             )
         budget = _Budget(int16_budget, rows, sizes(), budget_unit)
-        for row in rows:
+        for row in budget.order(rows):
             if budget.spent:
                 break
             name = row["name"]
             if name in chosen or name not in names or not name:
                 continue
             if row["sqnr"] - row["baseline"] < min_gain_db or row["sqnr"] <= row["baseline"]:
-                break  # rows are sorted best first: no later one gains enough
+                continue
             module = modules.get(name)
             qconfig = getattr(module, "qconfig", None)
             if not isinstance(qconfig, QConfig) or not budget.take(name):
@@ -244,6 +247,19 @@ class _Budget:
             self.left = math.floor(share * len(rows) + 1e-9)
         else:
             self.left = share * sum(sizes.get(r["name"], 0) for r in rows)
+
+    def order(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``rows`` (best first) in the order to take them: as they are for a count; for
+        elements, by the output noise each removes per element (an early, large map
+        must gain as much as the several small ones its elements would pay for)."""
+        if self.sizes is None or not rows:
+            return rows
+        noise = 10 ** (-rows[0]["baseline"] / 10)
+
+        def removed_per_element(row: dict[str, Any]) -> float:
+            return (noise - 10 ** (-row["sqnr"] / 10)) / max(self.sizes.get(row["name"], 0), 1)
+
+        return sorted(rows, key=removed_per_element, reverse=True)
 
     @property
     def spent(self) -> bool:
