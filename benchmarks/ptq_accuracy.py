@@ -20,8 +20,9 @@ seeds), it measures
   int16 mixed precision (``mixed_int16``: ``mixed_precision`` with a 10% budget
   on a model calibrated by ``ptq`` default without its learned rounding
   (``iters=0``), then ``ptq`` default; ``mixed_int16+best``: ranked with float
-  weights (``float_weights=True``), then ``ptq`` best; their time includes the
-  sensitivity);
+  weights (``float_weights=True``), then ``ptq`` best; ``mixed_int16_bytes+best``:
+  the same with the budget counted in activation bytes (``budget_unit="bytes"``);
+  their time includes the sensitivity);
 
 and reports the SQNR of the logits against the float model (dB), top-1
 agreement with the float model, agreement where the float model is confident
@@ -172,10 +173,15 @@ def fxq_method(model: nn.Module, calib: list[torch.Tensor], method: str, iters: 
         prepared = ptq(fxq.prepare_qat_fx(model, qconfig_dict), calib, iters=0, show_progress=False)
         sample = [torch.cat(calib)[::3]]  # a third of the crops rank the activations
         qconfig_dict = mixed_precision(
-            model, prepared, sample, int16_budget=0.1, float_weights=method.endswith("best")
+            model,
+            prepared,
+            sample,
+            int16_budget=0.1,
+            float_weights=method.endswith("best"),
+            budget_unit="bytes" if method.startswith("mixed_int16_bytes") else "tensors",
         )
     prepared = fxq.prepare_qat_fx(model, qconfig_dict)
-    if method in ("default", "best", "mixed_int16", "mixed_int16+best"):
+    if method in ("default", "best", "mixed_int16", "mixed_int16+best", "mixed_int16_bytes+best"):
         recipe = "best" if method.endswith("best") else "default"
         ptq(prepared, calib, method=recipe, show_progress=False)
     elif method == "auto_calibrate":
@@ -204,6 +210,7 @@ METHODS = (
     "best",
     "mixed_int16",
     "mixed_int16+best",
+    "mixed_int16_bytes+best",
     "min_max",
     "mean_min_max",
     "percentile",
@@ -218,6 +225,7 @@ LABELS = {
     "best": "fxq ptq best",
     "mixed_int16": "fxq mixed precision (10% int16)",
     "mixed_int16+best": "fxq mixed precision (10% int16) + ptq best",
+    "mixed_int16_bytes+best": "fxq mixed precision (10% of activation bytes int16) + ptq best",
     "min_max": "fxq min_max (qconfig default, calibrate)",
 }
 PEERS = {
