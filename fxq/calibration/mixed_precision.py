@@ -116,8 +116,8 @@ def mixed_precision(
             as ``budget_unit`` says) that become int16.
         float_budget: the largest fraction left in float (a qconfig of None):
             those whose quantization costs the model output most (sensitivity
-            in ``"float_one"`` mode). They are chosen first; int16 goes to the
-            rest.
+            in ``"float_one"`` mode; per element under ``budget_unit="bytes"``).
+            They are chosen first; int16 goes to the rest.
         qconfig_dict: the dict ``calib_model`` was prepared with; the result is
             a copy of it with ``module_name`` entries added. Without it, the
             global qconfig is the one most of ``calib_model``'s ops use.
@@ -129,7 +129,9 @@ def mixed_precision(
             have learned its rounding already (``ptq(..., iters=0)``).
         budget_unit: ``"tensors"``: the budgets count activations as tensors;
             ``"bytes"``: as their elements on the first batch of ``batches``
-            (the share of activation bytes that widens).
+            (the share of the int8 activation bytes that widens; an activation
+            already int16 counts its elements, not its bytes, and one that the
+            first batch does not reach is not chosen).
         show: print the choices.
 
     Returns:
@@ -140,11 +142,10 @@ def mixed_precision(
         qconfig_dict on their own and are never chosen.
 
     Raises:
-        ValueError: a budget outside [0, 1] or an unknown ``budget_unit``; an int16
-            budget on a march without
-            int16 activations (e.g. bernoulli2); ``calib_model`` without a qconfig
-            to build on; ``float_weights`` on a model whose weights are already
-            rounded.
+        ValueError: a budget outside [0, 1] or an unknown ``budget_unit``; an
+            int16 budget on a march without int16 activations (e.g. bernoulli2);
+            ``calib_model`` without a qconfig to build on; ``float_weights`` on a
+            model whose weights are already rounded.
     """
     from fxq.debug import sensitivity
 
@@ -197,7 +198,7 @@ def mixed_precision(
             rows = sensitivity(
                 float_model, calib_model, batches, mode="float_one", kinds=("activation",)
             )
-        budget = _Budget(float_share, rows, sizes(), budget_unit)
+        budget = _Budget(float_share, rows, sizes())
         for row in budget.order(rows):
             if budget.spent:
                 break
@@ -209,14 +210,15 @@ def mixed_precision(
             rows = sensitivity(
                 float_model, calib_model, batches, dtype=qint16, kinds=("activation",)
             )
-        budget = _Budget(int16_budget, rows, sizes(), budget_unit)
+        budget = _Budget(int16_budget, rows, sizes())
         for row in budget.order(rows):
             if budget.spent:
                 break
             name = row["name"]
             if name in chosen or name not in names or not name:
                 continue
-            if row["sqnr"] - row["baseline"] < min_gain_db or row["sqnr"] <= row["baseline"]:
+            gain = row["sqnr"] - row["baseline"]
+            if not (gain >= min_gain_db and gain > 0):  # also a NaN SQNR
                 continue
             module = modules.get(name)
             qconfig = getattr(module, "qconfig", None)
@@ -240,7 +242,7 @@ class _Budget:
     elements (``sizes``: each activation's, by module name)."""
 
     def __init__(
-        self, share: float, rows: list[dict[str, Any]], sizes: dict[str, int] | None, unit: str
+        self, share: float, rows: list[dict[str, Any]], sizes: dict[str, int] | None
     ) -> None:
         self.sizes = sizes
         if sizes is None:
@@ -257,7 +259,8 @@ class _Budget:
         noise = 10 ** (-rows[0]["baseline"] / 10)
 
         def removed_per_element(row: dict[str, Any]) -> float:
-            return (noise - 10 ** (-row["sqnr"] / 10)) / max(self.sizes.get(row["name"], 0), 1)
+            value = (noise - 10 ** (-row["sqnr"] / 10)) / max(self.sizes.get(row["name"], 0), 1)
+            return value if math.isfinite(value) else -math.inf
 
         return sorted(rows, key=removed_per_element, reverse=True)
 
@@ -267,7 +270,9 @@ class _Budget:
 
     def take(self, name: str) -> bool:
         """Spend ``name``'s cost if it fits (else nothing; a smaller one may fit later)."""
-        cost = 1 if self.sizes is None else self.sizes.get(name, 0)
+        if self.sizes is not None and not self.sizes.get(name):
+            return False  # not reached on the batch measured: its cost is unknown
+        cost = 1 if self.sizes is None else self.sizes[name]
         if cost > self.left:
             return False
         self.left -= cost
@@ -290,12 +295,12 @@ def _activation_sizes(calib_model: GraphModule, batches: Any) -> dict[str, int]:
 
         return hook
 
+    first = batches[0] if isinstance(batches, list) else batches  # as sensitivity reads them
     handles = [
         v.fake_quant.register_forward_hook(count(v.name))
         for v in quantized_values(calib_model)
         if v.kind == "activation"
     ]
-    first = batches[0] if isinstance(batches, list) else batches  # as sensitivity reads them
     try:
         with eval_no_grad(calib_model), bypass(calib_model):
             calib_model(*as_inputs(first))
