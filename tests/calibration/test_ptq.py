@@ -409,6 +409,12 @@ def test_mixed_precision_budget_in_bytes(bayes, pretrained):
         ].keys()
         == every.keys()
     )
+    # the float budget counts the same way
+    floats = mixed_precision(
+        model, base, calib[:1], int16_budget=0, float_budget=0.2, budget_unit="bytes"
+    )["module_name"]
+    assert len(floats) >= 1 and all(v is None for v in floats.values())
+    assert sum(sizes[k] for k in floats) <= 0.2 * total
     with pytest.raises(ValueError, match=r"budget_unit must be one of \('tensors', 'bytes'\)"):
         mixed_precision(model, base, calib[:1], budget_unit="elements")
 
