@@ -181,7 +181,7 @@ def fxq_method(model: nn.Module, calib: list[torch.Tensor], method: str, iters: 
             budget_unit="bytes" if method.startswith("mixed_int16_bytes") else "tensors",
         )
     prepared = fxq.prepare_qat_fx(model, qconfig_dict)
-    if method in ("default", "best", "mixed_int16", "mixed_int16+best", "mixed_int16_bytes+best"):
+    if method in ("default", "best") or method.startswith("mixed_int16"):
         recipe = "best" if method.endswith("best") else "default"
         ptq(prepared, calib, method=recipe, show_progress=False)
     elif method == "auto_calibrate":

@@ -176,15 +176,6 @@ def mixed_precision(
     float_rows: list[dict[str, Any]] = []
     int16_rows: list[dict[str, Any]] = []
     weights = weight_quants(calib_model) if float_weights else []  # left unrounded
-    measured: list[dict[str, int]] = []
-
-    def sizes() -> dict[str, int] | None:  # measured once, when a budget counts bytes
-        if budget_unit != "bytes":
-            return None
-        if not measured:
-            measured.append(_activation_sizes(calib_model, batches))
-        return measured[0]
-
     if float_weights and _weights_on_their_grid(calib_model):
         raise ValueError(
             "mixed_precision: float_weights=True, but every weight of calib_model already lies "
@@ -193,12 +184,18 @@ def mixed_precision(
             "float weights; rank on a model calibrated without learned rounding: "
             "ptq(model, data, iters=0)"
         )
+    # each activation's elements, when a budget counts bytes
+    sizes = (
+        _activation_sizes(calib_model, batches)
+        if budget_unit == "bytes" and (int16_budget > 0 or float_share > 0)
+        else None
+    )
     if float_share > 0:
         with bypassed(weights):
             rows = sensitivity(
                 float_model, calib_model, batches, mode="float_one", kinds=("activation",)
             )
-        budget = _Budget(float_share, rows, sizes())
+        budget = _Budget(float_share, rows, sizes)
         for row in budget.order(rows):
             if budget.spent:
                 break
@@ -210,7 +207,7 @@ def mixed_precision(
             rows = sensitivity(
                 float_model, calib_model, batches, dtype=qint16, kinds=("activation",)
             )
-        budget = _Budget(int16_budget, rows, sizes())
+        budget = _Budget(int16_budget, rows, sizes)
         for row in budget.order(rows):
             if budget.spent:
                 break
@@ -282,8 +279,8 @@ class _Budget:
 def _activation_sizes(calib_model: GraphModule, batches: Any) -> dict[str, int]:
     """The elements each quantized activation holds on the first batch, by module name
     (one float pass with the fake quants bypassed: no statistics change)."""
-    from fxq.debug.capture import as_inputs, eval_no_grad
-    from fxq.debug.sensitivity import quantized_values
+    from fxq.debug.capture import eval_no_grad
+    from fxq.debug.sensitivity import _batches, quantized_values
     from fxq.fake_quantize import bypass
 
     sizes: dict[str, int] = {}
@@ -295,7 +292,7 @@ def _activation_sizes(calib_model: GraphModule, batches: Any) -> dict[str, int]:
 
         return hook
 
-    first = batches[0] if isinstance(batches, list) else batches  # as sensitivity reads them
+    first = _batches(batches)[0]  # the first batch's arguments, as sensitivity reads them
     handles = [
         v.fake_quant.register_forward_hook(count(v.name))
         for v in quantized_values(calib_model)
@@ -303,7 +300,7 @@ def _activation_sizes(calib_model: GraphModule, batches: Any) -> dict[str, int]:
     ]
     try:
         with eval_no_grad(calib_model), bypass(calib_model):
-            calib_model(*as_inputs(first))
+            calib_model(*first)
     finally:
         for handle in handles:
             handle.remove()
