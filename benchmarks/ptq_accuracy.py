@@ -3,6 +3,7 @@
     python benchmarks/ptq_accuracy.py                     # MobileNetV2 and EfficientNet-Lite0
     python benchmarks/ptq_accuracy.py --models mobilenet_v2 --calib 96 --eval 140
     python benchmarks/ptq_accuracy.py --methods default best --peers nncf --markdown out.md
+    python benchmarks/ptq_accuracy.py --device cuda --peers   # fxq on a GPU, no peers
 
 For each model, in one process and on the same data (calibration and
 evaluation crops of the photographs shipped with scikit-image, with different
@@ -28,6 +29,8 @@ and reports the SQNR of the logits against the float model (dB), top-1
 agreement with the float model, agreement where the float model is confident
 (p > 0.5), and the calibration time. fxq rows are measured on the converted
 integer model (bit-exact with the QAT model in VALIDATION state), march bayes.
+With ``--device cuda`` the fxq methods calibrate and run on the GPU (the peers
+and the reference stay on the CPU).
 """
 
 from __future__ import annotations
@@ -198,8 +201,9 @@ def evaluate(
     quantized: nn.Module, held: torch.Tensor, ref: torch.Tensor, confident: torch.Tensor, batch: int
 ) -> tuple[float, float, str]:
     """SQNR (dB), top-1 agreement (%) and agreement where the float model is confident."""
+    device = next(iter(quantized.buffers())).device
     with torch.no_grad():
-        out = torch.cat([quantized(b) for b in held.split(batch)])
+        out = torch.cat([quantized(b.to(device)).cpu() for b in held.split(batch)])
     agree = out.argmax(1) == ref.argmax(1)
     sure = f"{100 * agree[confident].float().mean():.1f}" if confident.any() else "-"
     return sqnr(ref, out), 100 * float(agree.float().mean()), sure
@@ -248,7 +252,15 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=list(METHODS))
     parser.add_argument("--peers", nargs="*", default=list(PEERS))
     parser.add_argument("--markdown", help="also write the tables as markdown to this file")
+    parser.add_argument("--device", default="cpu", help="where fxq calibrates: cpu or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
+
+    def sync() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     torch.manual_seed(0)
     calib_rgb = photo_crops(args.calib, seed=0, normalize=False)
     eval_rgb = photo_crops(args.eval, seed=1, normalize=False)
@@ -293,14 +305,17 @@ def main() -> None:
                 continue
             report(label, quantized, time.perf_counter() - t0)
         report("weight-only int8 (reference)", weight_only_int8(model), None)
+        on_device = copy.deepcopy(model).to(device)
+        device_calib = [b.to(device) for b in calib]
         for method in args.methods:
-            t0 = time.perf_counter()
-            quantized = fxq_method(model, calib, method, args.iters)
-            report(LABELS.get(method, f"fxq {method}"), quantized, time.perf_counter() - t0)
+            t0 = sync()
+            quantized = fxq_method(on_device, device_calib, method, args.iters)
+            report(LABELS.get(method, f"fxq {method}"), quantized, sync() - t0)
         title = (
             f"{name}: {args.calib} calibration crops, {args.eval} held-out crops "
             f"({int(confident.sum())} where the float model is confident), "
             f"{torch.get_num_threads()} threads"
+            + (f", fxq on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
         )
         headers = ["method", "SQNR dB", "top-1 agree %", "confident agree %", "calib s"]
         print(f"\n{title}")

@@ -5,6 +5,7 @@ run, on the same inputs, alternating so that machine noise hits all alike:
 
     python benchmarks/qat_speed.py                    # resnet18 and mobilenet_v2
     python benchmarks/qat_speed.py --models resnet18 --batch 16 --size 160
+    python benchmarks/qat_speed.py --device cuda --batch 64   # on a GPU
 
 Prints one row per model: float ms/step, fxq ms/step and ratio, torch.ao
 ms/step and ratio (torch.ao: prepare_qat_fx with the x86 default QAT qconfig
@@ -58,17 +59,31 @@ def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
     return step
 
 
-def measure(steps: dict[str, callable], iters: int, warmup: int) -> dict[str, float]:
+def measure(
+    steps: dict[str, callable], iters: int, warmup: int, device: torch.device
+) -> dict[str, float]:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for step in steps.values():
         for _ in range(warmup):
             step()
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(iters):
         for name, step in steps.items():  # interleaved: noise hits every variant alike
+            sync()
             t0 = time.perf_counter()
             step()
+            sync()
             times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU, {torch.get_num_threads()} threads"
 
 
 def main() -> None:
@@ -79,7 +94,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (models prepared on the CPU)")
     args = parser.parse_args()
+    device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -93,7 +110,9 @@ def main() -> None:
             "fxq": fxq_qat(model, x[:1]),
             "torch.ao": torch_ao_qat(model, x[:1]),
         }
-        t = measure({k: step_fn(m, x, y) for k, m in variants.items()}, args.iters, args.warmup)
+        x, y = x.to(device), y.to(device)
+        steps = {k: step_fn(m.to(device), x, y) for k, m in variants.items()}
+        t = measure(steps, args.iters, args.warmup, device)
         rows.append(
             [
                 name,
@@ -105,7 +124,8 @@ def main() -> None:
             ]
         )
     print(
-        f"QAT training step, batch {args.batch}, {args.size}x{args.size}, {torch.get_num_threads()} threads, median of {args.iters}"
+        f"QAT training step on {_describe(device)}, batch {args.batch}, {args.size}x{args.size}, "
+        f"median of {args.iters}"
     )
     print(
         tabulate(
