@@ -22,6 +22,7 @@ source line.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -276,7 +277,8 @@ def to_graph(
 ) -> IntegerGraph:
     """Export a converted fxq model to an ``IntegerGraph``.
 
-    The model runs once on ``example_inputs`` (on the CPU); every node becomes
+    The model runs once on ``example_inputs`` on the CPU (a model on another device
+    is copied there, and gives the same integers); every node becomes
     IR nodes whose parameters are what the integer modules computed with.
     Dimension 0 of the inputs is the symbolic batch dimension (use a batch of
     2 or more so that it is told apart from other dimensions).
@@ -313,6 +315,8 @@ def to_graph(
     unknown = [n for n in names or [] if n not in known]
     if unknown:
         raise ExportError(f"fxq.export: no node named {unknown} in the converted graph")
+    if any(t.device.type != "cpu" for t in (*quantized.parameters(), *quantized.buffers())):
+        quantized = copy.deepcopy(quantized).cpu()  # the integer arithmetic is device-independent
     ex = _Exporter(quantized, names)
     with torch.no_grad():
         ex.run(*[t.detach().cpu() if isinstance(t, Tensor) else t for t in example_inputs])

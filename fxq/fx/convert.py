@@ -46,8 +46,8 @@ def convert_fx(model: GraphModule, dequantize_outputs: bool = True) -> GraphModu
             quantized outputs (False).
 
     Returns:
-        a GraphModule in eval mode; an ordinary module that ``state_dict`` /
-        ``torch.save`` handle.
+        a GraphModule in eval mode, on the QAT model's device; an ordinary module
+        that ``state_dict`` / ``torch.save`` handle.
 
     Raises:
         TypeError: when ``model`` is not a prepared fxq model.
@@ -61,6 +61,9 @@ def convert_fx(model: GraphModule, dequantize_outputs: bool = True) -> GraphModu
     gm = copy.deepcopy(model)
     gm.eval()
     _Converter(gm, dequantize_outputs).run()
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(devices) == 1:  # what the integer modules computed on the host follows the model
+        gm.to(devices.pop())
     return gm
 
 

@@ -337,7 +337,8 @@ class Tracer(torch.fx.Tracer):
         it recorded are erased and the call becomes one node, as in torch.fx.
         """
         graph = self.graph
-        last = next(reversed(graph.nodes), None)
+        # reversed(nodes) is an iterable, not an iterator, before torch 2.14
+        last = next(iter(reversed(graph.nodes)), None)
         decided = len(self.decided)
         try:
             result = fn(*args, **kwargs)

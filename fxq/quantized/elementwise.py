@@ -78,7 +78,8 @@ class Add(FunctionalQuantized):
         if scalars:
             constant = torch.floor(
                 torch.ldexp(
-                    torch.tensor(scalars, dtype=torch.float64) / s_y.cpu(), n.to(torch.float64)
+                    torch.tensor(scalars, dtype=torch.float64) / s_y.cpu(),
+                    n.to(torch.float64).cpu(),
                 )
                 + 0.5
             )
