@@ -77,11 +77,7 @@ class Add(FunctionalQuantized):
         constant = None
         if scalars:
             constant = torch.floor(
-                torch.ldexp(
-                    torch.tensor(scalars, dtype=torch.float64) / s_y.cpu(),
-                    n.to(torch.float64).cpu(),
-                )
-                + 0.5
+                qf.ldexp(torch.tensor(scalars, dtype=torch.float64) / s_y.cpu(), n.cpu()) + 0.5
             )
         return [int(m.reshape(-1)[0]) for m in ms], n, constant
 

@@ -197,7 +197,11 @@ def constrain_scale(scale: Tensor, constraint: ScaleConstraint) -> Tensor:
     if constraint is ScaleConstraint.ANY:
         return scale
     if constraint is ScaleConstraint.POWER_OF_TWO:
-        return torch.exp2(torch.ceil(torch.log2(scale)))
+        # from frexp, exactly (exp2 / log2 are not exact on every device)
+        mant, exp = torch.frexp(scale)
+        one = torch.ones(scale.shape, dtype=torch.float64, device=scale.device)
+        up = ldexp(one, exp.to(torch.int64) - (mant == 0.5).to(torch.int64)).to(scale.dtype)
+        return torch.where(torch.isfinite(scale) & (scale > 0), up, scale)
     raise ValueError(f"unknown scale constraint {constraint!r}")
 
 
@@ -222,6 +226,34 @@ def shift_round(v: Tensor, shift: Tensor | int, rounding: Rounding) -> Tensor:
         tie = ((v & mask) == half) & (shift_t > 0)
         return out - (tie & ((out & 1) == 1)).to(torch.int64)
     raise ValueError(f"unknown rounding {rounding!r}")
+
+
+def pow2(exponent: Tensor) -> Tensor:
+    """``2**exponent`` for integer exponents in [-1023, 1023] as float64, exact on every device.
+
+    A product of exact powers of two (one factor per bit of ``|exponent|``), so only
+    exact multiplications: ``torch.ldexp`` multiplies by ``torch.pow(2, e)``, whose CUDA
+    kernel is not exact for every integer ``e`` (it made one requantized value in 65536
+    of a ResNet-18 differ by one step between CUDA and the CPU).
+    """
+    e = exponent.to(torch.int64)
+    magnitude = e.abs()
+    out = torch.ones(e.shape, dtype=torch.float64, device=e.device)
+    for bit in range(10):
+        out = torch.where((magnitude >> bit) & 1 == 1, out * 2.0 ** (1 << bit), out)
+    return torch.where(e < 0, 1.0 / out, out)
+
+
+def ldexp(x: Tensor, exponent: Tensor) -> Tensor:
+    """``x * 2**exponent`` in float64, exact (no overflow or underflow) on every device.
+
+    On the CPU this is ``torch.ldexp`` (exact there: the property tests compare it with
+    exact fractions), elsewhere a multiplication by ``pow2(exponent)``.
+    """
+    x = x.to(torch.float64)
+    if exponent.device.type == "cpu":
+        return torch.ldexp(x, exponent.to(torch.float64))
+    return x * pow2(exponent)
 
 
 class MultiplierRangeError(ValueError):
@@ -262,11 +294,11 @@ def quantize_multiplier(
     _, exp = torch.frexp(real)  # real = mant * 2**exp, mant in [0.5, 1)
     shift = (bits - 1) - exp.to(torch.int64)
     shift = shift.clamp(lo, hi)
-    m = torch.floor(torch.ldexp(real, shift) + 0.5).to(torch.int64)
+    m = torch.floor(ldexp(real, shift) + 0.5).to(torch.int64)
     # rounding can carry to 2**(bits-1): drop one bit of precision there
     carry = (m > spec.max_multiplier) & (shift > lo)
     shift = torch.where(carry, shift - 1, shift)
-    m = torch.floor(torch.ldexp(real, shift) + 0.5).to(torch.int64)
+    m = torch.floor(ldexp(real, shift) + 0.5).to(torch.int64)
     if (m > spec.max_multiplier).any():
         worst = real.max().item()
         raise MultiplierRangeError(
@@ -501,7 +533,7 @@ def requantize_exact(
     Returns:
         an integer tensor of ``dtype.storage``.
     """
-    r = torch.ldexp(multiplier.to(torch.float64), -shift.to(torch.float64))
+    r = ldexp(multiplier, -shift)
     lo = dtype.qmin if lo is None else max(lo, dtype.qmin)
     hi = dtype.qmax if hi is None else min(hi, dtype.qmax)
     if use_native and acc.is_floating_point():
@@ -542,8 +574,8 @@ def requantize_residual(
     if use_native and acc.is_floating_point():
         from fxq.quantized import native
 
-        r = torch.ldexp(multiplier.to(torch.float64), -shift.to(torch.float64))
-        rr = torch.ldexp(residual_multiplier.to(torch.float64), -residual_shift.to(torch.float64))
+        r = ldexp(multiplier, -shift)
+        rr = ldexp(residual_multiplier, -residual_shift)
         out = native.requantize_add(
             acc, residual, rr, r, channel_axis, lo, hi, rounding is Rounding.HALF_EVEN
         )
@@ -569,7 +601,7 @@ def rescale_term(
     channel_axis: int | None = None,
 ) -> Tensor:
     """``shift_round(q * m, shift)`` as an exact float64 tensor (``|q * m| < 2**53``)."""
-    r = torch.ldexp(multiplier.to(torch.float64), -shift.to(torch.float64))
+    r = ldexp(multiplier, -shift)
     r = broadcast_scale(r, q.dim(), channel_axis)
     return round_float(q.to(torch.float64) * r, rounding, inplace=True, exact=False)
 
@@ -593,10 +625,7 @@ def common_multipliers(ratios: list[Tensor], spec: MarchSpec) -> tuple[list[Tens
     """
     largest = torch.stack([r.to(torch.float64).abs().max() for r in ratios]).max()
     _, n = quantize_multiplier(largest.reshape(1), spec)
-    ms = [
-        torch.floor(torch.ldexp(r.to(torch.float64), n.to(torch.float64)) + 0.5).to(torch.int64)
-        for r in ratios
-    ]
+    ms = [torch.floor(ldexp(r, n) + 0.5).to(torch.int64) for r in ratios]
     return ms, n
 
 
@@ -620,9 +649,7 @@ def add_requant(
         total = t if total is None else total + t
     if constant is not None:
         total = total + float(constant)
-    v = round_float(
-        torch.ldexp(total, -shift.to(torch.float64)), rounding, inplace=True, exact=False
-    )
+    v = round_float(ldexp(total, -shift), rounding, inplace=True, exact=False)
     return v.clamp_(dtype.qmin, dtype.qmax).to(dtype.storage)
 
 

@@ -51,7 +51,7 @@ def _count_factors(module: FunctionalQuantized, s_x: Tensor, counts: Tensor) -> 
     s_y = module.output_scale.to(torch.float64).cpu()
     real = s_x.to(torch.float64).cpu() / (counts * s_y)
     m, s = multiplier_for(module, real, {"input": s_x, "output": s_y})
-    return torch.ldexp(m.to(torch.float64), -s.to(torch.float64))
+    return qf.ldexp(m, -s)
 
 
 def _pool_dims(module: FunctionalQuantized, ops: dict[int, Any], modules: dict[int, type]) -> int:

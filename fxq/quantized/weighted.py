@@ -206,7 +206,7 @@ class _Weighted(QuantizedModule):
         return plan, worst > _INT32_MAX
 
     def _residual_bound(self, multiplier: Tensor, shift: Tensor) -> float:
-        r = torch.ldexp(multiplier.to(torch.float64), -shift.to(torch.float64))
+        r = qf.ldexp(multiplier, -shift)
         return float(((1 << (self.residual_bits - 1)) * r).max().item())
 
     def _derive(self, s_x: Tensor, s_r: Tensor | None) -> Requantization:

@@ -1608,3 +1608,22 @@ def test_quantize_qint32_saturates_float32_input(as_float):
         assert got.tolist() == [float(np.float32(v)) for v in want]
     else:
         assert got.tolist() == want
+
+
+def test_pow2_and_ldexp_are_exact_powers_of_two():
+    """Built from bits, not ``torch.pow`` (whose CUDA kernel is not exact for every exponent)."""
+    e = torch.arange(-1023, 1024)
+    assert qf.pow2(e).dtype is torch.float64
+    assert qf.pow2(e).tolist() == [math.ldexp(1.0, int(k)) for k in e]
+    m = torch.tensor([1, 255, 32767, -12345], dtype=torch.int64)
+    shifts = torch.tensor([0, 31, -7, 60])
+    expected = [math.ldexp(float(a), -int(b)) for a, b in zip(m, shifts)]
+    assert qf.ldexp(m, -shifts).tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_power_of_two_scales_round_up_exactly(dtype):
+    scale = torch.tensor([0.25, 0.2500001, 0.3, 1.0, 1.5, 3e-30, 0.0], dtype=dtype)
+    got = qf.constrain_scale(scale, qf.ScaleConstraint.POWER_OF_TWO)
+    assert got.dtype is dtype
+    assert got.tolist() == [0.25, 0.5, 0.5, 1.0, 2.0, 2.0**-98, 0.0]
