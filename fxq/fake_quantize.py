@@ -334,7 +334,9 @@ class FakeQuantize(nn.Module):
         if isinstance(obs, FixedScaleObserver):
             return obs.fixed_scale.expand(self.scale.shape).clone()
         amax = obs.amax().to(self.scale.device)
-        scale = (amax / self.dtype.qmax).clamp(min=_EPS)
+        # a tensor divisor (filled on the device: no copy, no sync): CUDA divides by a Python
+        # number as a product with its reciprocal, which can differ from the CPU by an ulp
+        scale = (amax / amax.new_full((), float(self.dtype.qmax))).clamp(min=_EPS)
         fallback = self._zero_range_scale()
         if fallback is not None:  # no host sync: this runs at every QAT step
             scale = torch.where(amax > 0, scale, torch.maximum(scale, fallback.to(scale.dtype)))

@@ -79,7 +79,11 @@ def _channels(x: Tensor) -> int:
 def _apply(matrix: Tensor, offset: Tensor, x: Tensor) -> Tensor:
     axis = _channels(x)
     moved = x.to(torch.float64).movedim(axis, -1)
-    out = moved @ matrix.T.to(x.device) + offset.to(x.device)
+    m = matrix.to(x.device)
+    # elementwise, in a fixed order: a matmul's summation order (and its FMAs) differ by
+    # device, and the camera's rounding of exact half-way values must not
+    terms = [moved[..., k : k + 1] * m[:, k] for k in range(3)]
+    out = (terms[0] + terms[1]) + terms[2] + offset.to(x.device)
     return out.movedim(-1, axis)
 
 
@@ -147,7 +151,9 @@ def _yuv_to_normalized(
     shape = [1] * rgb.dim()
     shape[axis] = 3
     normalized = (rgb - mean_t.reshape(shape).to(rgb.device)) / std_t.reshape(shape).to(rgb.device)
-    q = qf.round_float(normalized / q_scale, spec.rounding).clamp(qint8.qmin, qint8.qmax)
+    # a tensor divisor: CUDA divides by a Python number as a product with its reciprocal
+    step = torch.tensor(q_scale, dtype=normalized.dtype, device=normalized.device)
+    q = qf.round_float(normalized / step, spec.rounding).clamp(qint8.qmin, qint8.qmax)
     return (q * q_scale).to(torch.float32)
 
 
@@ -175,7 +181,7 @@ def _integer_yuv_to_normalized(
     q = x.values().to(torch.float64).movedim(axis, -1)
     rgb = q @ coef.T.to(q.device) + bias.to(q.device)  # exact: |terms| < 2**53
     rgb = rgb.clamp(0.0, 255.0 * one) - torch.floor(mean * one + 0.5).to(q.device)
-    m, s = qf.quantize_multiplier(1.0 / (one * std * q_scale), spec)
+    m, s = qf.quantize_multiplier(1.0 / (one * std * q_scale), spec)  # on the CPU
     out = qf.requantize_exact(rgb, m, s, qint8, spec.rounding, channel_axis=-1, as_float=True)
     return QTensor(out.movedim(-1, axis).contiguous(), torch.tensor([q_scale]), qint8)
 

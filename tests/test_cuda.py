@@ -229,3 +229,58 @@ def test_an_integer_model_converted_on_cuda_exports_bit_exact():
     assert_equal_outputs(outputs(on_host, (batches[2],)), run_onnx(onnx_model, (batches[2],)))
     with torch.no_grad():
         assert torch.equal(integer(*x).cpu(), on_host(batches[2]))
+
+
+class _Channelwise(nn.Module):
+    """Ops whose integer parameters are per channel: PReLU(C), a transposed conv with a bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.prelu = nn.PReLU(8, init=0.1)
+        self.up = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.head(self.up(self.prelu(self.conv(x))))
+
+
+def test_per_channel_ops_on_cuda_equal_the_cpu_with_tf32_on():
+    """TF32 is what CUDA users train with; the integer arithmetic must not depend on it."""
+    torch.manual_seed(0)
+    model = _Channelwise()
+    with torch.no_grad():
+        model.prelu.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+        model.up.bias.mul_(50)  # int32 biases well beyond TF32's 11 significant bits
+    fxq.set_march("bayes")
+    batches = [torch.randn(4, 3, 16, 16) for _ in range(3)]
+    prepared = _calibrate(fxq.prepare_qat_fx(model, {"": q8}), batches[:2])
+    fxq.set_fake_quantize(prepared, fxq.FakeQuantState.VALIDATION)
+    x = batches[2]
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with torch.no_grad():
+            expected = fxq.convert_fx(prepared)(x)
+            on_device = copy.deepcopy(prepared).to(DEVICE)
+            validation = on_device(x.to(DEVICE))
+            integer = fxq.convert_fx(on_device)(x.to(DEVICE))
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    assert torch.equal(validation.cpu(), expected)
+    assert torch.equal(integer.cpu(), expected)
+
+
+def test_yuv_input_on_cuda_equals_the_cpu():
+    from fxq.deploy import yuv_input
+    from fxq.functional import rgb2centered_yuv
+    from tests.test_deploy import _converted_yuv_net
+
+    _, _, converted = _converted_yuv_net()
+    yuv_input(converted, "quant", swing="full")
+    yuv = rgb2centered_yuv(torch.randint(0, 256, (4, 3, 8, 8)).float(), "full")
+    with torch.no_grad():
+        expected = converted(yuv)
+        got = copy.deepcopy(converted).to(DEVICE)(yuv.to(DEVICE))
+    assert got.device.type == DEVICE.type
+    assert torch.equal(got.cpu(), expected)

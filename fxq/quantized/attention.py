@@ -398,8 +398,10 @@ class MultiheadAttention(FunctionalQuantized):
             self.probs_scale.double(),
             self.context_scale.double(),
         )
+        # a tensor divisor: CUDA divides by a Python number as a product with its reciprocal
+        root = torch.tensor(math.sqrt(e // h), dtype=torch.float64, device=s_q.device)
         out["scores"] = multiplier_for(
-            self, s_q * s_k / math.sqrt(e // h) / s_s, {"q": s_q, "k": s_k, "scores": s_s}
+            self, s_q * s_k / root / s_s, {"q": s_q, "k": s_k, "scores": s_s}
         )
         out["softmax"] = softmax_plan(self, self.scores_scale, self.probs_scale, log=False)
         out["context"] = multiplier_for(

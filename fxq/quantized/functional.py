@@ -248,12 +248,13 @@ def ldexp(x: Tensor, exponent: Tensor) -> Tensor:
     """``x * 2**exponent`` in float64, exact (no overflow or underflow) on every device.
 
     On the CPU this is ``torch.ldexp`` (exact there: the property tests compare it with
-    exact fractions), elsewhere a multiplication by ``pow2(exponent)``.
+    exact fractions), elsewhere a multiplication by ``pow2(exponent)``. The result is on
+    ``x``'s device.
     """
     x = x.to(torch.float64)
-    if exponent.device.type == "cpu":
+    if x.device.type == "cpu" and exponent.device.type == "cpu":
         return torch.ldexp(x, exponent.to(torch.float64))
-    return x * pow2(exponent)
+    return x * pow2(exponent.to(x.device))
 
 
 class MultiplierRangeError(ValueError):
@@ -475,7 +476,9 @@ def accumulate(
     dt = plan.dtype
     w = weight.to(dt)
     if plan.limbs == 1:
-        if bias is not None and plan.bias_in_kernel:
+        # on CUDA a kernel may add the bias through a GEMM that TF32 would round (transposed
+        # convolutions do): there it is added in float64 below
+        if bias is not None and plan.bias_in_kernel and q.device.type == "cpu":
             return op(q.to(dt), w, bias.to(dt))
         out = op(q.to(dt), w, None)
         if bias is None:
@@ -533,7 +536,7 @@ def requantize_exact(
     Returns:
         an integer tensor of ``dtype.storage``.
     """
-    r = ldexp(multiplier, -shift)
+    r = ldexp(multiplier.to(acc.device), -shift)
     lo = dtype.qmin if lo is None else max(lo, dtype.qmin)
     hi = dtype.qmax if hi is None else min(hi, dtype.qmax)
     if use_native and acc.is_floating_point():
@@ -574,8 +577,8 @@ def requantize_residual(
     if use_native and acc.is_floating_point():
         from fxq.quantized import native
 
-        r = ldexp(multiplier, -shift)
-        rr = ldexp(residual_multiplier, -residual_shift)
+        r = ldexp(multiplier.to(acc.device), -shift)
+        rr = ldexp(residual_multiplier.to(acc.device), -residual_shift)
         out = native.requantize_add(
             acc, residual, rr, r, channel_axis, lo, hi, rounding is Rounding.HALF_EVEN
         )
@@ -601,7 +604,7 @@ def rescale_term(
     channel_axis: int | None = None,
 ) -> Tensor:
     """``shift_round(q * m, shift)`` as an exact float64 tensor (``|q * m| < 2**53``)."""
-    r = ldexp(multiplier, -shift)
+    r = ldexp(multiplier.to(q.device), -shift)
     r = broadcast_scale(r, q.dim(), channel_axis)
     return round_float(q.to(torch.float64) * r, rounding, inplace=True, exact=False)
 
