@@ -98,32 +98,6 @@ class _FakeQuantSTE(torch.autograd.Function):
         return torch.where(mask, grad, 0.0), None, None, None, None, None, None
 
 
-#: devices where QAT training fake-quantizes with torch's fused kernel (one pass forward and
-#: one backward instead of about six; on the CPU fxq's own passes are the faster)
-FUSED_TRAINING_DEVICES = ("cuda",)
-
-
-def _fusable(x: Tensor, dtype: QDType) -> bool:
-    return x.dtype is torch.float32 and dtype.bits <= 16
-
-
-def _fused_fake_quantize(x: Tensor, scale: Tensor, dtype: QDType, ch_axis: int | None) -> Tensor:
-    """QAT training's fake quantization with torch's fused kernels (zero point 0).
-
-    The same clipped straight-through gradient and the same ``x * (1 / s)`` as the
-    training formula; ties round half to even instead of the march's rounding, a
-    difference of measure zero for training. VALIDATION never comes here.
-    """
-    s = scale.to(torch.float32)
-    zero = torch.zeros(s.shape, dtype=torch.int32, device=x.device)
-    if ch_axis is None:
-        return torch.fake_quantize_per_tensor_affine(
-            x, s.reshape(()), zero.reshape(()), dtype.qmin, dtype.qmax
-        )
-    axis = ch_axis % x.dim()
-    return torch.fake_quantize_per_channel_affine(x, s, zero, axis, dtype.qmin, dtype.qmax)
-
-
 def fake_quantize_ste(
     x: Tensor,
     scale: Tensor,
@@ -138,9 +112,7 @@ def fake_quantize_ste(
     ``inplace``: the result may be written into ``x`` where no gradient is recorded
     (the caller owns ``x`` and no longer needs it).
 
-    ``exact=False`` rounds with the faster ``floor(v + 0.5)`` (QAT training); on CUDA
-    (``FUSED_TRAINING_DEVICES``) training uses torch's fused fake-quant kernel instead,
-    whose ties round half to even.
+    ``exact=False`` rounds with the faster ``floor(v + 0.5)`` (QAT training).
 
     Dtypes: the arithmetic never runs in a 16-bit float or an integer dtype,
     and ``scale`` (float32) is never rounded to ``x``'s dtype:
@@ -171,10 +143,7 @@ def fake_quantize_ste(
     """
     wide = x if x.dtype is torch.float32 or x.dtype is torch.float64 else x.to(torch.float32)
     if torch.is_grad_enabled() and x.requires_grad:
-        if not exact and wide.device.type in FUSED_TRAINING_DEVICES and _fusable(wide, dtype):
-            out = _fused_fake_quantize(wide, scale, dtype, ch_axis)
-        else:
-            out = _FakeQuantSTE.apply(wide, scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact)
+        out = _FakeQuantSTE.apply(wide, scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact)
     else:  # no graph to record: the same numbers without the mask
         out, _ = qf.fake_quantize(
             wide,
