@@ -316,10 +316,18 @@ class FakeQuantize(nn.Module):
     def set_fake_quant_state(self, state: FakeQuantState | str) -> None:
         """Switch to ``state`` (pending statistics become the scale first)."""
         state = _as_state(state)
+        self.check_non_finite()
         self.finalize()
         self.warn_if_scale_at_floor()
         self.state = state
         self._checked_observed = False
+
+    def check_non_finite(self) -> None:
+        """Raise if NaN / Inf reached the observer since its last check (see
+        ``ObserverBase.check_non_finite``; on CUDA that check is deferred)."""
+        check = getattr(self.activation_post_process, "check_non_finite", None)
+        if check is not None:
+            check()
 
     def finalize(self) -> None:
         """Compute the scale from statistics gathered by a deferred observer (if any are pending)."""

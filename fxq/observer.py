@@ -99,6 +99,13 @@ def rowwise_minmax(flat: Tensor) -> tuple[Tensor, Tensor]:
     return flat.amin(1), flat.amax(1)
 
 
+#: devices where a NaN / Inf is reported by the update that saw it; elsewhere (CUDA) the
+#: check is deferred so that QAT steps run without a host sync
+IMMEDIATE_CHECK_DEVICES = ("cpu",)
+#: on the other devices, the largest number of updates before the check runs
+NON_FINITE_CHECK_EVERY = 32
+
+
 class ObserverBase(nn.Module):
     """Base class: min/max buffers, NaN/Inf checks and ``amax``.
 
@@ -140,9 +147,31 @@ class ObserverBase(nn.Module):
         return mn.float(), mx.float()
 
     def _check_finite(self, mn: Tensor, mx: Tensor) -> None:
+        """Raise for NaN / Inf statistics: at once on the CPU; on an accelerator without a
+        host sync at every step (which would stall the GPU at every fake quant): the flag is
+        kept on the device and read every ``NON_FINITE_CHECK_EVERY`` updates and when the
+        fake-quant state changes or the model is converted (``check_non_finite``)."""
         if mn.is_meta:  # shapes only: nothing to check
             return
-        if not bool(torch.isfinite(mn).all() & torch.isfinite(mx).all()):
+        bad = ~(torch.isfinite(mn).all() & torch.isfinite(mx).all())
+        if mn.device.type in IMMEDIATE_CHECK_DEVICES:
+            if bool(bad):
+                self._raise_non_finite()
+            return
+        pending = getattr(self, "_non_finite", None)
+        if pending is not None and pending.device != bad.device:
+            self.check_non_finite()  # the model moved: read the old device's flag first
+            pending = None
+        self._non_finite = bad if pending is None else pending | bad
+        self._unchecked = getattr(self, "_unchecked", 0) + 1
+        if self._unchecked >= NON_FINITE_CHECK_EVERY:
+            self.check_non_finite()
+
+    def check_non_finite(self) -> None:
+        """Raise if NaN / Inf reached this observer since the last check (one host sync)."""
+        pending = getattr(self, "_non_finite", None)
+        self._non_finite, self._unchecked = None, 0
+        if pending is not None and bool(pending):
             self._raise_non_finite()
 
     def _raise_non_finite(self) -> None:

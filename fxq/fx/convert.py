@@ -77,6 +77,7 @@ def _require_observed(model: nn.Module) -> None:
     skipped: set[int] = set()
     for m in model.modules():
         if isinstance(m, FakeQuantize):
+            m.check_non_finite()
             m.finalize()
         if isinstance(m, QATModule) and m.standalone or isinstance(m, QuantStub):
             # standalone modules that never ran stay float; stubs that saw no tensor pass values on
