@@ -540,6 +540,9 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
         ValueError: for an unknown state, or when ``model`` holds no fake quant.
     """
     state = _as_state(state)
+    for module in model.modules():  # every NaN / Inf first, so none is switched on an error
+        if isinstance(module, FakeQuantize):
+            module.check_non_finite()
     found = False
     for module in model.modules():
         setter = getattr(module, "set_fake_quant_state", None)

@@ -122,6 +122,9 @@ class ObserverBase(nn.Module):
     #: computing ``amax`` is expensive (a search): FakeQuantize computes the
     #: scale once when calibration ends instead of after every batch
     deferred = False
+    #: check NaN / Inf at once on every device (observers that read their statistics on
+    #: the host at every batch anyway, and must not take a NaN into them)
+    immediate_check = False
 
     def __init__(self, ch_axis: int | None = None, num_channels: int | None = None) -> None:
         super().__init__()
@@ -154,7 +157,7 @@ class ObserverBase(nn.Module):
         if mn.is_meta:  # shapes only: nothing to check
             return
         bad = ~(torch.isfinite(mn).all() & torch.isfinite(mx).all())
-        if mn.device.type in IMMEDIATE_CHECK_DEVICES:
+        if self.immediate_check or mn.device.type in IMMEDIATE_CHECK_DEVICES:
             if bool(bad):
                 self._raise_non_finite()
             return
@@ -168,10 +171,16 @@ class ObserverBase(nn.Module):
             self.check_non_finite()
 
     def check_non_finite(self) -> None:
-        """Raise if NaN / Inf reached this observer since the last check (one host sync)."""
+        """Raise if NaN / Inf reached this observer since its last ``reset`` (one host sync).
+
+        The error sticks: the bad values are in the statistics, so every later check
+        raises again until ``reset()``.
+        """
         pending = getattr(self, "_non_finite", None)
         self._non_finite, self._unchecked = None, 0
         if pending is not None and bool(pending):
+            self._failed = True
+        if getattr(self, "_failed", False):
             self._raise_non_finite()
 
     def _raise_non_finite(self) -> None:
@@ -260,9 +269,10 @@ class ObserverBase(nn.Module):
         return super()._apply(keep_dtypes(fn), recurse)
 
     def reset(self) -> None:
-        """Forget every statistic."""
+        """Forget every statistic (and a NaN / Inf that a deferred check holds)."""
         self.min_val.fill_(float("inf"))
         self.max_val.fill_(float("-inf"))
+        self._non_finite, self._unchecked, self._failed = None, 0, False
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors

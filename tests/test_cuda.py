@@ -284,3 +284,29 @@ def test_yuv_input_on_cuda_equals_the_cpu():
         got = copy.deepcopy(converted).to(DEVICE)(yuv.to(DEVICE))
     assert got.device.type == DEVICE.type
     assert torch.equal(got.cpu(), expected)
+
+
+def test_qat_steps_on_cuda_make_no_host_sync():
+    """A host sync stalls the GPU until its queue drains (one per fake quant made fxq's step
+    1.6x torch.ao's on an H200): CUDA's sync debug mode turns any into an error."""
+    prepared, batches = _prepared("mobilenet_v2")
+    model = _calibrate(prepared.to(DEVICE), [b.to(DEVICE) for b in batches[:2]])
+    x = batches[2].to(DEVICE)
+    labels = torch.arange(x.shape[0], device=DEVICE) % 10
+    fxq.set_fake_quantize(model, fxq.FakeQuantState.QAT)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(model(x), labels).backward()
+        opt.step()
+
+    step()  # the first step creates the optimizer's state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

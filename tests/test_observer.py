@@ -214,8 +214,25 @@ def test_on_an_accelerator_the_non_finite_check_is_deferred_not_dropped(monkeypa
         obs(torch.tensor([1.0, 2.0]))  # still pending: a clean batch does not clear it
     with pytest.raises(ValueError, match=r"observer of the output of 'conv' saw NaN or Inf"):
         obs(torch.tensor([1.0, 2.0]))  # the 32nd update reads the flag
+    assert torch.isnan(obs.min_val).all()  # the NaN is in the statistics: the error sticks
+    for _ in range(5):
+        obs(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="saw NaN or Inf"):
+        obs.check_non_finite()
+    obs.reset()
     obs(torch.tensor([1.0, 2.0]))
-    obs.check_non_finite()  # reported once; nothing new since
+    obs.check_non_finite()
+    assert obs.min_val.tolist() == [1.0]
+
+
+def test_histogram_observers_check_at_once_on_every_device(monkeypatch):
+    """They read their statistics on the host at every batch: an Inf must not reach them."""
+    monkeypatch.setattr(fxq.observer, "IMMEDIATE_CHECK_DEVICES", ())
+    for obs in (PercentileObserver(), MeanMinMaxObserver(), PerChannelMSEObserver(ch_axis=0)):
+        obs.name = "x"
+        obs(torch.randn(4, 100))
+        with pytest.raises(ValueError, match="observer of x saw NaN or Inf"):
+            obs(torch.tensor([[1.0, float("inf")], [2.0, 3.0], [1.0, 1.0], [0.0, 1.0]]))
 
 
 def test_a_deferred_nan_is_reported_by_set_fake_quantize_and_convert(monkeypatch, bayes):
@@ -230,6 +247,12 @@ def test_a_deferred_nan_is_reported_by_set_fake_quantize_and_convert(monkeypatch
     for finish in (lambda m: fxq.set_fake_quantize(m, "validation"), fxq.convert_fx):
         qat = fxq.prepare_qat_fx(ResidualNet(), {"": default_qat_8bit_fake_quant_qconfig})
         calibrate(qat, [x, bad])  # no error while calibrating
+        with pytest.raises(ValueError, match="saw NaN or Inf"):
+            finish(qat)
+        # nothing was switched, and asking again gives the error again
+        assert {m.state for m in qat.modules() if isinstance(m, fxq.FakeQuantize)} == {
+            fxq.FakeQuantState.CALIBRATION
+        }
         with pytest.raises(ValueError, match="saw NaN or Inf"):
             finish(qat)
 

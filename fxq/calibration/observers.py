@@ -126,6 +126,8 @@ class HistogramObserver(ObserverBase):
             on first use from ``qmax``).
     """
 
+    immediate_check = True  # reads its statistics on the host at every batch
+
     deferred = True
     #: whether ``zeros`` counts the exact zeros seen (only the KL clip reads it)
     counts_zeros = False
@@ -397,6 +399,8 @@ class PerChannelMSEObserver(ObserverBase):
     (exact, no histogram), once per set of weights.
     """
 
+    immediate_check = True  # reads its statistics on the host at every batch
+
     deferred = True
 
     def __init__(self, ch_axis: int = 0, num_channels: int | None = None, steps: int = 51) -> None:
@@ -445,6 +449,8 @@ class MeanMinMaxObserver(ObserverBase):
     samples they occur in, which suits activations whose range varies from
     image to image.
     """
+
+    immediate_check = True  # reads its statistics on the host at every batch
 
     def __init__(self, ch_axis: int | None = None, num_channels: int | None = None) -> None:
         if ch_axis is not None:

@@ -229,18 +229,20 @@ def shift_round(v: Tensor, shift: Tensor | int, rounding: Rounding) -> Tensor:
 
 
 def pow2(exponent: Tensor) -> Tensor:
-    """``2**exponent`` for integer exponents in [-1023, 1023] as float64, exact on every device.
+    """``2**exponent`` for integer exponents as float64, exact on every device.
 
     A product of exact powers of two (one factor per bit of ``|exponent|``), so only
     exact multiplications: ``torch.ldexp`` multiplies by ``torch.pow(2, e)``, whose CUDA
     kernel is not exact for every integer ``e`` (it made one requantized value in 65536
-    of a ResNet-18 differ by one step between CUDA and the CPU).
+    of a ResNet-18 differ by one step between CUDA and the CPU). Exact for
+    ``|exponent| <= 1023``; beyond, inf above and 0 below (subnormals are not formed).
     """
     e = exponent.to(torch.int64)
-    magnitude = e.abs()
+    magnitude = e.abs().clamp(max=2047)
     out = torch.ones(e.shape, dtype=torch.float64, device=e.device)
     for bit in range(10):
         out = torch.where((magnitude >> bit) & 1 == 1, out * 2.0 ** (1 << bit), out)
+    out = torch.where(magnitude >= 1024, out * 2.0**512 * 2.0**512, out)  # overflows to inf
     return torch.where(e < 0, 1.0 / out, out)
 
 

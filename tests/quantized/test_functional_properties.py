@@ -1619,6 +1619,8 @@ def test_pow2_and_ldexp_are_exact_powers_of_two():
     shifts = torch.tensor([0, 31, -7, 60])
     expected = [math.ldexp(float(a), -int(b)) for a, b in zip(m, shifts)]
     assert qf.ldexp(m, -shifts).tolist() == expected
+    beyond = qf.pow2(torch.tensor([1024, 5000, -1100, -5000])).tolist()
+    assert beyond == [math.inf, math.inf, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
