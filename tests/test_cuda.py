@@ -101,10 +101,11 @@ def _calibrate(model: nn.Module, batches: list[torch.Tensor]) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _full_float32():
-    """CUDA convolutions and matmuls in full float32 (TF32 off), as on the CPU."""
+def _tf32(enabled: bool):
+    """CUDA convolutions and matmuls in TF32 (what CUDA users train with) or in full
+    float32 (as on the CPU)."""
     saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = enabled
     try:
         yield
     finally:
@@ -123,7 +124,7 @@ def _scales(model: nn.Module) -> dict[str, torch.Tensor]:
 def test_pipeline_on_cuda_equals_the_cpu_bit_for_bit(name):
     prepared, batches = _prepared(name)
     on_cpu = _calibrate(copy.deepcopy(prepared), batches[:2])
-    with _full_float32():
+    with _tf32(False):
         on_cuda = copy.deepcopy(prepared).to(DEVICE)
         _calibrate(on_cuda, [b.to(DEVICE) for b in batches[:2]])
     devices = {t.device.type for t in [*on_cuda.parameters(), *on_cuda.buffers()]}
@@ -257,16 +258,11 @@ def test_per_channel_ops_on_cuda_equal_the_cpu_with_tf32_on():
     prepared = _calibrate(fxq.prepare_qat_fx(model, {"": q8}), batches[:2])
     fxq.set_fake_quantize(prepared, fxq.FakeQuantState.VALIDATION)
     x = batches[2]
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        with torch.no_grad():
-            expected = fxq.convert_fx(prepared)(x)
-            on_device = copy.deepcopy(prepared).to(DEVICE)
-            validation = on_device(x.to(DEVICE))
-            integer = fxq.convert_fx(on_device)(x.to(DEVICE))
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    with _tf32(True), torch.no_grad():
+        expected = fxq.convert_fx(prepared)(x)
+        on_device = copy.deepcopy(prepared).to(DEVICE)
+        validation = on_device(x.to(DEVICE))
+        integer = fxq.convert_fx(on_device)(x.to(DEVICE))
     assert torch.equal(validation.cpu(), expected)
     assert torch.equal(integer.cpu(), expected)
 

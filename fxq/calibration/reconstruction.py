@@ -602,10 +602,10 @@ def _block_chunks(
     inputs and the targets have the same shape in every batch but the first dimension, and
     the other inputs are the same in every batch, the batches form one chunk (``_Joined``:
     read as one, not copied; samples are then drawn across batches); else each batch is a
-    chunk (sequences of other lengths, inputs that differ per batch). When an input that is not batched is a
-    number or a size (a reshape to the batch's size, as attention does), the block only
-    runs on whole batches: each batch is a chunk and a training step takes one whole
-    (the last value returned is then True).
+    chunk (sequences of other lengths, inputs that differ per batch). When an input that
+    is not batched is a number or a size (a reshape to the batch's size, as attention
+    does), the block only runs on whole batches: each batch is a chunk and a training step
+    takes one whole (the last value returned is then True).
     """
     counts = [t.shape[0] for t in targets]
     batched = [
