@@ -106,6 +106,7 @@ def fake_quantize_ste(
     ch_axis: int | None = None,
     exact: bool = True,
     inplace: bool = False,
+    offset: int = 0,
 ) -> Tensor:
     """Differentiable fake quantization (gradient passes where not clipped).
 
@@ -137,19 +138,22 @@ def fake_quantize_ste(
         rounding: the march's rounding.
         ch_axis: the channel axis of a per-channel ``scale``.
         exact: False for the faster training formula.
+        offset: the grid's shift in steps (``FakeQuantize.offset``): the clamp is
+            ``[qmin + offset, qmax + offset]``.
 
     Returns:
-        ``clamp(round(x / scale), qmin, qmax) * scale`` in the dtype above.
+        ``clamp(round(x / scale), qmin + offset, qmax + offset) * scale`` in the dtype above.
     """
     wide = x if x.dtype is torch.float32 or x.dtype is torch.float64 else x.to(torch.float32)
+    qmin, qmax = dtype.qmin + offset, dtype.qmax + offset
     if torch.is_grad_enabled() and x.requires_grad:
-        out = _FakeQuantSTE.apply(wide, scale, dtype.qmin, dtype.qmax, rounding, ch_axis, exact)
+        out = _FakeQuantSTE.apply(wide, scale, qmin, qmax, rounding, ch_axis, exact)
     else:  # no graph to record: the same numbers without the mask
         out, _ = qf.fake_quantize(
             wide,
             scale,
-            dtype.qmin,
-            dtype.qmax,
+            qmin,
+            qmax,
             rounding,
             ch_axis,
             exact,
@@ -235,6 +239,15 @@ class FakeQuantize(nn.Module):
         ValueError: for a dtype the march cannot run, or a fixed scale the
             march cannot represent.
         RuntimeError: when no march is given and none is set.
+
+    Attributes:
+        offset: 0 (the symmetric grid ``[qmin, qmax] * scale``), or ``-qmin``
+            for a tensor that is never negative (a ReLU output): the grid is then
+            ``[0, qmax - qmin] * scale``, every level on the values that occur,
+            and the integer model stores ``q - offset`` in the same signed dtype
+            (``fxq.calibration.offset_activations`` sets it, with the consumers
+            that undo the shift in their biases). Saved in the state dict when
+            not 0.
     """
 
     def __init__(
@@ -279,6 +292,7 @@ class FakeQuantize(nn.Module):
         self.register_buffer("observed", torch.zeros((), dtype=torch.bool))
         self.state = FakeQuantState.QAT
         self.name = ""
+        self.offset = 0
         self._checked_observed = False
         self._warned_floor = False
 
@@ -313,6 +327,46 @@ class FakeQuantize(nn.Module):
         self.name = name
         self.activation_post_process.name = name
 
+    def set_offset(self, offset: int) -> None:
+        """Shift the grid by ``offset`` steps: 0 or ``-qmin`` (see the class docstring).
+
+        The scale keeps covering the same largest value: it is recomputed from
+        the statistics when there are some, else scaled by the ratio of the
+        levels above zero.
+
+        Raises:
+            ValueError: another offset, a per-channel or high-precision fake quant,
+                or one with a fixed scale.
+        """
+        offset = int(offset)
+        if offset == self.offset:
+            return
+        if offset not in (0, -self.dtype.qmin):
+            raise ValueError(
+                f"fake quant {self.name or '(unnamed)'}: offset must be 0 or {-self.dtype.qmin} "
+                f"(an unsigned range in {self.dtype.name}), got {offset}"
+            )
+        if self.ch_axis is not None or self.is_high_precision or self.is_fixed_scale:
+            raise ValueError(
+                f"fake quant {self.name or '(unnamed)'}: only a per-tensor activation with a "
+                "calibrated int8 / int16 scale can take an offset"
+            )
+        before = self.dtype.qmax + self.offset
+        self.offset = offset
+        self.activation_post_process.qmax = self.dtype.qmax + offset
+        with torch.no_grad():
+            if self.activation_post_process.has_statistics():
+                self.update_scale()
+            else:
+                ratio = before / (self.dtype.qmax + offset)
+                scale = self.scale * self.scale.new_full((), ratio)
+                self.scale.copy_(qf.constrain_scale(scale, self.spec.scale_constraint))
+
+    @property
+    def levels_above_zero(self) -> int:
+        """``qmax + offset``: the grid step is the largest value over this."""
+        return self.dtype.qmax + self.offset
+
     def set_fake_quant_state(self, state: FakeQuantState | str) -> None:
         """Switch to ``state`` (pending statistics become the scale first)."""
         state = _as_state(state)
@@ -344,7 +398,7 @@ class FakeQuantize(nn.Module):
         amax = obs.amax().to(self.scale.device)
         # a tensor divisor (filled on the device: no copy, no sync): CUDA divides by a Python
         # number as a product with its reciprocal, which can differ from the CPU by an ulp
-        scale = (amax / amax.new_full((), float(self.dtype.qmax))).clamp(min=_EPS)
+        scale = (amax / amax.new_full((), float(self.levels_above_zero))).clamp(min=_EPS)
         fallback = self._zero_range_scale()
         if fallback is not None:  # no host sync: this runs at every QAT step
             scale = torch.where(amax > 0, scale, torch.maximum(scale, fallback.to(scale.dtype)))
@@ -442,9 +496,23 @@ class FakeQuantize(nn.Module):
         self.scale.copy_(new)
         self.observed.fill_(True)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.offset:
+            destination[prefix + "offset"] = torch.tensor(self.offset)
+
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
     ):
+        # the offset is saved only when set: a state dict without one is symmetric
+        saved_offset = state_dict.pop(prefix + "offset", None)
+        offset = 0 if saved_offset is None else int(saved_offset)
+        if offset != self.offset:
+            if offset not in (0, -self.dtype.qmin):
+                errors.append(f"{prefix}offset: {offset} is neither 0 nor {-self.dtype.qmin}")
+            else:
+                self.offset = offset
+                self.activation_post_process.qmax = self.dtype.qmax + offset
         saved = state_dict.get(prefix + "scale")
         if saved is not None and saved.shape != self.scale.shape:
             self.scale = torch.empty(saved.shape, dtype=self.scale.dtype, device=self.scale.device)
@@ -483,6 +551,7 @@ class FakeQuantize(nn.Module):
                 self.ch_axis,
                 exact=not self.inexact,
                 inplace=inplace,
+                offset=self.offset,
             )
         if x.numel() == 0:  # an empty tensor carries no statistics (as in torch.ao)
             return x
@@ -496,7 +565,7 @@ class FakeQuantize(nn.Module):
             return x
         # training: the faster rounding formula (it differs only at the float just below 1/2)
         return fake_quantize_ste(
-            x, self.scale, self.dtype, self.rounding, self.ch_axis, exact=False
+            x, self.scale, self.dtype, self.rounding, self.ch_axis, exact=False, offset=self.offset
         )
 
     def _require_observed(self) -> None:
@@ -519,6 +588,8 @@ class FakeQuantize(nn.Module):
         ]
         if self.ch_axis is not None:
             parts.append(f"ch_axis={self.ch_axis}")
+        if self.offset:
+            parts.append(f"offset={self.offset}")
         if self.scale.numel() == 1 and self.scale.device.type != "meta":
             parts.append(f"scale={self.scale.item():.6g}")
         return ", ".join(parts)

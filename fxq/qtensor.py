@@ -3,7 +3,10 @@
 A ``QTensor`` holds integers (``data`` / ``int_repr()``: int8 / int16 / int32
 torch tensors, not torch's quantized dtypes), a float32 scale (per tensor, or
 per channel along ``axis``) and its ``fxq`` dtype. Its value is
-``data * scale``; the zero point is always 0.
+``data * scale``; the zero point is 0, except on the output of a producer whose
+unsigned range ``fxq.calibration.offset_activations`` stores shifted (``offset``:
+the value is ``(data + offset) * scale``). Such a tensor feeds only convolutions
+and linear layers, which undo the shift in their biases; any other op refuses it.
 
 The integers may also be carried as exact float32 values (``values()``):
 integer kernels that run on float hardware paths (conv, linear) read and
@@ -63,15 +66,22 @@ class QTensor:
         dtype: the quantized dtype (``fxq.qint8`` ...); integer ``data`` must
             be in its storage dtype.
         axis: channel axis of a per-channel scale.
+        offset: the value is ``(data + offset) * scale`` (an unsigned range stored
+            in a signed dtype; see the module docstring).
 
     Raises:
         TypeError / ValueError: for mismatched storage, dtype or scale shape.
     """
 
-    __slots__ = ("_int", "_float", "scale", "qdtype", "axis")
+    __slots__ = ("_int", "_float", "scale", "qdtype", "axis", "offset")
 
     def __init__(
-        self, data: Tensor, scale: Tensor, dtype: QDType | str, axis: int | None = None
+        self,
+        data: Tensor,
+        scale: Tensor,
+        dtype: QDType | str,
+        axis: int | None = None,
+        offset: int = 0,
     ) -> None:
         qdtype = as_qdtype(dtype)
         if data.is_floating_point():
@@ -97,6 +107,7 @@ class QTensor:
         self.scale = scale
         self.qdtype = qdtype
         self.axis = axis if scale.numel() != 1 else None
+        self.offset = int(offset)
 
     @property
     def data(self) -> Tensor:
@@ -118,25 +129,31 @@ class QTensor:
 
     # -- construction / leaving the integer domain --------------------------
     @classmethod
-    def quantize(cls, x: Tensor, scale: Tensor, dtype: QDType | str, rounding) -> QTensor:
+    def quantize(
+        cls, x: Tensor, scale: Tensor, dtype: QDType | str, rounding, offset: int = 0
+    ) -> QTensor:
         """Quantize a tensor with fxq's one quantize formula (``fxq.quantized.functional.quantize``).
 
         ``x`` may have any real dtype: half-precision floats and integers of up to
         16 bits (e.g. uint8 camera frames) quantize exactly as the same values in
         float32 would; the scale keeps its float32 value whatever ``x``'s dtype.
+        With an ``offset``, ``x`` is quantized onto ``[qmin + offset, qmax + offset]``
+        and stored less ``offset``.
         """
         from fxq.quantized import functional as qf
 
         dtype = as_qdtype(dtype)
-        q = qf.quantize(x, scale, dtype, rounding, as_float=dtype.bits <= 24)
-        return cls(q, scale, dtype)
+        q = qf.quantize(x, scale, dtype, rounding, as_float=dtype.bits <= 24, offset=offset)
+        return cls(q, scale, dtype, offset=offset)
 
     def dequantize(self) -> Tensor:
-        """``data * scale`` as float32."""
+        """``(data + offset) * scale`` as float32."""
         from fxq.quantized.functional import broadcast_scale
 
-        v = self._primary()
-        return v.to(torch.float32) * broadcast_scale(self.scale, v.dim(), self.axis)
+        v = self._primary().to(torch.float32)
+        if self.offset:
+            v = v + self.offset
+        return v * broadcast_scale(self.scale, v.dim(), self.axis)
 
     def int_repr(self) -> Tensor:
         return self.data
@@ -192,15 +209,26 @@ class QTensor:
             if self.axis is None
             else f"scales={self.scale.tolist()}, axis={self.axis}"
         )
-        return f"QTensor({self.data!r}, {scale}, dtype={self.qdtype.name})"
+        offset = f", offset={self.offset}" if self.offset else ""
+        return f"QTensor({self.data!r}, {scale}, dtype={self.qdtype.name}{offset})"
 
     # -- value-preserving operations -------------------------------------------
     def _like(self, data: Tensor) -> QTensor:
+        self._no_offset("this op")
         return QTensor(data, self.scale, self.qdtype)
 
     def _map(self, fn: Callable[[Tensor], Any]) -> Any:
         """Apply a value-preserving op to the integers (in whichever form is at hand)."""
+        self._no_offset("this op")
         return _wrap_like(self, fn(self._primary()))
+
+    def _no_offset(self, op: str) -> None:
+        if self.offset:
+            raise TypeError(
+                f"{op} got a QTensor stored with offset {self.offset} (an unsigned range, "
+                "fxq.calibration.offset_activations), which only convolutions and linear layers "
+                "take; dequantize() it, or leave this producer's output without an offset"
+            )
 
     def _per_tensor(self, op: str) -> None:
         if self.axis is not None:
@@ -210,12 +238,16 @@ class QTensor:
 
     def contiguous(self, *args: Any, **kwargs: Any) -> QTensor:
         return QTensor(
-            self._primary().contiguous(*args, **kwargs), self.scale, self.qdtype, self.axis
+            self._primary().contiguous(*args, **kwargs),
+            self.scale,
+            self.qdtype,
+            self.axis,
+            self.offset,
         )
 
     def clone(self) -> QTensor:
         # the scale is shared, as by every other op that keeps it (and stays real under export)
-        return QTensor(self._primary().clone(), self.scale, self.qdtype, self.axis)
+        return QTensor(self._primary().clone(), self.scale, self.qdtype, self.axis, self.offset)
 
     def detach(self) -> QTensor:
         return self
@@ -237,7 +269,11 @@ class QTensor:
                 f"QTensor.to({target.dtype}) would change the integer dtype; dequantize() first"
             )
         return QTensor(
-            self._primary().to(target.device), self.scale.to(target.device), self.qdtype, self.axis
+            self._primary().to(target.device),
+            self.scale.to(target.device),
+            self.qdtype,
+            self.axis,
+            self.offset,
         )
 
     def cpu(self) -> QTensor:
@@ -265,6 +301,9 @@ class QTensor:
         cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, QTensor):
+                a._no_offset(_op_name(func))
         impl = _HANDLED.get(func)
         if impl is None:
             raise TypeError(

@@ -16,7 +16,9 @@
   equalization, a short learned rounding; ``"best"`` chooses between two range
   settings and learns longer);
 * ``mixed_precision(float_model, calib_model, data, int16_budget=0.1)``: a
-  qconfig_dict giving int16 (or float) to the most sensitive activations.
+  qconfig_dict giving int16 (or float) to the most sensitive activations;
+* ``offset_activations(model)``: ReLU outputs read by convolutions and linear
+  layers quantized onto all of int8's levels, stored shifted (``ptq`` does it).
 
 Only the observers are imported with the package; the runners (which use the
 QAT modules and the FX passes) are imported on first use (PEP 562), so that
@@ -26,6 +28,8 @@ QAT modules and the FX passes) are imported on first use (PEP 562), so that
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 from fxq.calibration import observers as observers  # registers percentile / mse / kl / mix
@@ -38,6 +42,7 @@ __all__ = [
     "batch_arguments",
     "ptq",
     "mixed_precision",
+    "offset_activations",
 ]
 
 # public name -> the submodule that defines it
@@ -49,6 +54,7 @@ _LAZY = {
     "bias_correction": "fxq.calibration.bias_correction",
     "ptq": "fxq.calibration.ptq",
     "mixed_precision": "fxq.calibration.mixed_precision",
+    "offset_activations": "fxq.calibration.offset",
 }
 
 
@@ -63,3 +69,18 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``fxq.calibration.ptq`` (and the other functions named like their
+    submodule) the function: importing the submodule sets the package's attribute
+    of that name to the submodule, after which ``from fxq.calibration import ptq``
+    gave the module."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

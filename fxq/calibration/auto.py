@@ -237,7 +237,7 @@ def _auto_calibrate(
     originals = [fq.activation_post_process for _, fq in quants]
     for _, fq in quants:
         collector = _Collector()
-        collector.qmax = fq.dtype.qmax
+        collector.qmax = fq.levels_above_zero
         fq.activation_post_process = collector
     try:
         set_fake_quantize(model, FakeQuantState.CALIBRATION)
@@ -266,7 +266,7 @@ def _auto_calibrate(
         return total
 
     def set_clip(fq: FakeQuantize, clip: float) -> None:
-        scale = torch.tensor([max(clip, 1e-30) / fq.dtype.qmax], device=fq.scale.device).clamp(
+        scale = torch.tensor([max(clip, 1e-30) / fq.levels_above_zero], device=fq.scale.device).clamp(
             min=float(torch.finfo(torch.float32).eps)
         )
         fq.scale.copy_(qf.constrain_scale(scale, fq.spec.scale_constraint))

@@ -141,7 +141,7 @@ def _quantized_like(fq: FakeQuantize | None, x: Tensor) -> Tensor:
     """``x`` as the fake quant ``fq`` rounds it (``x`` itself without one, or at int32)."""
     if fq is None or fq.is_high_precision:
         return x
-    return fake_quantize_ste(x, fq.scale, fq.dtype, fq.rounding, fq.ch_axis)
+    return fake_quantize_ste(x, fq.scale, fq.dtype, fq.rounding, fq.ch_axis, offset=fq.offset)
 
 
 def _is_depthwise(layer: nn.Module) -> bool:

@@ -32,7 +32,13 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
      the same result as equalizing first, without a pass of its own; under
      ``torch.distributed`` with several ranks, or for an int16 producer whose
      observer is not a min / max, it is equalized first, with a pass);
-  4. **learned rounding** (``weight_reconstruction(block_depth="auto", iters=12,
+  4. **unsigned ReLU outputs** (``offset=True``,
+     ``fxq.calibration.offset``): a ReLU / ReLU6 output read only by
+     convolutions and linear layers is quantized onto ``[0, 255]`` steps and
+     stored shifted by 128 in int8, the consumers undoing the shift in their
+     biases and borders: the step halves for the same range, with signed
+     integer arithmetic and no zero point;
+  5. **learned rounding** (``weight_reconstruction(block_depth="auto", iters=12,
      batch_size=4, lr=0.7, num_samples=32)``, ``DEFAULT_ROUNDING``): block by
      block, the weights' up / down rounding is fitted to the float block
      outputs. The recorded streams cost in proportion to the samples, so only
@@ -211,7 +217,7 @@ class _ModelSnapshot:
         self.model = model
         self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.quants = [
-            (m, m.dtype, m.activation_post_process, m.activation_post_process.qmax)
+            (m, m.dtype, m.activation_post_process, m.activation_post_process.qmax, m.offset)
             for m in model.modules()
             if isinstance(m, FakeQuantize)
         ]
@@ -222,10 +228,11 @@ class _ModelSnapshot:
     def restore(self) -> None:
         for m in self.biasless:
             m.bias = None
-        for fq, dtype, obs, qmax in self.quants:
+        for fq, dtype, obs, qmax, offset in self.quants:
             fq.dtype = dtype
             fq.activation_post_process = obs
             obs.qmax = qmax
+            fq.offset = offset
         self.model.load_state_dict(self.state)
 
 
@@ -242,7 +249,7 @@ def restored_on_failure(model: nn.Module) -> Iterator[None]:
 
 def _fitted(obs: ObserverBase, fq: FakeQuantize) -> ObserverBase:
     """``obs`` set up to observe for ``fq``: its levels, its name, its device."""
-    obs.qmax = fq.dtype.qmax
+    obs.qmax = fq.levels_above_zero
     obs.name = fq.activation_post_process.name
     return obs.to(fq.scale.device)
 
@@ -317,6 +324,7 @@ def ptq(
     output: str = "auto",
     bias_correction: bool | None = None,
     equalize: bool = True,
+    offset: bool = True,
     num_batches: int | None = None,
     input_fn: Callable[[Any], Any] | None = None,
     show_progress: bool | None = None,
@@ -339,6 +347,9 @@ def ptq(
             (``fxq.calibration.equalization``: after the calibration pass, from
             the channel ranges recorded in it, where it can; else first, with
             ``equalize_depthwise``).
+        offset: for ``"default"`` and ``"best"``, quantize the ReLU / ReLU6
+            outputs that only convolutions and linear layers read onto all of
+            int8's levels, stored shifted (``fxq.calibration.offset_activations``).
         num_batches: use only the first batches.
         input_fn: maps a batch to the model's arguments.
         options: for ``"default"`` and ``"best"``, arguments of
@@ -397,6 +408,10 @@ def ptq(
         from fxq.calibration.equalization import depthwise_pairs as pairs_of
 
         widen_outputs(model, output)
+        if offset:
+            from fxq.calibration.offset import offset_activations
+
+            offset_activations(model)
         outputs = {id(m.activation_post_process) for _, m in output_quants(model)}
         # int16 activations have levels to spare: their qconfig's observer (a global min / max)
         # keeps the tails that the per-sample mean range would clip
@@ -448,6 +463,10 @@ def ptq(
             if _activation_error(model, batches, reference, input_fn) >= mean_error:
                 mean.restore()
             keep_rank0_result(model)  # every rank learns from the same start
+        if offset:
+            from fxq.calibration.offset import release_overflowing
+
+            release_overflowing(model)  # now that every scale is known
         if bias_correction:
             _fast_bc(model, batches, input_fn, show_progress, means)
         if learns:

@@ -280,6 +280,8 @@ def _fake_quantize_inputs(values: Any, module: QATModule) -> Any:
             q = quants[i]
             i += 1
             if q is not None and not q.is_high_precision and not q.bypassed:
-                leaf = fake_quantize_ste(leaf, q.scale, q.dtype, q.rounding, q.ch_axis)
+                leaf = fake_quantize_ste(
+                    leaf, q.scale, q.dtype, q.rounding, q.ch_axis, offset=q.offset
+                )
         out.append(leaf)
     return tree_unflatten(out, spec)

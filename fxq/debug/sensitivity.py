@@ -188,12 +188,13 @@ def _state(gm: GraphModule, mode: str) -> Iterator[None]:
 def _toggled(value: QuantizedValue, mode: str, dtype: QDType | None) -> Iterator[None]:
     fq = value.fake_quant
     saved_bypass = fq.__dict__.get("bypassed")
-    saved = (fq.dtype, fq.scale.clone())
+    saved = (fq.dtype, fq.scale.clone(), fq.offset)
     try:
         if dtype is not None:
             with torch.no_grad():
-                fq.scale.mul_(fq.dtype.qmax / dtype.qmax)  # the same range on a finer grid
-            fq.dtype = dtype
+                # the same range on a finer grid (a symmetric one: the offset is int8's)
+                fq.scale.mul_(fq.levels_above_zero / dtype.qmax)
+            fq.dtype, fq.offset = dtype, 0
         elif mode == "quantize_one":
             fq.bypassed = False
         else:
@@ -204,7 +205,7 @@ def _toggled(value: QuantizedValue, mode: str, dtype: QDType | None) -> Iterator
             fq.__dict__.pop("bypassed", None)
         else:
             fq.bypassed = saved_bypass
-        fq.dtype = saved[0]
+        fq.dtype, fq.offset = saved[0], saved[2]
         with torch.no_grad():
             fq.scale.copy_(saved[1])
 

@@ -98,7 +98,7 @@ class _Exporter(Interpreter):
 
     def register(self, obj: Any, name: str, batched: bool) -> str:
         if isinstance(obj, QTensor):
-            info = TensorInfo(_dtype(obj), list(obj.shape), float(obj.scale))
+            info = TensorInfo(_dtype(obj), list(obj.shape), float(obj.scale), obj.offset)
         elif isinstance(obj, Tensor):
             dtype = {torch.float32: "float32", torch.int64: "int64"}.get(obj.dtype)
             if dtype is None:

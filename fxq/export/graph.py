@@ -41,15 +41,22 @@ class TensorInfo:
     Attributes:
         dtype: ``"int8"``, ``"int16"``, ``"int32"``, ``"int64"`` or ``"float32"``.
         shape: sizes; ``"N"`` is the batch dimension (any size at run time).
-        scale: the quantization scale (value = integer * scale), None for floats.
+        scale: the quantization scale (value = (integer + offset) * scale), None for floats.
+        offset: not 0 on an unsigned range stored shifted (``QTensor.offset``); the
+            convolutions and linear layers that read it undo the shift (their
+            ``pad_value`` and bias).
     """
 
     dtype: str
     shape: list[int | str]
     scale: float | None = None
+    offset: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "scale": self.scale}
+        out = {"dtype": self.dtype, "shape": list(self.shape), "scale": self.scale}
+        if self.offset:
+            out["offset"] = self.offset
+        return out
 
 
 @dataclass
@@ -231,7 +238,7 @@ def load(path: str | Path) -> IntegerGraph:
                 Node(n["name"], n["op"], n["inputs"], n["outputs"], n["attrs"], params, n["source"])
             )
     tensors = {
-        k: TensorInfo(v["dtype"], v["shape"], v["scale"]) for k, v in meta["tensors"].items()
+        k: TensorInfo(v["dtype"], v["shape"], v["scale"], v.get("offset", 0)) for k, v in meta["tensors"].items()
     }
     return IntegerGraph(
         nodes, tensors, meta["inputs"], meta["outputs"], meta["march"], meta["dynamic_batch"]

@@ -265,6 +265,12 @@ class IntegerWriter:
                 flat = [0, 0] + [p[0] for p in pads] + [0, 0] + [p[1] for p in pads]
                 x = self.op("Pad", [x, self.const(np.array(flat, np.int64))], mode=mode)
                 pads = [[0, 0]] * d
+            elif a.get("pad_value", 0) and any(p[0] or p[1] for p in pads):
+                # the stored form of 0 of an input with an offset (a float of an integer here)
+                flat = [0, 0] + [p[0] for p in pads] + [0, 0] + [p[1] for p in pads]
+                value = self.const(np.array(a["pad_value"], np.float32), hint="pad_value")
+                x = self.op("Pad", [x, self.const(np.array(flat, np.int64)), value])
+                pads = [[0, 0]] * d
             attrs = dict(
                 strides=a["stride"],
                 pads=[p[0] for p in pads] + [p[1] for p in pads],

@@ -209,6 +209,9 @@ def _rule_conv(ex: _Exporter, m: weighted._Conv, args, kwargs, result) -> None:
             attrs["pads"] = [[t // 2, t - t // 2] for t in total]
     else:
         attrs["pads"] = [[v, v] for v in _ints(m.padding, d)]
+    if not m._TRANSPOSED:
+        # an input stored with an offset pads with the stored form of 0
+        attrs["pad_value"] = -m.input_offset
     inputs = [ex.name_of(x)] + ([ex.name_of(residual)] if m.add else [])
     ex.emit("conv", inputs, [result], attrs, params)
 

@@ -147,12 +147,16 @@ def _k_requantize(node, inputs):
 _PAD_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
 
 
-def _pad(x: np.ndarray, pads: Sequence[Sequence[int]], mode: str = "zeros") -> np.ndarray:
-    """Pad (or crop, for negative amounts) the trailing ``len(pads)`` axes."""
+def _pad(
+    x: np.ndarray, pads: Sequence[Sequence[int]], mode: str = "zeros", value: int = 0
+) -> np.ndarray:
+    """Pad (or crop, for negative amounts) the trailing ``len(pads)`` axes (``"zeros"``
+    pads with ``value``)."""
     lead = x.ndim - len(pads)
     grow = [(0, 0)] * lead + [(max(lo, 0), max(hi, 0)) for lo, hi in pads]
     if any(g != (0, 0) for g in grow):
-        x = np.pad(x, grow, mode=_PAD_MODES[mode])
+        extra = {"constant_values": value} if mode == "zeros" and value else {}
+        x = np.pad(x, grow, mode=_PAD_MODES[mode], **extra)
     crop = [slice(None)] * lead + [
         slice(max(-lo, 0), x.shape[lead + i] - max(-hi, 0)) for i, (lo, hi) in enumerate(pads)
     ]
@@ -167,13 +171,15 @@ def conv_accumulate(
     dilation: Sequence[int],
     groups: int,
     pad_mode: str = "zeros",
+    pad_value: int = 0,
 ) -> np.ndarray:
     """Exact ``sum X * W`` of an N-d convolution, int64 ``[N, O, *out]``.
 
-    ``x``: ``[N, C, *spatial]``; ``w``: ``[O, C / groups, *k]`` (out-major).
+    ``x``: ``[N, C, *spatial]``; ``w``: ``[O, C / groups, *k]`` (out-major); a
+    ``"zeros"`` border holds ``pad_value``.
     """
     d = w.ndim - 2
-    x = _pad(x.astype(np.int64), pads, pad_mode)
+    x = _pad(x.astype(np.int64), pads, pad_mode, pad_value)
     k = w.shape[2:]
     span = [(ki - 1) * di + 1 for ki, di in zip(k, dilation)]
     win = np.lib.stride_tricks.sliding_window_view(x, span, axis=tuple(range(2, 2 + d)))
@@ -255,7 +261,14 @@ def _k_conv(node, inputs):
         )
     else:
         acc = conv_accumulate(
-            x, w, a["stride"], a["pads"], a["dilation"], a["groups"], a["pad_mode"]
+            x,
+            w,
+            a["stride"],
+            a["pads"],
+            a["dilation"],
+            a["groups"],
+            a["pad_mode"],
+            a.get("pad_value", 0),
         )
     return _finish_weighted(node, acc, inputs[1] if len(inputs) > 1 else None, 1)
 

@@ -138,8 +138,11 @@ class QATModule(nn.Module):
 
     def _twin_key(self) -> tuple:
         tensors = list(self.parameters()) + list(self.buffers())
-        tensors += [q.scale for q in self._input_quants if q is not None]
-        return tuple((id(t), t._version) for t in tensors)
+        quants = [q for q in self._input_quants if q is not None]
+        tensors += [q.scale for q in quants]
+        out = getattr(self, "activation_post_process", None)
+        offsets = tuple(getattr(q, "offset", 0) for q in [*quants, out] if q is not None)
+        return (*((id(t), t._version) for t in tensors), offsets)
 
     def integer_twin(self) -> nn.Module:
         """The fxq.quantized module this one converts to, on this module's device.
@@ -183,6 +186,7 @@ class QATModule(nn.Module):
                 [q.scale for q in quants],
                 [q.dtype for q in quants],
                 self.spec.rounding,
+                [q.offset for q in quants],
             )
         with torch.no_grad(), _autocast_off(self._device()):
             out = twin(*args, **kwargs)

@@ -217,7 +217,11 @@ def _describe(module: nn.Module) -> str:
 
 
 def check_input(
-    module: QuantizedModule, x: Any, index: int = 0, dtype: QDType | str | None = None
+    module: QuantizedModule,
+    x: Any,
+    index: int = 0,
+    dtype: QDType | str | None = None,
+    offset_ok: bool = False,
 ) -> QTensor:
     """Check that input ``index`` is a per-tensor QTensor, at most as wide as ``dtype``.
 
@@ -240,6 +244,8 @@ def check_input(
             f"{_describe(module)}: input {index} has per-channel scales (axis {x.axis}); integer "
             "ops take one scale per activation tensor. Requantize it per tensor first"
         )
+    if x.offset and not offset_ok:
+        x._no_offset(_describe(module))
     if dtype is not None and x.qdtype.bits > as_qdtype(dtype).bits:
         expected = as_qdtype(dtype).name
         raise TypeError(
@@ -337,13 +343,20 @@ def require_finite(module: nn.Module, tensors: dict[str, Tensor | None]) -> None
             )
 
 
-def quantize_tensors(values: Any, scales: list[Tensor], dtypes: list[QDType], rounding) -> Any:
+def quantize_tensors(
+    values: Any,
+    scales: list[Tensor],
+    dtypes: list[QDType],
+    rounding,
+    offsets: list[int] | None = None,
+) -> Any:
     """Quantize the float tensors in a nested structure, in flattened order."""
     leaves, spec = tree_flatten(values)
     out, i = [], 0
     for leaf in leaves:
         if isinstance(leaf, Tensor) and leaf.is_floating_point():
-            out.append(QTensor.quantize(leaf, scales[i], dtypes[i], rounding))
+            offset = offsets[i] if offsets is not None else 0
+            out.append(QTensor.quantize(leaf, scales[i], dtypes[i], rounding, offset))
             i += 1
         else:
             out.append(leaf)

@@ -95,8 +95,12 @@ def quantize(
     rounding: Rounding,
     ch_axis: int | None = None,
     as_float: bool = False,
+    offset: int = 0,
 ) -> Tensor:
     """Quantize a tensor: ``clamp(round(x / scale), qmin, qmax)``.
+
+    With an ``offset`` (an unsigned range stored shifted, ``FakeQuantize.offset``):
+    ``clamp(round(x / scale), qmin + offset, qmax + offset) - offset``.
 
     The division is an IEEE division in float32 or float64, so the result is
     the same on every device. This is the one formula used by fake
@@ -121,7 +125,9 @@ def quantize(
         # int32 bounds are not float32 numbers (2**31 - 1 rounds to 2**31): round and clamp the
         # quotient in float64 (the division itself stays in x's dtype)
         v = v.to(torch.float64)
-    v = round_float(v, rounding, inplace=True).clamp_(dtype.qmin, dtype.qmax)
+    v = round_float(v, rounding, inplace=True).clamp_(dtype.qmin + offset, dtype.qmax + offset)
+    if offset:
+        v = v.sub_(offset)
     return v.to(torch.float32) if as_float else v.to(dtype.storage)
 
 

@@ -154,6 +154,14 @@ class _Weighted(QuantizedModule):
         self.input_bits = qat.input_quants[0].dtype.bits
         self.activation = qat.activation
         self.add = qat.add
+        # unsigned ranges stored shifted (fxq.calibration.offset_activations): this output's
+        # integers are q - output_offset (the bias is lowered by that many output steps and
+        # the clamps move); the input's are q - input_offset (the bias adds it back through
+        # the weights, and a padded border holds -input_offset, the stored form of 0)
+        self.output_offset = int(getattr(out_fq, "offset", 0))
+        self.input_offset = int(getattr(qat.input_quants[0], "offset", 0))
+        if self.input_offset:
+            self._check_offset_input()
         residual_scale = None
         if self.add:
             residual_scale = qat.input_quants[1].scale.detach().clone().reshape(1)
@@ -181,13 +189,37 @@ class _Weighted(QuantizedModule):
         return self.out_dtype is qint32
 
     def _set_bounds(self) -> None:
-        self.lo = 0 if self.activation in ("relu", "relu6") else None
+        k = self.output_offset
+        self.lo = -k if self.activation in ("relu", "relu6") else None
         self.hi = None
         if self.activation == "relu6" and not self.high_precision:
             six = (
                 torch.tensor([6.0], dtype=torch.float64) / self.output_scale.to(torch.float64).cpu()
             )
-            self.hi = int(qf.round_float(six, self.rounding).item())
+            self.hi = int(qf.round_float(six, self.rounding).item()) - k
+
+    def _check_offset_input(self) -> None:  # what takes a shifted input: see _Conv
+        pass
+
+    def _input_values(self, x: QTensor) -> Tensor:
+        """The input's integers as the kernel reads them (a conv pads them here)."""
+        return x.values()
+
+    def _offset_bias(self, bias: Tensor | None) -> Tensor | None:
+        """``bias + input_offset * sum_k W[c, k]``: the stored input is ``q - input_offset``."""
+        if not self.input_offset:
+            return bias
+        w = self.weight_out_major().to(torch.int64)
+        term = w.reshape(w.shape[0], -1).sum(1) * self.input_offset
+        total = term if bias is None else bias.to(torch.int64) + term
+        if bool((total.abs() > _INT32_MAX).any()):
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r}: its input is stored with offset "
+                f"{self.input_offset}, and the bias that undoes it does not fit in int32; "
+                "leave its producer without an offset (fxq.calibration.offset_activations(..., "
+                "skip=[...]))"
+            )
+        return total.to(torch.int32)
 
     def _weight_statistics(self) -> None:
         """``max_c sum_k |W[c, k]|``, which bounds every partial sum of the accumulation."""
@@ -214,8 +246,26 @@ class _Weighted(QuantizedModule):
         s_w = self.weight_scale
         acc_scale = s_x.to(torch.float64) * s_w.to(torch.float64)
         bias = None
-        if self.float_bias is not None:
-            bias = _integer_bias(self.float_bias, s_x, s_w, self.rounding)
+        float_bias = self.float_bias
+        if self.output_offset:  # the output is stored output_offset steps lower
+            lowered = self.output_offset * self.output_scale.to(torch.float64)
+            if float_bias is None:
+                float_bias = torch.zeros(s_w.numel(), dtype=torch.float64, device=s_w.device)
+            float_bias = float_bias - lowered
+            steps = float_bias.abs() / (s_x.to(torch.float64) * s_w.to(torch.float64))
+            if bool((steps >= _INT32_MAX).any()):
+                raise ValueError(
+                    f"{type(self).__name__} {self.name!r}: its output is stored with offset "
+                    f"{self.output_offset} (an unsigned range), and lowering its int32 bias by "
+                    f"that many output steps overflows int32 (output scale "
+                    f"{float(self.output_scale):.3g} against input x weight scales down to "
+                    f"{float((s_x.to(torch.float64) * s_w).min()):.3g}); leave it without an "
+                    "offset (fxq.calibration.offset_activations(..., skip=[...]); ptq does so "
+                    "by itself)"
+                )
+        if float_bias is not None:
+            bias = _integer_bias(float_bias, s_x, s_w, self.rounding)
+        bias = self._offset_bias(bias)
         m = s = mr = kr = None
         if not self.high_precision:
             real = acc_scale / self.output_scale.to(torch.float64)
@@ -240,7 +290,13 @@ class _Weighted(QuantizedModule):
             TypeError / ValueError: an input is not a per-tensor QTensor of (at most) the
                 dtype the module was converted for.
         """
-        check_input(self, x, 0, self.input_dtype_name)
+        check_input(self, x, 0, self.input_dtype_name, offset_ok=bool(self.input_offset))
+        if x.offset != self.input_offset:
+            raise TypeError(
+                f"{type(self).__name__} {self.name!r} was converted for an input stored with "
+                f"offset {self.input_offset}, got one with offset {x.offset}; convert the model "
+                "again after changing its producers' offsets"
+            )
         same = same_scale(x, self.input_scale)
         if self.add:
             check_input(self, residual, 1, self.residual_dtype_name)
@@ -277,7 +333,9 @@ class _Weighted(QuantizedModule):
     def _accumulator(
         self, x: QTensor, residual: QTensor | None, p: _Weighted | Requantization
     ) -> Tensor:
-        acc = qf.accumulate(self._op, x.values(), self.weight, p.bias, p.plan, self._channel_axis)
+        acc = qf.accumulate(
+            self._op, self._input_values(x), self.weight, p.bias, p.plan, self._channel_axis
+        )
         if p.may_saturate:
             acc = qf.saturate_int32(acc)
         if self.add:
@@ -304,7 +362,9 @@ class _Weighted(QuantizedModule):
             if self.activation == "relu6":
                 y = y.clamp(max=6.0)
             return y.to(torch.float32)
-        acc = qf.accumulate(self._op, x.values(), self.weight, p.bias, p.plan, self._channel_axis)
+        acc = qf.accumulate(
+            self._op, self._input_values(x), self.weight, p.bias, p.plan, self._channel_axis
+        )
         if p.may_saturate:
             warn_if_saturated(self, acc, lambda: self._saturation_cause(p, x))
             acc = qf.saturate_int32(acc)
@@ -321,7 +381,7 @@ class _Weighted(QuantizedModule):
             )
         else:
             q = qf.requantize_exact(acc, p.multiplier, p.shift, *args, as_float=True)
-        return QTensor(q, self.output_scale, self.out_dtype)
+        return QTensor(q, self.output_scale, self.out_dtype, offset=self.output_offset)
 
     def _saturation_cause(self, p: _Weighted | Requantization, x: QTensor) -> str:
         """What the accumulator sums (operand dtypes, worst cases) and what to do."""
@@ -387,6 +447,10 @@ class _Weighted(QuantizedModule):
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _tuple(v, d: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),) * d
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
@@ -419,7 +483,37 @@ class _Conv(_Weighted):
         if self.padding_mode != "zeros":
             x = F.pad(x, self.reversed_padding, mode=self.padding_mode)
             return _CONV[self._DIM](x, w, b, self.stride, 0, self.dilation, self.groups)
-        return _CONV[self._DIM](x, w, b, self.stride, self.padding, self.dilation, self.groups)
+        padding = 0 if self.input_offset else self.padding  # padded in _input_values
+        return _CONV[self._DIM](x, w, b, self.stride, padding, self.dilation, self.groups)
+
+    def _check_offset_input(self) -> None:
+        if self._TRANSPOSED or self.padding_mode != "zeros":
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r}: an input stored with an offset needs a "
+                f"convolution that pads with zeros (this one is "
+                f"{'transposed' if self._TRANSPOSED else self.padding_mode})"
+            )
+
+    def zero_padding(self) -> list[list[int]]:
+        """``[before, after]`` per spatial axis of the zero padding (first axis first)."""
+        d = self._DIM
+        if isinstance(self.padding, str):
+            if self.padding == "valid":
+                return [[0, 0]] * d
+            # "same": torch puts the odd pixel on the right
+            total = [di * (ki - 1) for di, ki in zip(_tuple(self.dilation, d), self.weight.shape[2:])]
+            return [[t // 2, t - t // 2] for t in total]
+        return [[p, p] for p in _tuple(self.padding, d)]
+
+    def _input_values(self, x: QTensor) -> Tensor:
+        v = x.values()
+        if not self.input_offset:
+            return v
+        pads = [p for pair in reversed(self.zero_padding()) for p in pair]
+        if not any(pads):
+            return v
+        # the stored form of a real 0 (a zero-padded border) is -input_offset
+        return F.pad(v, pads, value=float(-self.input_offset))
 
     def weight_out_major(self) -> Tensor:
         return qf.swap_group_axes(self.weight, self.groups) if self._TRANSPOSED else self.weight
