@@ -266,9 +266,9 @@ def _auto_calibrate(
         return total
 
     def set_clip(fq: FakeQuantize, clip: float) -> None:
-        scale = torch.tensor([max(clip, 1e-30) / fq.levels_above_zero], device=fq.scale.device).clamp(
-            min=float(torch.finfo(torch.float32).eps)
-        )
+        scale = torch.tensor(
+            [max(clip, 1e-30) / fq.levels_above_zero], device=fq.scale.device
+        ).clamp(min=float(torch.finfo(torch.float32).eps))
         fq.scale.copy_(qf.constrain_scale(scale, fq.spec.scale_constraint))
         fq.observed.fill_(True)
 

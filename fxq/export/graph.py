@@ -238,7 +238,8 @@ def load(path: str | Path) -> IntegerGraph:
                 Node(n["name"], n["op"], n["inputs"], n["outputs"], n["attrs"], params, n["source"])
             )
     tensors = {
-        k: TensorInfo(v["dtype"], v["shape"], v["scale"], v.get("offset", 0)) for k, v in meta["tensors"].items()
+        k: TensorInfo(v["dtype"], v["shape"], v["scale"], v.get("offset", 0))
+        for k, v in meta["tensors"].items()
     }
     return IntegerGraph(
         nodes, tensors, meta["inputs"], meta["outputs"], meta["march"], meta["dynamic_batch"]

@@ -168,9 +168,7 @@ class QDQWriter(IntegerWriter):
                 flat = [0, 0] + [p[0] for p in pads] + [0, 0] + [p[1] for p in pads]
                 value = np.float32(a["pad_value"]) * np.float32(self.fscale(node.inputs[0]))
                 pad_value = self.const(np.array(value, np.float32), hint="pad_value")
-                inputs[0] = self.op(
-                    "Pad", [x, self.const(np.array(flat, np.int64)), pad_value]
-                )
+                inputs[0] = self.op("Pad", [x, self.const(np.array(flat, np.int64)), pad_value])
                 pads = [[0, 0]] * d
             y = self.op(
                 "Conv",

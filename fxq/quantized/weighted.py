@@ -451,6 +451,8 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 def _tuple(v, d: int) -> tuple[int, ...]:
     return tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),) * d
+
+
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
@@ -501,7 +503,9 @@ class _Conv(_Weighted):
             if self.padding == "valid":
                 return [[0, 0]] * d
             # "same": torch puts the odd pixel on the right
-            total = [di * (ki - 1) for di, ki in zip(_tuple(self.dilation, d), self.weight.shape[2:])]
+            total = [
+                di * (ki - 1) for di, ki in zip(_tuple(self.dilation, d), self.weight.shape[2:])
+            ]
             return [[t // 2, t - t // 2] for t in total]
         return [[p, p] for p in _tuple(self.padding, d)]
 
