@@ -219,6 +219,11 @@ def _finalize_before_saving(module: FakeQuantize, prefix: str, keep_vars: bool) 
     module.finalize()  # a state_dict holds the scale the statistics give
 
 
+def _save_offset(module: FakeQuantize, state_dict, prefix: str, local_metadata) -> None:
+    if module.offset:  # only when set: a state dict without one is symmetric
+        state_dict[prefix + "offset"] = torch.tensor(module.offset)
+
+
 class FakeQuantize(nn.Module):
     """Observe, then round onto the symmetric integer grid of ``dtype``.
 
@@ -287,6 +292,7 @@ class FakeQuantize(nn.Module):
         self.activation_post_process.qmax = self.dtype.qmax
         self._stale = False  # a deferred observer has statistics the scale does not reflect yet
         self.register_state_dict_pre_hook(_finalize_before_saving)
+        self.register_state_dict_post_hook(_save_offset)
         n = num_channels if (ch_axis is not None and num_channels) else 1
         self.register_buffer("scale", torch.ones(n))
         self.register_buffer("observed", torch.zeros((), dtype=torch.bool))
@@ -495,11 +501,6 @@ class FakeQuantize(nn.Module):
             self.scale = torch.empty_like(new)
         self.scale.copy_(new)
         self.observed.fill_(True)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.offset:
-            destination[prefix + "offset"] = torch.tensor(self.offset)
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors

@@ -112,10 +112,11 @@ def _selected(
 
 
 def _dtype_of(value: Any, fq: FakeQuantize | None) -> tuple[str, int | None]:
+    # the largest level: an unsigned range stored shifted reaches qmax + offset
     if isinstance(value, QTensor):
-        return value.dtype.name, value.dtype.qmax
+        return value.dtype.name, value.dtype.qmax + value.offset
     if fq is not None and not fq.is_high_precision:
-        return fq.dtype.name, fq.dtype.qmax
+        return fq.dtype.name, fq.levels_above_zero
     if isinstance(value, Tensor):
         return str(value.dtype).replace("torch.", ""), None
     return type(value).__name__, None
