@@ -436,6 +436,11 @@ class _Weighted(QuantizedModule):
             if self.high_precision
             else f"{self.out_dtype_name} at {self.output_scale.item():.6g}"
         )
+        if self.output_offset:
+            out += f" stored less {self.output_offset}"
+        if self.input_offset:
+            out += f", input stored less {self.input_offset}"
+
         return (
             f"{self._hyper()}, in_scale={self.input_scale.item():.6g}, out={out}"
             + (f", fused={'+'.join(fused)}" if fused else "")
@@ -447,13 +452,11 @@ class _Weighted(QuantizedModule):
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 def _tuple(v, d: int) -> tuple[int, ...]:
     return tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),) * d
-
-
-_CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 class _Conv(_Weighted):

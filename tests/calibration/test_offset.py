@@ -19,7 +19,7 @@ from fxq.calibration.offset import offset_activations, offset_candidates, releas
 from fxq.qconfig import default_calib_8bit_fake_quant_qconfig as calib_q8
 from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
 from fxq.qtensor import QTensor
-from tests.helpers import sqnr
+from tests.calibration.test_ptq import _integer_sqnr
 
 
 class Net(nn.Module):
@@ -190,33 +190,6 @@ def test_an_offset_that_int32_cannot_hold_is_released_or_refused(bayes):
     assert release_overflowing(prepared) == ["dw.0"]
     assert fq.offset == 0
     fxq.convert_fx(prepared)
-
-
-@pytest.fixture(scope="module")
-def pretrained():
-    """The first blocks of ImageNet MobileNetV2 (real weights) and real photo crops."""
-    from fxq.utils.sample_data import photo_crops, pretrained_mobilenet_v2
-
-    full = pretrained_mobilenet_v2()
-    model = nn.Sequential(
-        full.features[:7], nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 16)
-    ).eval()
-    with torch.no_grad():
-        model[3].weight.copy_(torch.randn(16, 32, generator=torch.Generator().manual_seed(0)))
-        model[3].bias.zero_()
-    calib = list(photo_crops(16, size=96, seed=0).split(8))
-    held = photo_crops(16, size=96, seed=1)
-    with torch.no_grad():
-        ref = model(held)
-    return model, calib, held, ref
-
-
-def _integer_sqnr(prepared, held, ref) -> float:
-    fxq.set_fake_quantize(prepared, "validation")
-    with torch.no_grad():
-        out = fxq.convert_fx(prepared)(held)
-        assert torch.equal(out, prepared(held))
-    return sqnr(ref, out)
 
 
 def test_offsets_gain_on_a_pretrained_network(bayes, pretrained):
