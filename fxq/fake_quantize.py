@@ -347,26 +347,37 @@ class FakeQuantize(nn.Module):
         offset = int(offset)
         if offset == self.offset:
             return
-        if offset not in (0, -self.dtype.qmin):
-            raise ValueError(
-                f"fake quant {self.name or '(unnamed)'}: offset must be 0 or {-self.dtype.qmin} "
-                f"(an unsigned range in {self.dtype.name}), got {offset}"
-            )
+        problem = self._offset_problem(offset)
+        if problem:
+            raise ValueError(f"fake quant {self.name or '(unnamed)'}: {problem}")
         if self.ch_axis is not None or self.is_high_precision or self.is_fixed_scale:
             raise ValueError(
                 f"fake quant {self.name or '(unnamed)'}: only a per-tensor activation with a "
                 "calibrated int8 / int16 scale can take an offset"
             )
-        before = self.dtype.qmax + self.offset
-        self.offset = offset
-        self.activation_post_process.qmax = self.dtype.qmax + offset
+        before = self.levels_above_zero
+        self._adopt_offset(offset)
         with torch.no_grad():
             if self.activation_post_process.has_statistics():
                 self.update_scale()
             else:
-                ratio = before / (self.dtype.qmax + offset)
+                ratio = before / self.levels_above_zero
                 scale = self.scale * self.scale.new_full((), ratio)
                 self.scale.copy_(qf.constrain_scale(scale, self.spec.scale_constraint))
+
+    def _offset_problem(self, offset: int) -> str:
+        """Why ``offset`` cannot be this fake quant's ("" when it can)."""
+        if offset in (0, -self.dtype.qmin):
+            return ""
+        return (
+            f"offset must be 0 or {-self.dtype.qmin} (an unsigned range in {self.dtype.name}), "
+            f"got {offset}"
+        )
+
+    def _adopt_offset(self, offset: int) -> None:
+        """Set the offset and the levels the observer's searches count (scale unchanged)."""
+        self.offset = offset
+        self.activation_post_process.qmax = self.levels_above_zero
 
     @property
     def levels_above_zero(self) -> int:
@@ -509,11 +520,11 @@ class FakeQuantize(nn.Module):
         saved_offset = state_dict.pop(prefix + "offset", None)
         offset = 0 if saved_offset is None else int(saved_offset)
         if offset != self.offset:
-            if offset not in (0, -self.dtype.qmin):
-                errors.append(f"{prefix}offset: {offset} is neither 0 nor {-self.dtype.qmin}")
+            problem = self._offset_problem(offset)
+            if problem:
+                errors.append(f"{prefix}offset: {problem}")
             else:
-                self.offset = offset
-                self.activation_post_process.qmax = self.dtype.qmax + offset
+                self._adopt_offset(offset)
         saved = state_dict.get(prefix + "scale")
         if saved is not None and saved.shape != self.scale.shape:
             self.scale = torch.empty(saved.shape, dtype=self.scale.dtype, device=self.scale.device)

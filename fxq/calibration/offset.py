@@ -46,6 +46,17 @@ __all__ = ["offset_activations", "offset_candidates", "release_overflowing"]
 _NON_NEGATIVE = ("relu", "relu6")
 
 
+def _readers(modules: Iterable[nn.Module]) -> dict[int, list[QATModule]]:
+    """The QAT modules that read each fake quant (by ``id``) as one of their inputs."""
+    readers: dict[int, list[QATModule]] = {}
+    for m in modules:
+        if isinstance(m, QATModule):
+            for q in m.input_quants:
+                if q is not None:
+                    readers.setdefault(id(q), []).append(m)
+    return readers
+
+
 def offset_candidates(model: nn.Module) -> list[str]:
     """Names of the modules whose output ``offset_activations`` would store shifted.
 
@@ -58,12 +69,7 @@ def offset_candidates(model: nn.Module) -> list[str]:
     if not isinstance(model, GraphModule):
         return []
     modules = dict(model.named_modules())
-    readers: dict[int, int] = {}
-    for m in modules.values():
-        if isinstance(m, QATModule):
-            for q in m.input_quants:
-                if q is not None:
-                    readers[id(q)] = readers.get(id(q), 0) + 1
+    readers = _readers(modules.values())
     owners: dict[int, int] = {}
     for m in modules.values():
         if isinstance(m, QATModule) and m.has_output_quant:
@@ -108,7 +114,7 @@ def offset_candidates(model: nn.Module) -> list[str]:
                 break
             reading += 1
         # a module called at several places is one node per call: every reader is a user
-        if ok and readers.get(id(fq), 0) == reading:
+        if ok and len(readers.get(id(fq), [])) == reading:
             out.append(node.target)
             seen.add(node.target)
     return out
@@ -152,10 +158,7 @@ def release_overflowing(model: nn.Module) -> list[str]:
         the names of the producers set back to the symmetric grid.
     """
     modules = dict(model.named_modules())
-    readers: dict[int, list[WeightedQAT]] = {}
-    for m in modules.values():
-        if isinstance(m, WeightedQAT) and m.input_quants and m.input_quants[0] is not None:
-            readers.setdefault(id(m.input_quants[0]), []).append(m)
+    readers = _readers(modules.values())
     released = []
     limit = float(1 << 30)  # half of int32: the products need room too
     with torch.no_grad():
@@ -174,6 +177,8 @@ def release_overflowing(model: nn.Module) -> list[str]:
             bias = torch.zeros_like(acc) if bias is None else bias.double()
             worst = float(((bias - fq.offset * fq.scale.double()).abs() / acc).max())
             for consumer in readers.get(id(fq), []):
+                if not isinstance(consumer, WeightedQAT):
+                    continue  # not a reader offset_candidates allows (the model was edited)
                 w = consumer.folded_weight().double()
                 sw = consumer.weight_fake_quant.scale.double().reshape([-1] + [1] * (w.dim() - 1))
                 steps = (w / sw).abs().round().reshape(w.shape[0], -1).sum(1)

@@ -409,11 +409,10 @@ def ptq(
             return model
         from fxq.calibration import equalization
         from fxq.calibration.equalization import depthwise_pairs as pairs_of
+        from fxq.calibration.offset import offset_activations, release_overflowing
 
         widen_outputs(model, output)
         if offset:
-            from fxq.calibration.offset import offset_activations
-
             offset_activations(model)
         outputs = {id(m.activation_post_process) for _, m in output_quants(model)}
         # int16 activations have levels to spare: their qconfig's observer (a global min / max)
@@ -467,8 +466,6 @@ def ptq(
                 mean.restore()
             keep_rank0_result(model)  # every rank learns from the same start
         if offset:
-            from fxq.calibration.offset import release_overflowing
-
             release_overflowing(model)  # now that every scale is known
         if bias_correction:
             _fast_bc(model, batches, input_fn, show_progress, means)

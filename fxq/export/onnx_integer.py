@@ -257,20 +257,8 @@ class IntegerWriter:
             op_type = "ConvTranspose"
         else:
             kernel = self.cast(self.const(w.astype(np.int8), hint="weight"), "float32")
-            pads = a["pads"]
-            if a["pad_mode"] != "zeros":
-                mode = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}[
-                    a["pad_mode"]
-                ]
-                flat = [0, 0] + [p[0] for p in pads] + [0, 0] + [p[1] for p in pads]
-                x = self.op("Pad", [x, self.const(np.array(flat, np.int64))], mode=mode)
-                pads = [[0, 0]] * d
-            elif a.get("pad_value", 0) and any(p[0] or p[1] for p in pads):
-                # the stored form of 0 of an input with an offset (a float of an integer here)
-                flat = [0, 0] + [p[0] for p in pads] + [0, 0] + [p[1] for p in pads]
-                value = self.const(np.array(a["pad_value"], np.float32), hint="pad_value")
-                x = self.op("Pad", [x, self.const(np.array(flat, np.int64)), value])
-                pads = [[0, 0]] * d
+            # the stored form of 0 of an input with an offset (a float of an integer here)
+            x, pads = self.explicit_pad(x, a, a.get("pad_value", 0))
             attrs = dict(
                 strides=a["stride"],
                 pads=[p[0] for p in pads] + [p[1] for p in pads],
@@ -300,6 +288,24 @@ class IntegerWriter:
             parts.append(y)
         acc = parts[0] if len(parts) == 1 else self.op("Sum", parts)
         self._finish(node, acc, d + 2, 1, outs[0], bias_in_kernel, bound)
+
+    def explicit_pad(self, x: str, a: dict, value: float) -> tuple[str, list[list[int]]]:
+        """A conv's input padded by a ``Pad`` node where ONNX ``Conv``'s zero padding cannot
+        do it (a padding mode, or a border holding ``value`` != 0); returns the input and
+        the pads left to the ``Conv``."""
+        pads = a["pads"]
+        zeros = a["pad_mode"] == "zeros"
+        if zeros and not (value and any(p[0] or p[1] for p in pads)):
+            return x, pads
+        flat = [0, 0] + [p[0] for p in pads] + [0, 0] + [p[1] for p in pads]
+        inputs = [x, self.const(np.array(flat, np.int64))]
+        if zeros:
+            inputs.append(self.const(np.array(value, np.float32), hint="pad_value"))
+            x = self.op("Pad", inputs)
+        else:
+            mode = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}[a["pad_mode"]]
+            x = self.op("Pad", inputs, mode=mode)
+        return x, [[0, 0]] * len(pads)
 
     def op_linear(self, node: Node, outs: list[str]) -> None:
         w = self.cast(self.const(node.params["weight"].T.astype(np.int8), hint="weight"), "float64")

@@ -155,21 +155,11 @@ class QDQWriter(IntegerWriter):
             )
             y = self.op("ConvTranspose", inputs + ([bias] if bias else []), **attrs)
         else:
-            pads = a["pads"]
-            if a["pad_mode"] != "zeros":
-                mode = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}[
-                    a["pad_mode"]
-                ]
-                flat = [0, 0] + [p[0] for p in pads] + [0, 0] + [p[1] for p in pads]
-                inputs[0] = self.op("Pad", [x, self.const(np.array(flat, np.int64))], mode=mode)
-                pads = [[0, 0]] * d
-            elif a.get("pad_value", 0) and any(p[0] or p[1] for p in pads):
-                # an input with an offset: its dequantized stored 0 is -offset * scale
-                flat = [0, 0] + [p[0] for p in pads] + [0, 0] + [p[1] for p in pads]
-                value = np.float32(a["pad_value"]) * np.float32(self.fscale(node.inputs[0]))
-                pad_value = self.const(np.array(value, np.float32), hint="pad_value")
-                inputs[0] = self.op("Pad", [x, self.const(np.array(flat, np.int64)), pad_value])
-                pads = [[0, 0]] * d
+            # an input with an offset: its dequantized stored 0 is -offset * scale
+            value = a.get("pad_value", 0)
+            if value:
+                value = float(np.float32(value) * np.float32(self.fscale(node.inputs[0])))
+            inputs[0], pads = self.explicit_pad(x, a, value)
             y = self.op(
                 "Conv",
                 inputs + ([bias] if bias else []),

@@ -186,7 +186,6 @@ def _rule_conv(ex: _Exporter, m: weighted._Conv, args, kwargs, result) -> None:
     p = m.requantization(x, residual)
     params, attrs = _weighted_params(m, p)
     d = m._DIM
-    k = list(m.weight.shape[2:])
     attrs.update(
         dim=d,
         transposed=m._TRANSPOSED,
@@ -201,14 +200,8 @@ def _rule_conv(ex: _Exporter, m: weighted._Conv, args, kwargs, result) -> None:
         rp = list(m.reversed_padding)
         attrs["pads"] = [[rp[2 * i], rp[2 * i + 1]] for i in range(d)][::-1]
         attrs["pad_mode"] = m.padding_mode
-    elif isinstance(m.padding, str):
-        if m.padding == "valid":
-            attrs["pads"] = [[0, 0]] * d
-        else:  # "same": torch puts the odd pixel on the right
-            total = [di * (ki - 1) for di, ki in zip(attrs["dilation"], k)]
-            attrs["pads"] = [[t // 2, t - t // 2] for t in total]
     else:
-        attrs["pads"] = [[v, v] for v in _ints(m.padding, d)]
+        attrs["pads"] = m.zero_padding()
     if not m._TRANSPOSED:
         # an input stored with an offset pads with the stored form of 0
         attrs["pad_value"] = -m.input_offset

@@ -252,14 +252,13 @@ class _Weighted(QuantizedModule):
             if float_bias is None:
                 float_bias = torch.zeros(s_w.numel(), dtype=torch.float64, device=s_w.device)
             float_bias = float_bias - lowered
-            steps = float_bias.abs() / (s_x.to(torch.float64) * s_w.to(torch.float64))
-            if bool((steps >= _INT32_MAX).any()):
+            if bool((float_bias.abs() / acc_scale >= _INT32_MAX).any()):
                 raise ValueError(
                     f"{type(self).__name__} {self.name!r}: its output is stored with offset "
                     f"{self.output_offset} (an unsigned range), and lowering its int32 bias by "
                     f"that many output steps overflows int32 (output scale "
                     f"{float(self.output_scale):.3g} against input x weight scales down to "
-                    f"{float((s_x.to(torch.float64) * s_w).min()):.3g}); leave it without an "
+                    f"{float(acc_scale.min()):.3g}); leave it without an "
                     "offset (fxq.calibration.offset_activations(..., skip=[...]); ptq does so "
                     "by itself)"
                 )
@@ -456,7 +455,9 @@ _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 def _tuple(v, d: int) -> tuple[int, ...]:
-    return tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),) * d
+    if isinstance(v, (tuple, list)):
+        return tuple(int(x) for x in (list(v) * d if len(v) == 1 else v))
+    return (int(v),) * d
 
 
 class _Conv(_Weighted):
