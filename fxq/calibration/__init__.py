@@ -18,7 +18,9 @@
 * ``mixed_precision(float_model, calib_model, data, int16_budget=0.1)``: a
   qconfig_dict giving int16 (or float) to the most sensitive activations;
 * ``offset_activations(model)``: ReLU outputs read by convolutions and linear
-  layers quantized onto all of int8's levels, stored shifted (``ptq`` does it).
+  layers quantized onto all of int8's levels, stored shifted (``ptq`` does it);
+* ``tune_biases(model, data, float_model)``: the biases trained end to end on
+  the model output (``ptq(..., tune_biases=True)``).
 
 Only the observers are imported with the package; the runners (which use the
 QAT modules and the FX passes) are imported on first use (PEP 562), so that
@@ -43,6 +45,7 @@ __all__ = [
     "ptq",
     "mixed_precision",
     "offset_activations",
+    "tune_biases",
 ]
 
 # public name -> the submodule that defines it
@@ -55,6 +58,7 @@ _LAZY = {
     "ptq": "fxq.calibration.ptq",
     "mixed_precision": "fxq.calibration.mixed_precision",
     "offset_activations": "fxq.calibration.offset",
+    "tune_biases": "fxq.calibration.bias_tuning",
 }
 
 
