@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fxq.calibration.auto import _flatten_outputs
 from fxq.calibration.runner import (
     average_over_ranks,
     batch_arguments,
@@ -62,24 +63,12 @@ def tuned_biases(model: nn.Module) -> list[nn.Parameter]:
     return list(found.values())
 
 
-def _flat(out: Any) -> Tensor:
-    """The model output's tensors, flattened and joined (float32, keeps the graph)."""
-    if isinstance(out, Tensor):
-        return out.reshape(-1).float()
-    if isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (list, tuple)):
-        parts = [_flat(v) for v in out if isinstance(v, (Tensor, dict, list, tuple))]
-        parts = [p for p in parts if p.numel()]
-        return torch.cat(parts) if parts else torch.zeros(0)
-    return torch.zeros(0)
-
-
 def _error(model: nn.Module, batches: list[Any], targets: list[Tensor], input_fn) -> float:
     """The squared error of the outputs relative to the targets' power, over the batches."""
     with torch.no_grad():
         outs = [
-            _flat(o) for o in run_batches(model, batches, input_fn=input_fn, show_progress=False)
+            _flatten_outputs(o)
+            for o in run_batches(model, batches, input_fn=input_fn, show_progress=False)
         ]
     for o, t in zip(outs, targets):
         if o.numel() != t.numel():
@@ -87,9 +76,7 @@ def _error(model: nn.Module, batches: list[Any], targets: list[Tensor], input_fn
                 f"tune_biases: the float model gives {t.numel()} output values on a batch where "
                 f"the model gives {o.numel()}; pass the float model of this model"
             )
-    err = sum(
-        float((o - t.to(o.device, torch.float32)).pow(2).sum()) for o, t in zip(outs, targets)
-    )
+    err = sum(float((o - t.to(o.device)).pow(2).sum()) for o, t in zip(outs, targets))
     err = torch.tensor([err, sum(float(t.pow(2).sum()) for t in targets)], dtype=torch.float64)
     average_over_ranks([err])
     return float(err[0] / err[1].clamp(min=1e-30))
@@ -154,7 +141,7 @@ def tune_biases(
                 outs = run_batches(float_model, batches, input_fn=input_fn, show_progress=False)
         finally:
             float_model.train(training)
-        targets = [_flat(o) for o in outs]
+        targets = [_flatten_outputs(o) for o in outs]
     params = tuned_biases(model)
     if not params:
         return {"before": float("nan"), "after": float("nan")}
@@ -175,7 +162,7 @@ def tune_biases(
             with training_rounding(model):
                 for i in progress(steps, len(steps), "bias tuning", show_progress):
                     args, kwargs = batch_arguments(model, batches[int(i)], input_fn)
-                    out = _flat(model(*args, **kwargs))
+                    out = _flatten_outputs(model(*args, **kwargs))
                     target = targets[int(i)].to(out.device, out.dtype)
                     loss = (out - target).pow(2).mean() / target.pow(2).mean().clamp(min=1e-30)
                     opt.zero_grad()

@@ -72,6 +72,17 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   where NNCF's ``nncf.quantize`` took 11.7 s (1.2x), 24.4 s where it took
   26.4 s (0.92x; ``benchmarks/RESULTS.md``).
 
+Two options for the last dB, off by default (``docs/accuracy.md``, fourteenth session):
+
+* ``float_activations=True`` (a ``weight_reconstruction`` option): the rounding is
+  learned with every activation float, approximating the float weights alone. After
+  ``mixed_precision`` (the sensitive activations int16) it is the better learning
+  (MobileNetV2, 10 % int16: 23.2 -> 24.2 dB); in all-int8 models it loses 3 dB, since the
+  learning no longer takes away the activations' error.
+* ``tune_biases=True``: last, the biases alone are trained end to end on the model output
+  against the float outputs recorded while calibrating (``fxq.calibration.bias_tuning``;
+  4 epochs of Adam at lr 3e-5, +0.2-0.5 dB; about 100 s on MobileNetV2 on 2 cores).
+
 Speed (both learning methods): on CPU the batches' 4-d float tensors run in
 the ``channels_last`` layout, where oneDNN's convolutions take about half the
 time, when every op of the model is known to allow it (``fast_layout``; a

@@ -68,6 +68,16 @@ def test_ptq_tunes_from_the_outputs_recorded_while_calibrating(bayes, pretrained
         show_progress=False,
     )
     assert _integer_sqnr(tuned_base, held, ref) > _integer_sqnr(base, held, ref)
+    # and after the observers alone
+    ranges = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, "calibrate", show_progress=False)
+    tuned_ranges = ptq(
+        fxq.prepare_qat_fx(model, {"": calib_q8}),
+        calib,
+        "calibrate",
+        tune_biases=True,
+        show_progress=False,
+    )
+    assert _integer_sqnr(tuned_ranges, held, ref) > _integer_sqnr(ranges, held, ref)
 
 
 def test_a_tuning_that_does_not_help_is_undone(bayes, pretrained):
