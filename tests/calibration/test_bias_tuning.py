@@ -13,15 +13,7 @@ from fxq.calibration.bias_tuning import tuned_biases
 from fxq.calibration.ptq import activation_quants
 from fxq.fake_quantize import FakeQuantize
 from fxq.qconfig import default_calib_8bit_fake_quant_qconfig as calib_q8
-from tests.helpers import sqnr
-
-
-def _integer_sqnr(prepared, held, ref) -> float:
-    fxq.set_fake_quantize(prepared, "validation")
-    with torch.no_grad():
-        out = fxq.convert_fx(prepared)(held)
-        assert torch.equal(out, prepared(held))  # the integer model is the VALIDATION model
-    return sqnr(ref, out)
+from tests.calibration.test_ptq import _integer_sqnr
 
 
 def _learned(model, calib, **options):
@@ -58,26 +50,16 @@ def test_ptq_tunes_from_the_outputs_recorded_while_calibrating(bayes, pretrained
     plain = _integer_sqnr(_learned(model, calib), held, ref)
     tuned = _integer_sqnr(_learned(model, calib, tune_biases=True), held, ref)
     assert tuned > plain + 0.5  # measured: 26.31 -> 27.79 dB
-    # without learned rounding too (the default's ranges and fast bias correction)
-    base = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, iters=0, show_progress=False)
-    tuned_base = ptq(
-        fxq.prepare_qat_fx(model, {"": calib_q8}),
-        calib,
-        iters=0,
-        tune_biases=True,
-        show_progress=False,
-    )
-    assert _integer_sqnr(tuned_base, held, ref) > _integer_sqnr(base, held, ref)
-    # and after the observers alone
-    ranges = ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, "calibrate", show_progress=False)
-    tuned_ranges = ptq(
-        fxq.prepare_qat_fx(model, {"": calib_q8}),
-        calib,
-        "calibrate",
-        tune_biases=True,
-        show_progress=False,
-    )
-    assert _integer_sqnr(tuned_ranges, held, ref) > _integer_sqnr(ranges, held, ref)
+    # without learned rounding too: the default's ranges and fast bias correction, and the
+    # observers alone
+    for method, options in (("default", {"iters": 0}), ("calibrate", {})):
+
+        def score(method=method, **extra):
+            prepared = fxq.prepare_qat_fx(model, {"": calib_q8})
+            ptq(prepared, calib, method, show_progress=False, **extra)
+            return _integer_sqnr(prepared, held, ref)
+
+        assert score(tune_biases=True, **options) > score(**options), method
 
 
 def test_a_tuning_that_does_not_help_is_undone(bayes, pretrained):
