@@ -717,6 +717,19 @@ def weight_quants(model: nn.Module) -> list[FakeQuantize]:
     ]
 
 
+def activation_quants(model: nn.Module) -> list[FakeQuantize]:
+    """Activation fake quants whose scale calibration sets (not weights, fixed scales or int32)."""
+    weights = {id(fq) for fq in weight_quants(model)}
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, FakeQuantize)
+        and id(m) not in weights
+        and not m.is_high_precision
+        and not m.is_fixed_scale
+    ]
+
+
 @contextlib.contextmanager
 def bypassed(fake_quants: Iterable[FakeQuantize]) -> Iterator[None]:
     """Within the block the given fake quants pass their input through unchanged

@@ -105,7 +105,7 @@ from torch.fx import GraphModule, Node
 from fxq.calibration.observers import MeanMinMaxObserver, PercentileObserver
 from fxq.calibration.runner import calibrate, fast_layout, keep_rank0_result, run_batches
 from fxq.dtypes import qint16, qint32
-from fxq.fake_quantize import FakeQuantize, bypassed, weight_quants
+from fxq.fake_quantize import FakeQuantize, activation_quants, bypassed, weight_quants
 from fxq.march import spec_for
 from fxq.observer import ObserverBase
 from fxq.qat.base import QATModule
@@ -175,19 +175,6 @@ def output_quants(model: nn.Module) -> list[tuple[str, QATModule]]:
                 for name, module in _producer_quants(model, inp, seen):
                     found.setdefault(id(module), (name, module))
     return list(found.values())
-
-
-def activation_quants(model: nn.Module) -> list[FakeQuantize]:
-    """Activation fake quants whose scale calibration sets (not weights, fixed scales or int32)."""
-    weights = {id(fq) for fq in weight_quants(model)}
-    return [
-        m
-        for m in model.modules()
-        if isinstance(m, FakeQuantize)
-        and id(m) not in weights
-        and not m.is_high_precision
-        and not m.is_fixed_scale
-    ]
 
 
 def widen_outputs(model: nn.Module, output: str = "auto") -> list[tuple[str, str]]:

@@ -72,6 +72,7 @@ from fxq.calibration.runner import (
 from fxq.debug import float_fake_quant
 from fxq.fake_quantize import (
     FakeQuantState,
+    activation_quants,
     bypass,
     bypassed,
     set_fake_quantize,
@@ -915,8 +916,6 @@ def weight_reconstruction(
         "batch_size": batch_size,
     }
     rows = []
-    from fxq.calibration.ptq import activation_quants
-
     floats = activation_quants(model) if float_activations else []
     with layerwise_session(model) as reference, bypassed(floats):
         layers = _layers_in_order(model, batches[0], input_fn)
