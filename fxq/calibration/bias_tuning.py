@@ -76,7 +76,10 @@ def _error(model: nn.Module, batches: list[Any], targets: list[Tensor], input_fn
                 f"tune_biases: the float model gives {t.numel()} output values on a batch where "
                 f"the model gives {o.numel()}; pass the float model of this model"
             )
-    err = sum(float((o - t.to(o.device)).pow(2).sum()) for o, t in zip(outs, targets))
+    err = sum(
+        float((o.float() - t.to(o.device, torch.float32)).pow(2).sum())
+        for o, t in zip(outs, targets)
+    )
     err = torch.tensor([err, sum(float(t.pow(2).sum()) for t in targets)], dtype=torch.float64)
     average_over_ranks([err])
     return float(err[0] / err[1].clamp(min=1e-30))
@@ -162,7 +165,7 @@ def tune_biases(
             with training_rounding(model):
                 for i in progress(steps, len(steps), "bias tuning", show_progress):
                     args, kwargs = batch_arguments(model, batches[int(i)], input_fn)
-                    out = _flatten_outputs(model(*args, **kwargs))
+                    out = _flatten_outputs(model(*args, **kwargs)).float()  # the loss in float32
                     target = targets[int(i)].to(out.device, out.dtype)
                     loss = (out - target).pow(2).mean() / target.pow(2).mean().clamp(min=1e-30)
                     opt.zero_grad()
