@@ -121,7 +121,8 @@ def tune_biases(
             targets), or a float model whose outputs differ in size from the model's.
         RuntimeError: when the model is not calibrated.
 
-    A failure part-way (an exception, Ctrl-C) leaves the biases as they were. In a
+    A failure part-way (an exception, Ctrl-C) leaves the biases as they were; the
+    parameters' gradients and ``requires_grad`` flags are put back either way. In a
     distributed run the gradients are averaged over the ranks, so every rank takes the
     same steps.
     """
@@ -148,12 +149,12 @@ def tune_biases(
     params = tuned_biases(model)
     if not params:
         return {"before": float("nan"), "after": float("nan")}
-    grads = {p: p.requires_grad for p in model.parameters()}
+    flags = {p: p.requires_grad for p in model.parameters()}
     saved = [p.detach().clone() for p in params]
     with layerwise_session(model, copy_reference=False), float_fake_quant(model):
         before = _error(model, batches, targets, input_fn)
         try:
-            for p in grads:
+            for p in flags:
                 p.requires_grad_(False)
             for p in params:
                 p.requires_grad_(True)
@@ -173,9 +174,8 @@ def tune_biases(
                     average_over_ranks([p.grad for p in params if p.grad is not None])
                     opt.step()
         finally:
-            for p, flag in grads.items():
+            for p, flag in flags.items():
                 p.requires_grad_(flag)
-                p.grad = None
         after = _error(model, batches, targets, input_fn)
         if not after < before:
             with torch.no_grad():

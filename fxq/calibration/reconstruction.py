@@ -353,11 +353,13 @@ def layerwise_session(model: nn.Module, copy_reference: bool = True) -> Iterator
     The reference is an untouched copy (the model itself changes layer after
     layer, its targets must not); ``copy_reference=False`` yields None and
     keeps only a copy of the parameters and buffers, for the restore. Training
-    flags and fake-quant states are put back on exit; on a failure (an
-    exception, Ctrl-C) every weight and bias is too, and biases the algorithm
-    created are removed.
+    flags, fake-quant states and the parameters' gradients (an algorithm's
+    backward passes reach the BatchNorm parameters folded into the weights) are
+    put back on exit; on a failure (an exception, Ctrl-C) every weight and bias
+    is too, and biases the algorithm created are removed.
     """
     states = {m: m.state for m in model.modules() if hasattr(m, "set_fake_quant_state")}
+    grads = {p: p.grad for p in model.parameters()}
     training = model.training
     model.eval()
     set_fake_quantize(model, FakeQuantState.VALIDATION)
@@ -377,6 +379,8 @@ def layerwise_session(model: nn.Module, copy_reference: bool = True) -> Iterator
             model.load_state_dict(reference.state_dict() if saved is None else saved)
         for m, state in states.items():
             m.set_fake_quant_state(state)
+        for p, grad in grads.items():
+            p.grad = grad
         model.train(training)
 
 
