@@ -36,12 +36,15 @@ def recalibrate_bn(model: nn.Module, batches) -> nn.Module:
     """Set BatchNorm running statistics from data (cumulative average), so a
     randomly initialised model has normalised activations in eval mode."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [bn.momentum for bn in bns]
     for bn in bns:
         bn.reset_running_stats()
         bn.momentum = None
     model.train()
     for x in batches:
         model(x)
+    for bn, momentum in zip(bns, momenta):  # None would sync with the host at every step
+        bn.momentum = momentum
     return model.eval()
 
 
