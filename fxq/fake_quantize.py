@@ -409,17 +409,47 @@ class FakeQuantize(nn.Module):
     # -- scale -------------------------------------------------------------
     def calculate_scale(self) -> Tensor:
         """The scale the current statistics give (does not store it)."""
+        return self._scale_from_statistics()
+
+    def _scale_from_statistics(self, out: Tensor | None = None) -> Tensor:
+        """``calculate_scale``, written into ``out`` where no further step needs a new tensor.
+
+        This runs at every QAT step of every fake quant, where each small op is a kernel
+        launch and a Python call (what bounds a CUDA QAT step): no host sync, as few ops as
+        the arithmetic allows.
+        """
         obs = self.activation_post_process
         if isinstance(obs, FixedScaleObserver):
             return obs.fixed_scale.expand(self.scale.shape).clone()
-        amax = obs.amax().to(self.scale.device)
-        # a tensor divisor (filled on the device: no copy, no sync): CUDA divides by a Python
-        # number as a product with its reciprocal, which can differ from the CPU by an ulp
-        scale = (amax / amax.new_full((), float(self.levels_above_zero))).clamp(min=_EPS)
+        if type(obs).amax is ObserverBase.amax:
+            # ``obs.amax()`` without its clamp at 0: the clamp at _EPS below covers it
+            amax = torch.maximum(obs.min_val.neg(), obs.max_val)
+        else:
+            amax = obs.amax()
+        amax = amax.to(self.scale.device)
         fallback = self._zero_range_scale()
+        constrained = self.spec.scale_constraint is not ScaleConstraint.ANY
+        if out is not None and (constrained or out.shape != amax.shape):
+            out = None  # the last step makes a new tensor anyway
+        last = out if fallback is None else None
+        scale = torch.div(amax, self._levels_divisor(amax), out=last).clamp_(min=_EPS)
         if fallback is not None:  # no host sync: this runs at every QAT step
-            scale = torch.where(amax > 0, scale, torch.maximum(scale, fallback.to(scale.dtype)))
-        return qf.constrain_scale(scale, self.spec.scale_constraint)
+            fallback = torch.maximum(scale, fallback.to(scale.dtype))
+            scale = torch.where(amax > 0, scale, fallback, out=out)
+        return qf.constrain_scale(scale, self.spec.scale_constraint) if constrained else scale
+
+    def _levels_divisor(self, like: Tensor) -> Tensor:
+        """``levels_above_zero`` as a 0-dim tensor on ``like``'s device, made once.
+
+        A tensor divisor: CUDA divides by a Python number as a product with its reciprocal,
+        which can differ from the CPU by an ulp.
+        """
+        key = (self.levels_above_zero, like.device, like.dtype)
+        cached = self.__dict__.get("_divisor")
+        if cached is None or cached[0] != key:
+            cached = (key, torch.full((), float(key[0]), dtype=like.dtype, device=like.device))
+            self._divisor = cached
+        return cached[1]
 
     #: per-tensor fake quants of the producing op's inputs (set by ``fxq.qat``): a value whose
     #: calibrated range is zero (a constant 0, e.g. an attention mask of an unpadded batch)
@@ -438,8 +468,8 @@ class FakeQuantize(nn.Module):
             and not fq.is_high_precision
             and fq.scale.numel() == 1
         ]
-        if not scales:
-            return None
+        if len(scales) < 2:
+            return scales[0] if scales else None
         return torch.stack(scales).amax()
 
     def warn_if_scale_at_floor(self) -> bool:
@@ -507,11 +537,14 @@ class FakeQuantize(nn.Module):
     @torch.no_grad()
     def update_scale(self) -> None:
         """Recompute ``scale`` from the observer's statistics."""
-        new = self.calculate_scale()
-        if new.shape != self.scale.shape:
-            self.scale = torch.empty_like(new)
-        self.scale.copy_(new)
-        self.observed.fill_(True)
+        new = self._scale_from_statistics(out=self.scale)
+        if new is not self.scale:
+            if new.shape != self.scale.shape:
+                self.scale = torch.empty_like(new)
+            self.scale.copy_(new)
+        if not self._observed_set:  # it stays True (only a loaded state dict can change it)
+            self.observed.fill_(True)
+            self._observed_set = True
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
@@ -525,6 +558,7 @@ class FakeQuantize(nn.Module):
                 errors.append(f"{prefix}offset: {problem}")
             else:
                 self._adopt_offset(offset)
+        self._observed_set = False
         saved = state_dict.get(prefix + "scale")
         if saved is not None and saved.shape != self.scale.shape:
             self.scale = torch.empty(saved.shape, dtype=self.scale.dtype, device=self.scale.device)
@@ -539,6 +573,8 @@ class FakeQuantize(nn.Module):
     # -- forward -----------------------------------------------------------
     #: set by ``bypass``: neither observe nor round (the float model)
     bypassed = False
+    #: whether ``observed`` is known to be True (``update_scale`` then writes it no more)
+    _observed_set = False
     #: set by ``training_rounding``: VALIDATION rounds with QAT training's formula
     inexact = False
 

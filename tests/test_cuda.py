@@ -321,3 +321,18 @@ def test_qat_steps_on_cuda_make_no_host_sync():
             step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_in_a_cuda_qat_step_is_reported(bad):
+    """On CUDA the NaN / Inf check is deferred (no host sync per step) but not dropped: a bad
+    value in one QAT step is reported when the state changes."""
+    prepared, batches = _prepared("resnet18")
+    model = _calibrate(prepared.to(DEVICE), [b.to(DEVICE) for b in batches[:2]])
+    fxq.set_fake_quantize(model, fxq.FakeQuantState.QAT)
+    model.train()
+    x = batches[2].clone()
+    x[0, 0, 0, 0] = bad
+    model(x.to(DEVICE))
+    with pytest.raises(ValueError, match=r"observer of .* saw NaN or Inf"):
+        fxq.set_fake_quantize(model, fxq.FakeQuantState.VALIDATION)

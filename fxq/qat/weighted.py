@@ -194,11 +194,13 @@ class WeightedQAT(QATModule):
             # statistics and gamma's gradient stay right) and outputs beta there, as the folded
             # weight of 0 does at deployment.
             factor = self.bn_factor().detach()
-            factor = torch.where((1.0 / factor).isfinite(), factor, torch.ones_like(factor))
+            inverse = factor.reciprocal()  # ``1.0 / factor`` would add a product by 1
+            invertible = (inverse - inverse) == 0  # isfinite, in two kernels instead of four
+            factor = torch.where(invertible, factor, 1.0)
             w_q = self.weight_from_out_major(self.weight_fake_quant(self._fold_weight(factor)))
             y = self.float_op_forward(x, w_q, None)
             shape = self._channel_shape(y.dim())
-            y = y * (1.0 / factor).reshape(shape)
+            y = y * torch.where(invertible, inverse, 1.0).reshape(shape)
             if self.bias is not None:
                 y = y + self.bias.reshape(shape)
             y = self.bn(y)

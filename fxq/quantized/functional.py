@@ -183,9 +183,9 @@ def fake_quantize(
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
     # exact: the IEEE division of ``quantize``; training: multiply by the reciprocal (cheaper)
     if inplace and not with_mask:
-        v = x.div_(s) if exact else x.mul_(1.0 / s)
+        v = x.div_(s) if exact else x.mul_(s.reciprocal())
     else:
-        v = x / s if exact else x * (1.0 / s)
+        v = x / s if exact else x * s.reciprocal()
     v = round_float(v, rounding, inplace=True, exact=exact)
     if not with_mask:
         return v.clamp_(qmin, qmax).mul_(s), None
