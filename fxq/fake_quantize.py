@@ -461,16 +461,19 @@ class FakeQuantize(nn.Module):
         if self.scale.numel() != 1:
             return None
         scales = [
-            (fq.scale.reshape(()) * fq.observed).to(self.scale.device)  # 0 until observed
+            # 0 until observed (no product once ``observed`` is known to be True)
+            (fq.scale.reshape(()) if fq._observed_set else fq.scale.reshape(()) * fq.observed).to(
+                self.scale.device
+            )
             for fq in self.zero_range_inputs
             if fq is not None
             and fq is not self
             and not fq.is_high_precision
             and fq.scale.numel() == 1
         ]
-        if len(scales) < 2:
-            return scales[0] if scales else None
-        return torch.stack(scales).amax()
+        if not scales:
+            return None
+        return functools.reduce(torch.maximum, scales)  # one op per extra input
 
     def warn_if_scale_at_floor(self) -> bool:
         """Warn (once per fake quant) when the scale sits at the ``2**-23`` floor
