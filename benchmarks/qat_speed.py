@@ -6,6 +6,7 @@ run, on the same inputs, alternating so that machine noise hits all alike:
     python benchmarks/qat_speed.py                    # resnet18 and mobilenet_v2
     python benchmarks/qat_speed.py --models resnet18 --batch 16 --size 160
     python benchmarks/qat_speed.py --device cuda --batch 64   # on a GPU
+    python benchmarks/qat_speed.py --device cuda --batch 64 --profile   # + kernels per step
 
 Prints one row per model: float ms/step, fxq ms/step and ratio, torch.ao
 ms/step and ratio (torch.ao: prepare_qat_fx with the x86 default QAT qconfig
@@ -80,6 +81,43 @@ def measure(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def profile_steps(steps: dict[str, callable], device: torch.device) -> list[list[str]]:
+    """Per variant: ops (CPU) or kernels (CUDA) per step, their time, and the host's time
+    to issue a step (a step whose host time exceeds its kernel time is launch-bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    rows = []
+    for name, step in steps.items():
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(2):
+            step()
+        issue = (time.perf_counter() - t0) / 2  # before the sync: the host's own time
+        if cuda:
+            torch.cuda.synchronize(device)
+        with profile(activities=activities) as prof:
+            for _ in range(2):
+                step()
+            if cuda:
+                torch.cuda.synchronize(device)
+        if cuda:
+            events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            busy = sum(e.device_time for e in events) / 2e3
+        else:  # aten ops not called by another aten op
+            events = [
+                e
+                for e in prof.events()
+                if e.name.startswith("aten::")
+                and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+            ]
+            busy = float("nan")
+        rows.append([name, str(len(events) // 2), f"{busy:.1f}", f"{issue * 1e3:.1f}"])
+    return rows
+
+
 def _describe(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -95,12 +133,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (models prepared on the CPU)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print kernels (ops on the CPU) per step, their time and the host's issue time",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    rows = []
+    rows, profiles = [], []
     for name in args.models:
         model = getattr(torchvision.models, name)(num_classes=1000).train()
         x = torch.randn(args.batch, 3, args.size, args.size)
@@ -113,6 +156,8 @@ def main() -> None:
         x, y = x.to(device), y.to(device)
         steps = {k: step_fn(m.to(device), x, y) for k, m in variants.items()}
         t = measure(steps, args.iters, args.warmup, device)
+        if args.profile:
+            profiles.extend([[name, *row] for row in profile_steps(steps, device)])
         rows.append(
             [
                 name,
@@ -133,6 +178,15 @@ def main() -> None:
             headers=["model", "float ms", "fxq ms", "fxq/float", "torch.ao ms", "torch.ao/float"],
         )
     )
+    if profiles:
+        unit = "kernels" if device.type == "cuda" else "aten ops"
+        print()
+        print(
+            tabulate(
+                profiles,
+                headers=["model", "variant", f"{unit} / step", "kernel ms / step", "host issue ms"],
+            )
+        )
 
 
 if __name__ == "__main__":
