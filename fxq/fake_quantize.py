@@ -444,6 +444,8 @@ class FakeQuantize(nn.Module):
         A tensor divisor: CUDA divides by a Python number as a product with its reciprocal,
         which can differ from the CPU by an ulp.
         """
+        if type(like) is not Tensor:  # a traced or fake tensor: made in its own mode
+            return like.new_full((), float(self.levels_above_zero))
         key = (self.levels_above_zero, like.device, like.dtype)
         cached = self.__dict__.get("_divisor")
         if cached is None or cached[0] != key:
