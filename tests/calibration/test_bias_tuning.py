@@ -115,6 +115,26 @@ def test_tuning_refuses_bad_arguments(bayes, pretrained):
         tune_biases(prepared, calib, other)
 
 
+def test_ptq_tune_biases_takes_a_number_of_epochs(bayes, pretrained, monkeypatch):
+    """``tune_biases=True``: the default epochs; an int: that many (0: none); else an error
+    before anything runs."""
+    import fxq.calibration.bias_tuning as bias_tuning
+
+    model, calib, _, _ = pretrained
+    asked = []
+    monkeypatch.setattr(bias_tuning, "tune_biases", lambda *a, epochs, **k: asked.append(epochs))
+    for value in (True, 8, 1, 0, False):
+        ptq(fxq.prepare_qat_fx(model, {"": calib_q8}), calib, "calibrate", tune_biases=value)
+    assert asked == [bias_tuning.DEFAULT_EPOCHS, 8, 1]
+    prepared = fxq.prepare_qat_fx(model, {"": calib_q8})
+    before = copy.deepcopy(prepared.state_dict())
+    for bad in (-1, 2.5, "yes"):
+        with pytest.raises(ValueError, match="tune_biases must be True, False or a number"):
+            ptq(prepared, calib, "calibrate", tune_biases=bad)
+    after = prepared.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_float_activations_learn_the_same_rounding_whatever_the_activation_scales(
     bayes, pretrained
 ):
