@@ -9,7 +9,7 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
 
 * ``"default"``: the recipe to use unless there is a reason not to: one pass
   over the calibration data, then a short learned rounding on its first 16
-  samples (MobileNetV2, 96 crops, 2 cores: 9-11 s, 19.6 dB; see
+  samples (MobileNetV2, 96 crops, 2 cores: 7.5-10 s, 19.6-20.3 dB; see
   ``docs/accuracy.md``):
 
   1. **model outputs wide**: an output produced by a conv / linear keeps its
