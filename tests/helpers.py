@@ -32,6 +32,34 @@ def sqnr(reference: torch.Tensor, test: torch.Tensor) -> float:
 
 
 @torch.no_grad()
+class RecordedOps:
+    """Within the block, the names of the aten ops that run (``.names``), e.g. to count a
+    step's host syncs (``_local_scalar_dense``) or a fake quant's kernels."""
+
+    def __init__(self, ignore: set[str] = frozenset()) -> None:
+        self.ignore = ignore
+        self.names: list[str] = []
+
+    def __enter__(self) -> RecordedOps:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        recorded = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name not in recorded.ignore:
+                    recorded.names.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+
 def recalibrate_bn(model: nn.Module, batches) -> nn.Module:
     """Set BatchNorm running statistics from data (cumulative average), so a
     randomly initialised model has normalised activations in eval mode."""

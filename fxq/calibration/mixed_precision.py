@@ -31,8 +31,8 @@ so what int16 should go to is the activations' error alone (MobileNetV2,
 ranked with float weights; docs/accuracy.md). The benchmark ranks on the
 signed grid (``ptq(model, data, iters=0, offset=False)``), then learns with
 ``ptq(method="best", float_activations=True, iters=120, lr=0.1,
-tune_biases=True)``: 25.07 dB on MobileNetV2 with 10 % int16, where plain
-``best`` gives 23.21 dB (``docs/accuracy.md``, fourteenth session).
+tune_biases=8)``: 25.09 dB on MobileNetV2 with 10 % int16, where plain
+``best`` gives 23.21 dB (``docs/accuracy.md``, fourteenth and fifteenth sessions).
 """
 
 from __future__ import annotations
