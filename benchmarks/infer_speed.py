@@ -3,6 +3,7 @@ torch.ao's int8 model beside it, measured in the same run on the same inputs.
 
     python benchmarks/infer_speed.py                 # resnet18, mobilenet_v2; batch 8, 224x224
     python benchmarks/infer_speed.py --models resnet18 --iters 20
+    python benchmarks/infer_speed.py --device cuda --batch 64   # on a GPU (no torch.ao: CPU only)
 
 The fxq model is bit-exact with its QAT model; torch.ao uses the x86 default
 PTQ qconfig mapping (fbgemm / onednn kernels, rounding of its own).
@@ -50,6 +51,10 @@ def torch_ao_int8(model: torch.nn.Module, calib: torch.Tensor) -> torch.nn.Modul
 def measure(
     models: dict[str, torch.nn.Module], x: torch.Tensor, iters: int, warmup: int
 ) -> dict[str, float]:
+    def sync() -> None:
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+
     with torch.no_grad():
         for m in models.values():
             for _ in range(warmup):
@@ -57,8 +62,10 @@ def measure(
         times: dict[str, list[float]] = {k: [] for k in models}
         for _ in range(iters):
             for name, m in models.items():  # interleaved so that noise hits every model alike
+                sync()
                 t0 = time.perf_counter()
                 m(x)
+                sync()
                 times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -70,31 +77,43 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--device", default="cpu", help="cpu or cuda (torch.ao's int8 runs on the CPU only)"
+    )
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.manual_seed(0)
     rows = []
     for name in args.models:
         model = getattr(torchvision.models, name)().eval()
         calib = torch.randn(8, 3, args.size, args.size)
         x = torch.randn(args.batch, 3, args.size, args.size)
-        variants = {
-            "float": model,
-            "fxq": fxq_integer(model, calib),
-            "torch.ao": torch_ao_int8(model, calib),
-        }
+        integer = fxq_integer(model, calib)
+        variants = {"float": model, "fxq": integer}
+        if device.type == "cpu":
+            variants["torch.ao"] = torch_ao_int8(model, calib)
+        else:  # the integer model on the GPU computes what it computes on the CPU
+            with torch.no_grad():
+                expected = integer(x[:4])
+        variants = {k: m.to(device) for k, m in variants.items()}
+        x = x.to(device)
         t = measure(variants, x, args.iters, args.warmup)
-        rows.append(
-            [
-                name,
-                f"{t['float'] * 1e3:.1f}",
-                f"{t['fxq'] * 1e3:.1f}",
-                f"{t['fxq'] / t['float']:.2f}x",
-                f"{t['torch.ao'] * 1e3:.1f}",
-                f"{t['torch.ao'] / t['float']:.2f}x",
-            ]
-        )
+        row = [
+            name,
+            f"{t['float'] * 1e3:.1f}",
+            f"{t['fxq'] * 1e3:.1f}",
+            f"{t['fxq'] / t['float']:.2f}x",
+        ]
+        if "torch.ao" in t:
+            row += [f"{t['torch.ao'] * 1e3:.1f}", f"{t['torch.ao'] / t['float']:.2f}x"]
+        else:
+            with torch.no_grad():
+                exact = torch.equal(integer(x[:4]).cpu(), expected)
+            row += [f"bit-exact with the CPU: {exact}", ""]
+        rows.append(row)
     print(
-        f"inference, batch {args.batch}, {args.size}x{args.size}, {torch.get_num_threads()} threads, "
+        f"inference on {args.device}, batch {args.batch}, {args.size}x{args.size}, "
+        f"{torch.get_num_threads()} threads, "
         f"median of {args.iters}"
     )
     print(

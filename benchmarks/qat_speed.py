@@ -7,16 +7,19 @@ run, on the same inputs, alternating so that machine noise hits all alike:
     python benchmarks/qat_speed.py --models resnet18 --batch 16 --size 160
     python benchmarks/qat_speed.py --device cuda --batch 64   # on a GPU
     python benchmarks/qat_speed.py --device cuda --batch 64 --profile   # + kernels per step
+    python benchmarks/qat_speed.py --compile          # + each model under torch.compile
 
-Prints one row per model: float ms/step, fxq ms/step and ratio, torch.ao
-ms/step and ratio (torch.ao: prepare_qat_fx with the x86 default QAT qconfig
-mapping).
+Prints one row per model and variant: ms per step, its ratio to the float step and to
+torch.ao's step (compiled variants: to the compiled float and torch.ao steps). torch.ao:
+prepare_qat_fx with the x86 default QAT qconfig mapping. On CUDA the row "fxq torch ops"
+is the same fxq model with its fused fake-quant kernels off (``FXQ_TRITON=0``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 import warnings
@@ -124,6 +127,32 @@ def _describe(device: torch.device) -> str:
     return f"CPU, {torch.get_num_threads()} threads"
 
 
+def _unfused(step: callable) -> callable:
+    """``step`` with fxq's fused fake-quant kernels off (``FXQ_TRITON=0``): the torch ops."""
+
+    def run() -> None:
+        os.environ["FXQ_TRITON"] = "0"
+        try:
+            step()
+        finally:
+            os.environ.pop("FXQ_TRITON", None)
+
+    return run
+
+
+def _variants(model, x, device, compile_too: bool) -> dict[str, torch.nn.Module]:
+    variants = {
+        "float": copy.deepcopy(model),
+        "fxq": fxq_qat(model, x[:1]),
+        "torch.ao": torch_ao_qat(model, x[:1]),
+    }
+    variants = {k: m.to(device) for k, m in variants.items()}
+    if compile_too:
+        for name in ("float", "fxq", "torch.ao"):
+            variants[f"{name} compiled"] = torch.compile(variants[name])
+    return variants
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
@@ -138,6 +167,11 @@ def main() -> None:
         action="store_true",
         help="also print kernels (ops on the CPU) per step, their time and the host's issue time",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time each model under torch.compile (compiled once, in the warm-up)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.threads:
@@ -148,26 +182,27 @@ def main() -> None:
         model = getattr(torchvision.models, name)(num_classes=1000).train()
         x = torch.randn(args.batch, 3, args.size, args.size)
         y = torch.randint(0, 1000, (args.batch,))
-        variants = {
-            "float": copy.deepcopy(model),
-            "fxq": fxq_qat(model, x[:1]),
-            "torch.ao": torch_ao_qat(model, x[:1]),
-        }
+        variants = _variants(model, x, device, args.compile)
         x, y = x.to(device), y.to(device)
-        steps = {k: step_fn(m.to(device), x, y) for k, m in variants.items()}
-        t = measure(steps, args.iters, args.warmup, device)
+        steps = {k: step_fn(m, x, y) for k, m in variants.items()}
+        if device.type == "cuda":  # the same model without the fused kernels
+            steps["fxq torch ops"] = _unfused(step_fn(variants["fxq"], x, y))
+        t = measure(steps, args.iters, args.warmup + (2 if args.compile else 0), device)
         if args.profile:
             profiles.extend([[name, *row] for row in profile_steps(steps, device)])
-        rows.append(
-            [
-                name,
-                f"{t['float'] * 1e3:.0f}",
-                f"{t['fxq'] * 1e3:.0f}",
-                f"{t['fxq'] / t['float']:.2f}x",
-                f"{t['torch.ao'] * 1e3:.0f}",
-                f"{t['torch.ao'] / t['float']:.2f}x",
-            ]
-        )
+        for variant, seconds in t.items():
+            compiled = variant.endswith("compiled")
+            float_ms = t["float compiled" if compiled else "float"]
+            ao_ms = t["torch.ao compiled" if compiled else "torch.ao"]
+            rows.append(
+                [
+                    name,
+                    variant,
+                    f"{seconds * 1e3:.1f}",
+                    f"{seconds / float_ms:.2f}x",
+                    f"{seconds / ao_ms:.2f}x",
+                ]
+            )
     print(
         f"QAT training step on {_describe(device)}, batch {args.batch}, {args.size}x{args.size}, "
         f"median of {args.iters}"
@@ -175,7 +210,7 @@ def main() -> None:
     print(
         tabulate(
             rows,
-            headers=["model", "float ms", "fxq ms", "fxq/float", "torch.ao ms", "torch.ao/float"],
+            headers=["model", "variant", "ms / step", "/ float", "/ torch.ao"],
         )
     )
     if profiles:

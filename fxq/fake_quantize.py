@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -42,12 +43,19 @@ from fxq.dtypes import QDType, as_qdtype, qint8, qint32
 from fxq.march import March, get_march_spec, spec_for
 from fxq.march.spec import Rounding, ScaleConstraint
 from fxq.observer import (
+    IMMEDIATE_CHECK_DEVICES,
+    NON_FINITE_CHECK_EVERY,
     FixedScaleObserver,
+    MinMaxObserver,
     MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
     ObserverBase,
+    PerChannelMinMaxObserver,
     keep_dtypes,
 )
+from fxq.quantized import fake_quant_ops
 from fxq.quantized import functional as qf
+from fxq.quantized.fake_quant_ops import Statistics
 
 __all__ = [
     "FakeQuantState",
@@ -161,6 +169,11 @@ def fake_quantize_ste(
             inplace=inplace and wide is x and not x.requires_grad,
         )
     return out if out.dtype is x.dtype or not x.is_floating_point() else out.to(x.dtype)
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs interpreted on the CPU (``TRITON_INTERPRET=1``: the tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def quantize_in_place(fq: nn.Module, x: Tensor) -> bool:
@@ -608,6 +621,10 @@ class FakeQuantize(nn.Module):
             )
         if x.numel() == 0:  # an empty tensor carries no statistics (as in torch.ao)
             return x
+        if state is FakeQuantState.QAT:
+            statistics = self._fused_statistics(x)
+            if statistics is not None:
+                return self._fused_qat_forward(x, statistics)
         self.activation_post_process(x)
         if state is FakeQuantState.CALIBRATION and self.activation_post_process.deferred:
             self._stale = True  # the search runs once, when calibration ends
@@ -621,9 +638,67 @@ class FakeQuantize(nn.Module):
             x, self.scale, self.dtype, self.rounding, self.ch_axis, exact=False, offset=self.offset
         )
 
+    def _fused_statistics(self, x: Tensor) -> Statistics | None:
+        """How ``fxq::observe_fake_quantize`` updates this fake quant's statistics, when its
+        Triton kernels can take the QAT step (a float32 CUDA tensor, an observer and a march
+        they cover, not under ``torch.compile``, whose own kernels fuse the torch ops), else
+        None: the step then runs as separate torch ops, with the same results."""
+        if torch.compiler.is_compiling() or not fake_quant_ops.triton_usable(x):
+            return None
+        obs = self.activation_post_process
+        kind = type(obs)
+        per_channel = self.ch_axis is not None
+        if kind is MovingAverageMinMaxObserver or kind is MovingAveragePerChannelMinMaxObserver:
+            statistics = Statistics.MOVING
+        elif kind is PerChannelMinMaxObserver and per_channel:
+            statistics = Statistics.LATEST
+        elif kind is MinMaxObserver and not per_channel:
+            statistics = Statistics.RUNNING
+        else:
+            return None
+        if (
+            obs.sync_group is not None
+            or obs.immediate_check
+            or (x.device.type in IMMEDIATE_CHECK_DEVICES and not _interpreting())
+            or self.rounding is not Rounding.HALF_UP
+            or self.spec.scale_constraint is not ScaleConstraint.ANY
+            or obs.min_val.shape != self.scale.shape
+            or obs.min_val.device != x.device
+            or self.scale.numel() != (x.shape[self.ch_axis] if per_channel else 1)
+            or not fake_quant_ops.kernels_take(x, self.ch_axis)
+        ):
+            return None
+        return statistics
+
+    def _fused_qat_forward(self, x: Tensor, statistics: Statistics) -> Tensor:
+        """The QAT step (observe, scale, round) as one ``fxq::observe_fake_quantize``."""
+        obs = self.activation_post_process
+        fallback = self._zero_range_scale()
+        out = fake_quant_ops.observe_fake_quantize(
+            x,
+            obs.min_val,
+            obs.max_val,
+            self.scale,
+            obs.non_finite,
+            None if fallback is None else fallback.reshape(()),
+            getattr(obs, "averaging_constant", 0.0),
+            statistics,
+            self.levels_above_zero,
+            self.dtype.qmin + self.offset,
+            self.dtype.qmax + self.offset,
+            self.ch_axis,
+        )
+        obs._unchecked = getattr(obs, "_unchecked", 0) + 1
+        if obs._unchecked >= NON_FINITE_CHECK_EVERY:
+            obs.check_non_finite()
+        if not self._observed_set:
+            self.observed.fill_(True)
+            self._observed_set = True
+        return out
+
     def _require_observed(self) -> None:
-        if self._checked_observed:
-            return
+        if self._checked_observed or torch.compiler.is_compiling():
+            return  # compiled: ``set_fake_quant_state`` checked it (a host sync here would split the graph)
         if not self.is_fixed_scale and not bool(self.observed):
             raise RuntimeError(
                 f"fake quant {self.name or '(unnamed)'} has never observed data, so it has no scale; "
@@ -673,6 +748,10 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
         if setter is not None:
             setter(state)
             found = True
+    for module in model.modules():
+        done = getattr(module, "state_set", None)
+        if done is not None:
+            done()
     if not found:
         raise ValueError(
             "set_fake_quantize: the model has no fxq fake quant; pass the model returned by "

@@ -146,6 +146,9 @@ class ObserverBase(nn.Module):
             shape = (0,)
         self.register_buffer("min_val", torch.full(shape, float("inf")))
         self.register_buffer("max_val", torch.full(shape, float("-inf")))
+        # NaN once a NaN / Inf reached a compiled step (``torch.compile``), which never reads
+        # it on the host; ``check_non_finite`` does. Not saved: a flag, not a statistic.
+        self.register_buffer("non_finite", torch.zeros(()), persistent=False)
         self.name = ""
 
     # -- statistics -------------------------------------------------------
@@ -166,6 +169,12 @@ class ObserverBase(nn.Module):
         kept on the device and read every ``NON_FINITE_CHECK_EVERY`` updates and when the
         fake-quant state changes or the model is converted (``check_non_finite``)."""
         if mn.is_meta:  # shapes only: nothing to check
+            return
+        if torch.compiler.is_compiling():
+            # a compiled step has no host sync and no Python state that changes per step
+            # (each would split or recompile the graph): NaN sticks in a buffer, read by
+            # ``check_non_finite`` when the state changes or the model is converted
+            self.non_finite.add_(_poison(mn, mx).sum())
             return
         if self.immediate_check or mn.device.type in IMMEDIATE_CHECK_DEVICES:
             if bool(_poison(mn, mx).isnan().any()):
@@ -193,6 +202,9 @@ class ObserverBase(nn.Module):
         self._non_finite, self._unchecked = None, 0
         if pending is not None and bool(pending.isnan().any()):
             self._failed = True
+        if not self.non_finite.is_meta and bool(self.non_finite.isnan()):
+            self._failed = True
+            self.non_finite.zero_()
         if getattr(self, "_failed", False):
             self._raise_non_finite()
 
@@ -285,6 +297,7 @@ class ObserverBase(nn.Module):
         """Forget every statistic (and a NaN / Inf that a deferred check holds)."""
         self.min_val.fill_(float("inf"))
         self.max_val.fill_(float("-inf"))
+        self.non_finite.zero_()
         self._non_finite, self._unchecked, self._failed = None, 0, False
 
     def _load_from_state_dict(

@@ -16,7 +16,12 @@ ROOT = pathlib.Path(fxq.__file__).parent
 #: bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("fxq.dtypes", "fxq.march"),
-    ("fxq.quantized.functional", "fxq.quantized.native"),  # pure integer math, no nn.Module
+    (  # pure integer math, no nn.Module
+        "fxq.quantized.functional",
+        "fxq.quantized.native",
+        "fxq.quantized.fake_quant_ops",
+        "fxq.quantized._fake_quant_triton",
+    ),
     (
         "fxq.qtensor",
         "fxq.observer",

@@ -1,0 +1,226 @@
+"""Triton kernels of ``fxq::observe_fake_quantize`` (see ``fxq.quantized.fake_quant_ops``).
+
+Imported only when the op runs on CUDA (or under ``TRITON_INTERPRET=1``): ``import fxq``
+does not import Triton. Every float operation here is the one the torch definition does,
+in float32 and in the same order: divisions with ``div_rn`` (correctly rounded, as torch's
+CUDA division; Triton's ``/`` is not), and launches with ``enable_fp_fusion=False`` so that
+no product and sum become one fused multiply-add (torch rounds the product first).
+NaN is carried as torch carries it: a NaN in the input makes the batch's min and max NaN,
+``clamp`` keeps a NaN, ``minimum`` / ``maximum`` propagate one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["observe_fake_quantize"]
+
+_BLOCK = 1024
+#: programs of the per-tensor reduction (each strides over the tensor)
+_MAX_PROGRAMS = 1024
+_OPTIONS = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _nan_min(a, b):
+    return tl.where(a != a, a, tl.where(b != b, b, tl.minimum(a, b)))
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.where(a != a, a, tl.where(b != b, b, tl.maximum(a, b)))
+
+
+@triton.jit
+def _block_minmax(x, valid):
+    """min, max over the valid elements, NaN excluded; and whether a NaN was among them."""
+    nan = (x != x) & valid
+    mn = tl.min(tl.where(valid & (x == x), x, float("inf")), axis=0)
+    mx = tl.max(tl.where(valid & (x == x), x, float("-inf")), axis=0)
+    return mn, mx, tl.max(nan.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _new_statistics(bmin, bmax, mv, xv, c, MODE: tl.constexpr):
+    """The observer's update (``Statistics``): MOVING 0, RUNNING 1, LATEST 2."""
+    if MODE == 0:
+        fresh = (mv == float("inf")) | (mv == float("-inf"))
+        frozen = c == 0.0  # the statistics as they are (not ``mv + (inf - mv) * 0``)
+        new_min = tl.where(fresh, bmin, tl.where(frozen, mv, mv + (bmin - mv) * c))
+        new_max = tl.where(fresh, bmax, tl.where(frozen, xv, xv + (bmax - xv) * c))
+    elif MODE == 1:
+        new_min = _nan_min(mv, bmin)
+        new_max = _nan_max(xv, bmax)
+    else:
+        new_min = bmin
+        new_max = bmax
+    return new_min, new_max
+
+
+@triton.jit
+def _scale_of(new_min, new_max, levels, eps, fallback, HAS_FALLBACK: tl.constexpr):
+    amax = _nan_max(-new_min, new_max)
+    scale = tl.math.div_rn(amax, levels)
+    scale = tl.where(scale < eps, eps, scale)  # clamp(min=eps): a NaN stays
+    if HAS_FALLBACK:
+        scale = tl.where(amax > 0, scale, _nan_max(scale, fallback))
+    return scale
+
+
+@triton.jit
+def _minmax_kernel(x_ptr, scratch_ptr, n, BLOCK: tl.constexpr):
+    """Per tensor, step 1: the min / max of ``x`` into ``scratch[0:2]``, NaNs counted in
+    ``scratch[2]`` (atomics: the result does not depend on the order)."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    mn = float("inf")
+    mx = float("-inf")
+    nans = 0
+    for start in range(pid * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < n
+        x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+        bmn, bmx, bnan = _block_minmax(x, valid)
+        mn = tl.minimum(mn, bmn)
+        mx = tl.maximum(mx, bmx)
+        nans = tl.maximum(nans, bnan)
+    tl.atomic_min(scratch_ptr, mn)
+    tl.atomic_max(scratch_ptr + 1, mx)
+    tl.atomic_add(scratch_ptr + 2, nans.to(tl.float32), mask=nans > 0)
+
+
+@triton.jit
+def _update_kernel(
+    scratch_ptr, min_ptr, max_ptr, scale_ptr, flag_ptr, fallback_ptr, c, levels, eps,
+    MODE: tl.constexpr, HAS_FALLBACK: tl.constexpr,
+):  # fmt: skip
+    """Per tensor, step 2 (one program): statistics, NaN flag and scale; resets the scratch."""
+    bmin = tl.load(scratch_ptr)
+    bmax = tl.load(scratch_ptr + 1)
+    had_nan = tl.load(scratch_ptr + 2) > 0
+    bmin = tl.where(had_nan, float("nan"), bmin)
+    bmax = tl.where(had_nan, float("nan"), bmax)
+    tl.store(flag_ptr, tl.load(flag_ptr) + (bmin * 0.0 + bmax * 0.0))
+    new_min, new_max = _new_statistics(bmin, bmax, tl.load(min_ptr), tl.load(max_ptr), c, MODE)
+    tl.store(min_ptr, new_min)
+    tl.store(max_ptr, new_max)
+    fallback = 0.0
+    if HAS_FALLBACK:
+        fallback = tl.load(fallback_ptr)
+    tl.store(scale_ptr, _scale_of(new_min, new_max, levels, eps, fallback, HAS_FALLBACK))
+    tl.store(scratch_ptr, float("inf"))
+    tl.store(scratch_ptr + 1, float("-inf"))
+    tl.store(scratch_ptr + 2, 0.0)
+
+
+@triton.jit
+def _rows_kernel(
+    x_ptr, min_ptr, max_ptr, scale_ptr, flag_ptr, row_length, c, levels, eps,
+    MODE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Per channel (rows of a contiguous tensor, channel axis 0), one program a row: the
+    row's min / max, its statistics and its scale."""
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * row_length
+    mn = float("inf")
+    mx = float("-inf")
+    nans = 0
+    for start in range(0, row_length, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < row_length
+        x = tl.load(base + offs, mask=valid, other=0.0)
+        bmn, bmx, bnan = _block_minmax(x, valid)
+        mn = tl.minimum(mn, bmn)
+        mx = tl.maximum(mx, bmx)
+        nans = tl.maximum(nans, bnan)
+    mn = tl.where(nans > 0, float("nan"), mn)
+    mx = tl.where(nans > 0, float("nan"), mx)
+    poison = mn * 0.0 + mx * 0.0
+    tl.atomic_add(flag_ptr, poison, mask=poison != 0.0)  # only a NaN is added
+    new_min, new_max = _new_statistics(
+        mn, mx, tl.load(min_ptr + row), tl.load(max_ptr + row), c, MODE
+    )
+    tl.store(min_ptr + row, new_min)
+    tl.store(max_ptr + row, new_max)
+    tl.store(scale_ptr + row, _scale_of(new_min, new_max, levels, eps, 0.0, False))
+
+
+@triton.jit
+def _fake_quant_kernel(
+    x_ptr, scale_ptr, out_ptr, mask_ptr, n, qmin, qmax, inner, channels,
+    PER_CHANNEL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``clamp(floor(x * (1 / s) + 1/2), qmin, qmax) * s`` and the in-range mask."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+    if PER_CHANNEL:
+        s = tl.load(scale_ptr + (offs // inner) % channels, mask=valid, other=1.0)
+    else:
+        s = tl.load(scale_ptr)
+    v = tl.floor(x * tl.math.div_rn(1.0, s) + 0.5)
+    clamped = tl.where(v < qmin, qmin, tl.where(v > qmax, qmax, v))
+    tl.store(out_ptr + offs, clamped * s, mask=valid)
+    tl.store(mask_ptr + offs, clamped == v, mask=valid)
+
+
+def _scratch(x: Tensor) -> Tensor:
+    """The per-device scratch of the per-tensor reduction: ``[inf, -inf, 0]`` between calls
+    (step 2 resets it), so no kernel fills it per call."""
+    cache = _SCRATCH.get(x.device)
+    if cache is None:
+        cache = torch.tensor([float("inf"), float("-inf"), 0.0], device=x.device)
+        _SCRATCH[x.device] = cache
+    return cache
+
+
+_SCRATCH: dict[torch.device, Tensor] = {}
+
+
+def observe_fake_quantize(
+    x: Tensor,
+    min_val: Tensor,
+    max_val: Tensor,
+    scale: Tensor,
+    non_finite: Tensor,
+    fallback: Tensor | None,
+    c: float,
+    mode: int,
+    levels: int,
+    qmin: int,
+    qmax: int,
+    ch_axis: int | None,
+) -> tuple[Tensor, Tensor]:
+    """``fxq::observe_fake_quantize`` in Triton; the caller checked the layout
+    (``fake_quant_ops.kernels_take``): dense per tensor, contiguous per channel."""
+    n = x.numel()
+    eps = float(torch.finfo(torch.float32).eps)
+    if ch_axis is None:
+        scratch = _scratch(x)
+        grid = (min(triton.cdiv(n, _BLOCK), _MAX_PROGRAMS),)
+        _minmax_kernel[grid](x, scratch, n, BLOCK=_BLOCK, **_OPTIONS)
+        has_fallback = fallback is not None
+        _update_kernel[(1,)](
+            scratch, min_val, max_val, scale, non_finite,
+            fallback if has_fallback else scale, c, float(levels), eps,
+            MODE=mode, HAS_FALLBACK=has_fallback, **_OPTIONS,
+        )  # fmt: skip
+        inner, channels = 1, 1
+    else:
+        axis = ch_axis % x.dim()
+        channels = x.shape[axis]
+        inner = n // max(1, x.shape[: axis + 1].numel())
+        _rows_kernel[(channels,)](
+            x, min_val, max_val, scale, non_finite, n // channels, c, float(levels), eps,
+            MODE=mode, BLOCK=_BLOCK, **_OPTIONS,
+        )  # fmt: skip
+    out = torch.empty_like(x)
+    mask = torch.empty_like(x, dtype=torch.bool)
+    _fake_quant_kernel[(triton.cdiv(n, _BLOCK),)](
+        x, scale, out, mask, n, float(qmin), float(qmax), inner, channels,
+        PER_CHANNEL=ch_axis is not None, BLOCK=_BLOCK, **_OPTIONS,
+    )  # fmt: skip
+    return out, mask

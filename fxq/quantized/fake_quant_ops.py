@@ -1,0 +1,242 @@
+"""One fused op for a QAT fake quant: observe, update the scale, round (``fxq::observe_fake_quantize``).
+
+A training step of a fake quant is, in torch ops, about twenty small kernels (the batch's
+min / max, the NaN / Inf flag, the moving average, the scale, the rounding, the clamp, the
+gradient mask). On a GPU each is a launch, and a QAT step is bound by launches, not by
+arithmetic (``benchmarks/qat_speed.py --profile``). ``fxq::observe_fake_quantize`` does the
+same step as one ``torch.library`` op:
+
+* on CUDA with Triton: three kernels per tensor (a reduction, a one-program update of the
+  statistics and the scale, the elementwise rounding with its mask), two per weight (one
+  program per output channel does both its reduction and its scale, then the rounding);
+* elsewhere (CPU, or without Triton): the torch ops below, which are the definition.
+
+Both compute exactly what ``fxq.observer`` and ``fxq.fake_quantize`` compute for the
+observers they cover (``STATISTICS``): the same IEEE float32 operations in the same order
+(divisions correctly rounded, no fused multiply-add), so the result is bit for bit the one
+of the unfused modules; the tests check the Triton kernels against the torch definition on
+the CPU with Triton's interpreter (``TRITON_INTERPRET=1``) and on CUDA when present.
+
+The rounding is QAT training's (``fxq.quantized.functional.fake_quantize`` with
+``exact=False``): ``clamp(floor(x * (1 / s) + 1/2), qmin, qmax) * s``, the march's
+``HALF_UP``; the gradient passes where ``floor(x / s + 1/2)`` lies inside ``[qmin, qmax]``
+(the clipped straight-through estimator).
+
+Statistics (``mode``):
+
+* ``MOVING``: ``stat + c * (batch - stat)``, the batch's own where ``stat`` was never set
+  (``MovingAverageMinMaxObserver``, per tensor or per channel); ``c = 0`` freezes it;
+* ``RUNNING``: the running min / max (``MinMaxObserver``);
+* ``LATEST``: the batch's (``PerChannelMinMaxObserver``, weights).
+
+``non_finite`` (a 0-dim float32 tensor) becomes NaN, and stays so, once a NaN or Inf was
+observed (the observer reads it on the host when the state changes: no sync per step).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fxq.quantized import functional as qf
+
+__all__ = ["Statistics", "observe_fake_quantize", "triton_usable", "kernels_take", "EPS"]
+
+#: the smallest scale (``fxq.fake_quantize``'s floor, ``2**-23``)
+EPS = float(torch.finfo(torch.float32).eps)
+
+
+class Statistics(enum.IntEnum):
+    """How the op updates ``min_val`` / ``max_val`` (see the module docstring)."""
+
+    MOVING = 0
+    RUNNING = 1
+    LATEST = 2
+
+
+# -- the definition: torch ops ---------------------------------------------------------------
+
+
+def _batch_minmax(x: Tensor, ch_axis: int | None) -> tuple[Tensor, Tensor]:
+    if ch_axis is None:
+        mn, mx = torch.aminmax(x.detach())
+        return mn.reshape(1).float(), mx.reshape(1).float()
+    flat = x.detach().transpose(0, ch_axis % x.dim()).reshape(x.shape[ch_axis % x.dim()], -1)
+    mn, mx = torch.aminmax(flat, dim=1)
+    return mn.float(), mx.float()
+
+
+def _update_statistics_torch(
+    mn: Tensor, mx: Tensor, min_val: Tensor, max_val: Tensor, c: float, mode: int
+) -> None:
+    if mode == Statistics.LATEST:
+        min_val.copy_(mn)
+        max_val.copy_(mx)
+    elif mode == Statistics.RUNNING:
+        torch.minimum(min_val, mn, out=min_val)
+        torch.maximum(max_val, mx, out=max_val)
+    else:
+        fresh = torch.isinf(min_val)
+        new_min = min_val + (mn - min_val) * c if c else min_val.clone()
+        new_max = max_val + (mx - max_val) * c if c else max_val.clone()
+        torch.where(fresh, mn, new_min, out=min_val)
+        torch.where(fresh, mx, new_max, out=max_val)
+
+
+def _scale_torch(min_val: Tensor, max_val: Tensor, levels: int, fallback: Tensor | None) -> Tensor:
+    amax = torch.maximum(-min_val, max_val)
+    scale = torch.div(amax, torch.full((), float(levels), device=amax.device)).clamp_(min=EPS)
+    if fallback is not None:
+        scale = torch.where(amax > 0, scale, torch.maximum(scale, fallback.to(scale.dtype)))
+    return scale
+
+
+def _observe_fake_quantize_torch(
+    x, min_val, max_val, scale, non_finite, fallback, c, mode, levels, qmin, qmax, ch_axis
+):  # fmt: skip
+    if x.numel():
+        mn, mx = _batch_minmax(x, ch_axis)
+        non_finite.add_(mn.mul(0).add_(mx, alpha=0).sum())
+        _update_statistics_torch(mn, mx, min_val, max_val, c, mode)
+        scale.copy_(_scale_torch(min_val, max_val, levels, fallback))
+    return qf.fake_quantize(x, scale, qmin, qmax, qf.Rounding.HALF_UP, ch_axis, exact=False)
+
+
+# -- the CUDA implementation: Triton ---------------------------------------------------------
+
+
+@functools.cache
+def _triton():
+    """The Triton kernels (None when Triton cannot be imported)."""
+    try:
+        from fxq.quantized import _fake_quant_triton
+    except ImportError:
+        return None
+    return _fake_quant_triton
+
+
+def triton_usable(x: Tensor) -> bool:
+    """Whether the Triton kernels run for ``x``: a float32 tensor on CUDA (or on the CPU under
+    ``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use), Triton importable and
+    not switched off with ``FXQ_TRITON=0``."""
+    if x.dtype is not torch.float32 or os.environ.get("FXQ_TRITON") == "0":
+        return False
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return _triton() is not None
+
+
+def _dense(x: Tensor) -> bool:
+    """Whether ``x``'s elements fill its storage in some order (contiguous or channels_last):
+    a per-tensor op may then run over the memory as it lies."""
+    return x.is_contiguous() or (
+        x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
+def kernels_take(x: Tensor, ch_axis: int | None) -> bool:
+    """Whether the kernels take ``x``'s layout: dense per tensor, contiguous with the channel
+    axis first per channel (weights)."""
+    if x.numel() >= 2**31:  # the kernels index with int32 in places
+        return False
+    if ch_axis is None:
+        return _dense(x)
+    return x.is_contiguous() and x.dim() >= 1 and ch_axis % x.dim() == 0
+
+
+# -- the op ------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "fxq::observe_fake_quantize",
+    mutates_args=("min_val", "max_val", "scale", "non_finite"),
+)
+def _observe_fake_quantize_op(
+    x: Tensor,
+    min_val: Tensor,
+    max_val: Tensor,
+    scale: Tensor,
+    non_finite: Tensor,
+    fallback: Optional[Tensor],  # noqa: UP045 (torch.library reads the annotation)
+    averaging_constant: float,
+    mode: int,
+    levels: int,
+    qmin: int,
+    qmax: int,
+    ch_axis: Optional[int],  # noqa: UP045
+) -> tuple[Tensor, Tensor]:
+    """See ``observe_fake_quantize``."""
+    args = (x, min_val, max_val, scale, non_finite, fallback, averaging_constant, mode, levels)
+    if x.numel() and triton_usable(x) and kernels_take(x, ch_axis):
+        return _triton().observe_fake_quantize(*args, qmin, qmax, ch_axis)
+    return _observe_fake_quantize_torch(*args, qmin, qmax, ch_axis)
+
+
+@_observe_fake_quantize_op.register_fake
+def _(x, min_val, max_val, scale, non_finite, fallback, c, mode, levels, qmin, qmax, ch_axis):
+    return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool)
+
+
+class _ObserveFakeQuantizeSTE(torch.autograd.Function):
+    """The op with the clipped straight-through estimator (an op that writes its statistics
+    in place cannot carry its own autograd formula in ``torch.library``)."""
+
+    @staticmethod
+    def forward(ctx, x, *args):  # type: ignore[override]
+        out, mask = _observe_fake_quantize_op(x, *args)
+        ctx.save_for_backward(mask)
+        ctx.mark_non_differentiable(mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return (torch.where(mask, grad, 0.0),) + (None,) * 11
+
+
+def observe_fake_quantize(
+    x: Tensor,
+    min_val: Tensor,
+    max_val: Tensor,
+    scale: Tensor,
+    non_finite: Tensor,
+    fallback: Tensor | None,
+    averaging_constant: float,
+    mode: Statistics,
+    levels: int,
+    qmin: int,
+    qmax: int,
+    ch_axis: int | None,
+) -> Tensor:
+    """Observe ``x``, update the statistics and the scale in place, and fake-quantize ``x``.
+
+    Args:
+        x: float32 input (any shape; per channel: ``ch_axis`` is its channel axis).
+        min_val, max_val: the observer's float32 statistics, ``[1]`` or ``[C]``, updated in place.
+        scale: float32 ``[1]`` or ``[C]``, written with ``max(max(-min, max) / levels, 2**-23)``
+            (where that ``max(-min, max)`` is not positive and ``fallback`` is given: at least
+            ``fallback``).
+        non_finite: 0-dim float32 flag, NaN once a NaN or Inf was observed.
+        fallback: 0-dim float32 scale for an all-zero value, or None.
+        averaging_constant: ``c`` of ``Statistics.MOVING``.
+        mode: how the statistics are updated.
+        levels: ``qmax + offset`` of the fake quant (the grid step is ``amax / levels``).
+        qmin, qmax: the clamp, offset included.
+        ch_axis: None (per tensor) or the channel axis.
+
+    Returns:
+        ``clamp(floor(x * (1 / scale) + 1/2), qmin, qmax) * scale``, differentiable in ``x``
+        with the clipped straight-through estimator.
+    """
+    args = (
+        x, min_val, max_val, scale, non_finite, fallback, float(averaging_constant), int(mode),
+        int(levels), int(qmin), int(qmax), ch_axis,
+    )  # fmt: skip
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _ObserveFakeQuantizeSTE.apply(*args)
+    return _observe_fake_quantize_op(*args)[0]

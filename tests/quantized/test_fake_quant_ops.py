@@ -1,0 +1,241 @@
+"""``fxq::observe_fake_quantize``: the fused QAT fake-quant step equals the unfused modules.
+
+The op's torch definition is checked against ``FakeQuantize`` + its observer on the CPU;
+its Triton kernels under Triton's interpreter (``TRITON_INTERPRET=1``, a fresh process:
+the variable is read when the kernels are defined) on the CPU, and on CUDA when present.
+Equal means bit for bit: outputs, gradients, statistics, scales.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fxq
+from fxq.fake_quantize import FakeQuantize
+from fxq.observer import (
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+    PerChannelMinMaxObserver,
+)
+from fxq.quantized import fake_quant_ops
+from fxq.quantized.fake_quant_ops import Statistics
+from tests.helpers import ROOT
+
+#: (observer, its keyword arguments, input shape, statistics mode)
+CASES = {
+    "moving": (MovingAverageMinMaxObserver, {}, (8, 16, 9, 9), Statistics.MOVING),
+    "frozen": (MovingAverageMinMaxObserver, {"averaging_constant": 0.0}, (4, 5000), None),
+    "running": (MinMaxObserver, {}, (8, 16, 9, 9), Statistics.RUNNING),
+    "weight": (PerChannelMinMaxObserver, {"ch_axis": 0}, (16, 8, 3, 3), Statistics.LATEST),
+    "moving per channel": (
+        MovingAveragePerChannelMinMaxObserver,
+        {"ch_axis": 0},
+        (16, 3000),
+        Statistics.MOVING,
+    ),
+    "int16": (MovingAverageMinMaxObserver, {"dtype": "qint16"}, (3, 7000), Statistics.MOVING),
+}
+
+
+def _fake_quant(name: str) -> FakeQuantize:
+    observer, kw, shape, _ = CASES[name]
+    kw = dict(kw)
+    if "ch_axis" in kw:
+        kw["num_channels"] = shape[kw["ch_axis"]]
+    return FakeQuantize(observer=observer, march="bayes", **kw)
+
+
+def _inputs(name: str, step: int, device) -> torch.Tensor:
+    """Inputs of growing range; a channels_last one (per tensor), one with zeros."""
+    _, kw, shape, _ = CASES[name]
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(shape, generator=g) * (step + 1)
+    if step == 2 and len(shape) == 4 and "ch_axis" not in kw:
+        x = x.contiguous(memory_format=torch.channels_last)
+    if step == 3:
+        x.view(-1)[:5] = 0.0
+    return x.to(device)
+
+
+def compare_steps(name: str, device, fused_on, steps: int = 4) -> None:
+    """``steps`` QAT steps of a fake quant with the fused op (``fused_on``: a context in which
+    it runs) and of a copy without it; asserts every number equal."""
+    fq = _fake_quant(name).to(device)
+    ref = copy.deepcopy(fq)
+    for step in range(steps):
+        x = _inputs(name, step, device).requires_grad_()
+        x_ref = x.detach().clone().requires_grad_()
+        with fused_on():
+            assert fq._fused_statistics(x) is not None
+            out = fq(x)
+        with _unfused():
+            assert ref._fused_statistics(x_ref) is None
+            expected = ref(x_ref)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        expected.backward(grad)
+        assert torch.equal(out, expected), (name, step)
+        assert torch.equal(x.grad, x_ref.grad), (name, step)
+        for key, value in ref.state_dict().items():
+            assert torch.equal(fq.state_dict()[key], value), (name, step, key)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_ops_torch_definition_equals_the_modules(name):
+    """The op on the CPU (its torch definition), called directly, against the modules."""
+    fq = _fake_quant(name)
+    ref = copy.deepcopy(fq)
+    obs = fq.activation_post_process
+    mode = CASES[name][3] or Statistics.MOVING
+    for step in range(4):
+        x = _inputs(name, step, "cpu")
+        out = fake_quant_ops.observe_fake_quantize(
+            x, obs.min_val, obs.max_val, fq.scale, obs.non_finite, None,
+            getattr(obs, "averaging_constant", 0.0), mode, fq.levels_above_zero,
+            fq.dtype.qmin, fq.dtype.qmax, fq.ch_axis,
+        )  # fmt: skip
+        assert torch.equal(out, ref(x))
+        assert torch.equal(obs.min_val, ref.activation_post_process.min_val)
+        assert torch.equal(fq.scale, ref.scale)
+    assert float(obs.non_finite) == 0.0
+
+
+def test_the_op_is_one_node_for_torch_compile():
+    """The fake kernel gives shapes, so a graph capture records the op as one node."""
+    fq = _fake_quant("moving")
+    obs = fq.activation_post_process
+
+    def step(x):
+        return fake_quant_ops.observe_fake_quantize(
+            x, obs.min_val, obs.max_val, fq.scale, obs.non_finite, None, 0.01,
+            Statistics.MOVING, 127, -128, 127, None,
+        )  # fmt: skip
+
+    x = torch.randn(4, 8)
+    explained = torch._dynamo.explain(step)(x)
+    assert explained.graph_break_count == 0
+    ops = [n.target for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert torch.ops.fxq.observe_fake_quantize.default in ops
+
+
+_INTERPRETED = """
+import contextlib, warnings
+warnings.simplefilter("ignore")
+from tests.quantized.test_fake_quant_ops import CASES, compare_steps, compare_training
+for name in CASES:
+    compare_steps(name, "cpu", contextlib.nullcontext)
+compare_training("cpu", contextlib.nullcontext)
+print("equal")
+"""
+
+
+def test_the_triton_kernels_equal_the_modules_interpreted():
+    """The Triton kernels, run by Triton's interpreter on the CPU, against the modules (the
+    reference runs with ``FXQ_TRITON=0``, switched per call)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_INTERPRETED)],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "equal"
+
+
+def compare_training(device, fused_on, steps: int = 3) -> None:
+    """QAT training steps of a small CNN with the fused op and without: every output, loss
+    and state-dict entry equal, and the NaN / Inf flag raised by the same step."""
+    from tests.helpers import ResidualNet
+
+    fxq.set_march("bayes")
+    torch.manual_seed(0)
+    model = fxq.prepare_qat_fx(ResidualNet(), {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
+    model.to(device).train()
+    fxq.set_fake_quantize(model, fxq.FakeQuantState.QAT)
+    ref = copy.deepcopy(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
+    labels = torch.arange(6, device=device) % 10
+    for step in range(steps):
+        x = torch.randn(6, 3, 10, 10, generator=torch.Generator().manual_seed(step)).to(device)
+        losses = []
+        for m, opt, context in zip((model, ref), optimizers, (fused_on, _unfused)):
+            opt.zero_grad()
+            with context():
+                loss = torch.nn.functional.cross_entropy(m(x), labels)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), step
+    for key, value in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    fxq.set_fake_quantize(model, fxq.FakeQuantState.VALIDATION)
+    fxq.set_fake_quantize(ref, fxq.FakeQuantState.VALIDATION)
+    x = torch.randn(2, 3, 10, 10, device=device)
+    assert torch.equal(model(x), ref(x))
+    fxq.set_fake_quantize(model, fxq.FakeQuantState.QAT)
+    bad = torch.randn(6, 3, 10, 10, device=device)
+    bad[0, 0, 0, 0] = float("nan")
+    with fused_on():
+        model(bad)
+    with pytest.raises(ValueError, match=r"observer of .* saw NaN or Inf"):
+        fxq.set_fake_quantize(model, fxq.FakeQuantState.VALIDATION)
+
+
+class _unfused:
+    """Within the block the fused op is off (``FXQ_TRITON=0``)."""
+
+    def __enter__(self):
+        self._saved = os.environ.get("FXQ_TRITON")
+        os.environ["FXQ_TRITON"] = "0"
+
+    def __exit__(self, *exc):
+        if self._saved is None:
+            os.environ.pop("FXQ_TRITON", None)
+        else:
+            os.environ["FXQ_TRITON"] = self._saved
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", CASES)
+def test_the_triton_kernels_equal_the_modules_on_cuda(name):
+    import contextlib
+
+    compare_steps(name, torch.device("cuda"), contextlib.nullcontext)
+
+
+@needs_cuda
+def test_qat_training_with_the_fused_op_equals_the_torch_ops_on_cuda():
+    import contextlib
+
+    compare_training(torch.device("cuda"), contextlib.nullcontext)
+
+
+@needs_cuda
+def test_a_fused_qat_fake_quant_step_launches_at_most_three_kernels():
+    """torch.ao's fused op is one op of a few kernels; fxq's QAT step was 16-20 kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, most in (("moving", 3), ("weight", 2)):
+        fq = _fake_quant(name).cuda()
+        x = _inputs(name, 0, "cuda")
+        fq(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fq(x)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(kernels) <= most, (name, [e.name for e in kernels])
