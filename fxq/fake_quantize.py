@@ -646,29 +646,40 @@ class FakeQuantize(nn.Module):
         if torch.compiler.is_compiling() or not fake_quant_ops.triton_usable(x):
             return None
         obs = self.activation_post_process
-        kind = type(obs)
-        per_channel = self.ch_axis is not None
-        if kind is MovingAverageMinMaxObserver or kind is MovingAveragePerChannelMinMaxObserver:
-            statistics = Statistics.MOVING
-        elif kind is PerChannelMinMaxObserver and per_channel:
-            statistics = Statistics.LATEST
-        elif kind is MinMaxObserver and not per_channel:
-            statistics = Statistics.RUNNING
-        else:
-            return None
+        cached = self.__dict__.get("_fused_cache")  # this runs at every step: the fixed facts once
+        if cached is None or cached[0] is not obs or cached[1] is not obs.sync_group:
+            cached = (obs, obs.sync_group, self._fused_kind(obs))
+            self.__dict__["_fused_cache"] = cached
+        statistics = cached[2]
         if (
-            obs.sync_group is not None
-            or obs.immediate_check
+            statistics is None
             or (x.device.type in IMMEDIATE_CHECK_DEVICES and not _interpreting())
-            or self.rounding is not Rounding.HALF_UP
-            or self.spec.scale_constraint is not ScaleConstraint.ANY
             or obs.min_val.shape != self.scale.shape
             or obs.min_val.device != x.device
-            or self.scale.numel() != (x.shape[self.ch_axis] if per_channel else 1)
+            or self.scale.numel() != (1 if self.ch_axis is None else x.shape[self.ch_axis])
             or not fake_quant_ops.kernels_take(x, self.ch_axis)
         ):
             return None
         return statistics
+
+    def _fused_kind(self, obs: ObserverBase) -> Statistics | None:
+        """The statistics the fused op keeps for ``obs`` (None: it does not cover it)."""
+        kind = type(obs)
+        per_channel = self.ch_axis is not None
+        if (
+            obs.sync_group is not None
+            or obs.immediate_check
+            or self.rounding is not Rounding.HALF_UP
+            or self.spec.scale_constraint is not ScaleConstraint.ANY
+        ):
+            return None
+        if kind is MovingAverageMinMaxObserver or kind is MovingAveragePerChannelMinMaxObserver:
+            return Statistics.MOVING
+        if kind is PerChannelMinMaxObserver and per_channel:
+            return Statistics.LATEST
+        if kind is MinMaxObserver and not per_channel:
+            return Statistics.RUNNING
+        return None
 
     def _fused_qat_forward(self, x: Tensor, statistics: Statistics) -> Tensor:
         """The QAT step (observe, scale, round) as one ``fxq::observe_fake_quantize``."""

@@ -71,9 +71,14 @@ def _scale_of(new_min, new_max, levels, eps, fallback, HAS_FALLBACK: tl.constexp
 
 
 @triton.jit
-def _minmax_kernel(x_ptr, scratch_ptr, n, BLOCK: tl.constexpr):
-    """Per tensor, step 1: the min / max of ``x`` into ``scratch[0:2]``, NaNs counted in
-    ``scratch[2]`` (atomics: the result does not depend on the order)."""
+def _observe_kernel(
+    x_ptr, scratch_ptr, min_ptr, max_ptr, scale_ptr, flag_ptr, fallback_ptr, n, c, levels, eps,
+    MODE: tl.constexpr, HAS_FALLBACK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Per tensor: the min / max of ``x`` gathered in ``scratch[0:2]`` with atomics (the
+    result does not depend on their order), NaNs counted in ``scratch[2]``; the last program
+    to finish (``scratch[3]`` counts them) updates the statistics, the NaN flag and the scale,
+    and resets the scratch to ``[inf, -inf, 0, 0]`` for the next call."""
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     mn = float("inf")
@@ -90,30 +95,29 @@ def _minmax_kernel(x_ptr, scratch_ptr, n, BLOCK: tl.constexpr):
     tl.atomic_min(scratch_ptr, mn)
     tl.atomic_max(scratch_ptr + 1, mx)
     tl.atomic_add(scratch_ptr + 2, nans.to(tl.float32), mask=nans > 0)
-
-
-@triton.jit
-def _update_kernel(
-    scratch_ptr, min_ptr, max_ptr, scale_ptr, flag_ptr, fallback_ptr, c, levels, eps,
-    MODE: tl.constexpr, HAS_FALLBACK: tl.constexpr,
-):  # fmt: skip
-    """Per tensor, step 2 (one program): statistics, NaN flag and scale; resets the scratch."""
-    bmin = tl.load(scratch_ptr)
-    bmax = tl.load(scratch_ptr + 1)
-    had_nan = tl.load(scratch_ptr + 2) > 0
-    bmin = tl.where(had_nan, float("nan"), bmin)
-    bmax = tl.where(had_nan, float("nan"), bmax)
-    tl.store(flag_ptr, tl.load(flag_ptr) + (bmin * 0.0 + bmax * 0.0))
-    new_min, new_max = _new_statistics(bmin, bmax, tl.load(min_ptr), tl.load(max_ptr), c, MODE)
-    tl.store(min_ptr, new_min)
-    tl.store(max_ptr, new_max)
-    fallback = 0.0
-    if HAS_FALLBACK:
-        fallback = tl.load(fallback_ptr)
-    tl.store(scale_ptr, _scale_of(new_min, new_max, levels, eps, fallback, HAS_FALLBACK))
-    tl.store(scratch_ptr, float("inf"))
-    tl.store(scratch_ptr + 1, float("-inf"))
-    tl.store(scratch_ptr + 2, 0.0)
+    # the barrier orders this program's atomics before its ticket (another thread may draw
+    # it); acquire-release: the program with the last ticket sees every other one's atomics
+    tl.debug_barrier()
+    ticket = tl.atomic_add(scratch_ptr + 3, 1.0)
+    if ticket.to(tl.int32) == tl.num_programs(0) - 1:
+        # read through the atomics' cache level (adding 0), then reset: no program is left
+        bmin = tl.atomic_add(scratch_ptr, 0.0)
+        bmax = tl.atomic_add(scratch_ptr + 1, 0.0)
+        had_nan = tl.atomic_add(scratch_ptr + 2, 0.0) > 0
+        tl.store(scratch_ptr, float("inf"))
+        tl.store(scratch_ptr + 1, float("-inf"))
+        tl.store(scratch_ptr + 2, 0.0)
+        tl.store(scratch_ptr + 3, 0.0)
+        bmin = tl.where(had_nan, float("nan"), bmin)
+        bmax = tl.where(had_nan, float("nan"), bmax)
+        tl.store(flag_ptr, tl.load(flag_ptr) + (bmin * 0.0 + bmax * 0.0))
+        new_min, new_max = _new_statistics(bmin, bmax, tl.load(min_ptr), tl.load(max_ptr), c, MODE)
+        tl.store(min_ptr, new_min)
+        tl.store(max_ptr, new_max)
+        fallback = 0.0
+        if HAS_FALLBACK:
+            fallback = tl.load(fallback_ptr)
+        tl.store(scale_ptr, _scale_of(new_min, new_max, levels, eps, fallback, HAS_FALLBACK))
 
 
 @triton.jit
@@ -168,16 +172,18 @@ def _fake_quant_kernel(
 
 
 def _scratch(x: Tensor) -> Tensor:
-    """The per-device scratch of the per-tensor reduction: ``[inf, -inf, 0]`` between calls
-    (step 2 resets it), so no kernel fills it per call."""
-    cache = _SCRATCH.get(x.device)
+    """The per-device scratch of the per-tensor reduction: ``[inf, -inf, 0, 0]`` between calls
+    (the kernel's last program resets it), so no kernel fills it per call. One per device and
+    stream: kernels on one stream run one after another."""
+    key = (x.device, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
+    cache = _SCRATCH.get(key)
     if cache is None:
-        cache = torch.tensor([float("inf"), float("-inf"), 0.0], device=x.device)
-        _SCRATCH[x.device] = cache
+        cache = torch.tensor([float("inf"), float("-inf"), 0.0, 0.0], device=x.device)
+        _SCRATCH[key] = cache
     return cache
 
 
-_SCRATCH: dict[torch.device, Tensor] = {}
+_SCRATCH: dict[tuple[torch.device, int], Tensor] = {}
 
 
 def observe_fake_quantize(
@@ -201,12 +207,11 @@ def observe_fake_quantize(
     if ch_axis is None:
         scratch = _scratch(x)
         grid = (min(triton.cdiv(n, _BLOCK), _MAX_PROGRAMS),)
-        _minmax_kernel[grid](x, scratch, n, BLOCK=_BLOCK, **_OPTIONS)
         has_fallback = fallback is not None
-        _update_kernel[(1,)](
-            scratch, min_val, max_val, scale, non_finite,
-            fallback if has_fallback else scale, c, float(levels), eps,
-            MODE=mode, HAS_FALLBACK=has_fallback, **_OPTIONS,
+        _observe_kernel[grid](
+            x, scratch, min_val, max_val, scale, non_finite,
+            fallback if has_fallback else scale, n, c, float(levels), eps,
+            MODE=mode, HAS_FALLBACK=has_fallback, BLOCK=_BLOCK, **_OPTIONS,
         )  # fmt: skip
         inner, channels = 1, 1
     else:

@@ -6,9 +6,9 @@ gradient mask). On a GPU each is a launch, and a QAT step is bound by launches, 
 arithmetic (``benchmarks/qat_speed.py --profile``). ``fxq::observe_fake_quantize`` does the
 same step as one ``torch.library`` op:
 
-* on CUDA with Triton: three kernels per tensor (a reduction, a one-program update of the
-  statistics and the scale, the elementwise rounding with its mask), two per weight (one
-  program per output channel does both its reduction and its scale, then the rounding);
+* on CUDA with Triton: two kernels (a reduction whose last program updates the statistics
+  and the scale, or per weight one program per output channel doing both for its channel;
+  then the elementwise rounding with its mask);
 * elsewhere (CPU, or without Triton): the torch ops below, which are the definition.
 
 Both compute exactly what ``fxq.observer`` and ``fxq.fake_quantize`` compute for the
@@ -171,10 +171,20 @@ def _observe_fake_quantize_op(
     ch_axis: Optional[int],  # noqa: UP045
 ) -> tuple[Tensor, Tensor]:
     """See ``observe_fake_quantize``."""
-    args = (x, min_val, max_val, scale, non_finite, fallback, averaging_constant, mode, levels)
+    return _observe_fake_quantize_impl(
+        x, min_val, max_val, scale, non_finite, fallback, averaging_constant, mode, levels,
+        qmin, qmax, ch_axis,
+    )  # fmt: skip
+
+
+def _observe_fake_quantize_impl(
+    x, min_val, max_val, scale, non_finite, fallback, c, mode, levels, qmin, qmax, ch_axis
+):  # fmt: skip
+    """The op's implementation: the Triton kernels where they run, else the torch definition."""
+    args = (x, min_val, max_val, scale, non_finite, fallback, c, mode, levels, qmin, qmax, ch_axis)
     if x.numel() and triton_usable(x) and kernels_take(x, ch_axis):
-        return _triton().observe_fake_quantize(*args, qmin, qmax, ch_axis)
-    return _observe_fake_quantize_torch(*args, qmin, qmax, ch_axis)
+        return _triton().observe_fake_quantize(*args)
+    return _observe_fake_quantize_torch(*args)
 
 
 @_observe_fake_quantize_op.register_fake
@@ -188,7 +198,7 @@ class _ObserveFakeQuantizeSTE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, *args):  # type: ignore[override]
-        out, mask = _observe_fake_quantize_op(x, *args)
+        out, mask = _call(x, *args)
         ctx.save_for_backward(mask)
         ctx.mark_non_differentiable(mask)
         return out
@@ -239,4 +249,14 @@ def observe_fake_quantize(
     )  # fmt: skip
     if torch.is_grad_enabled() and x.requires_grad:
         return _ObserveFakeQuantizeSTE.apply(*args)
-    return _observe_fake_quantize_op(*args)[0]
+    return _call(*args)[0]
+
+
+def _call(*args):
+    """The op in a graph capture (``torch.compile``, ``torch.export``: one node); in eager its
+    implementation directly. Same results: the dispatcher's checks of an op that writes its
+    arguments cost about 120 us per call on the host (H100 machine, torch 2.11), more than
+    the kernels themselves, and a CUDA QAT step is bound by the host."""
+    if torch.compiler.is_compiling():
+        return _observe_fake_quantize_op(*args)
+    return _observe_fake_quantize_impl(*args)
