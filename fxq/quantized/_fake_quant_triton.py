@@ -44,6 +44,24 @@ def _block_minmax(x, valid):
 
 
 @triton.jit
+def _strided_minmax(ptr, first, end, step, BLOCK: tl.constexpr):
+    """min, max (NaN excluded) and whether a NaN was seen, over the blocks of ``BLOCK``
+    elements starting at ``first``, ``first + step``, ... below ``end``."""
+    mn = float("inf")
+    mx = float("-inf")
+    nans = 0
+    for start in range(first, end, step):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < end
+        x = tl.load(ptr + offs, mask=valid, other=0.0)
+        bmn, bmx, bnan = _block_minmax(x, valid)
+        mn = tl.minimum(mn, bmn)
+        mx = tl.maximum(mx, bmx)
+        nans = tl.maximum(nans, bnan)
+    return mn, mx, nans
+
+
+@triton.jit
 def _new_statistics(bmin, bmax, mv, xv, c, MODE: tl.constexpr):
     """The observer's update (``Statistics``): MOVING 0, RUNNING 1, LATEST 2."""
     if MODE == 0:
@@ -79,19 +97,8 @@ def _observe_kernel(
     result does not depend on their order), NaNs counted in ``scratch[2]``; the last program
     to finish (``scratch[3]`` counts them) updates the statistics, the NaN flag and the scale,
     and resets the scratch to ``[inf, -inf, 0, 0]`` for the next call."""
-    pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK
-    mn = float("inf")
-    mx = float("-inf")
-    nans = 0
-    for start in range(pid * BLOCK, n, step):
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < n
-        x = tl.load(x_ptr + offs, mask=valid, other=0.0)
-        bmn, bmx, bnan = _block_minmax(x, valid)
-        mn = tl.minimum(mn, bmn)
-        mx = tl.maximum(mx, bmx)
-        nans = tl.maximum(nans, bnan)
+    first = tl.program_id(0) * BLOCK
+    mn, mx, nans = _strided_minmax(x_ptr, first, n, tl.num_programs(0) * BLOCK, BLOCK)
     tl.atomic_min(scratch_ptr, mn)
     tl.atomic_max(scratch_ptr + 1, mx)
     tl.atomic_add(scratch_ptr + 2, nans.to(tl.float32), mask=nans > 0)
@@ -129,17 +136,7 @@ def _rows_kernel(
     row's min / max, its statistics and its scale."""
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * row_length
-    mn = float("inf")
-    mx = float("-inf")
-    nans = 0
-    for start in range(0, row_length, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < row_length
-        x = tl.load(base + offs, mask=valid, other=0.0)
-        bmn, bmx, bnan = _block_minmax(x, valid)
-        mn = tl.minimum(mn, bmn)
-        mx = tl.maximum(mx, bmx)
-        nans = tl.maximum(nans, bnan)
+    mn, mx, nans = _strided_minmax(base, 0, row_length, BLOCK, BLOCK)
     mn = tl.where(nans > 0, float("nan"), mn)
     mx = tl.where(nans > 0, float("nan"), mx)
     poison = mn * 0.0 + mx * 0.0

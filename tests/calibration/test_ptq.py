@@ -483,7 +483,9 @@ def test_default_calibrates_in_one_pass_as_two_passes_would(bayes, pretrained):
             else:
                 assert difference <= 1e-5 * float(v.abs().max()), k
     one_pass = _integer_sqnr(counted, held, ref)
-    assert one_pass == pytest.approx(_integer_sqnr(separate, held, ref), abs=0.05)  # 14.76, 14.73
+    # measured 14.76 / 14.73 dB on one machine, 14.81 / 14.87 on another (the level flips of
+    # float rounding move this small model's SQNR by a few hundredths of a dB)
+    assert one_pass == pytest.approx(_integer_sqnr(separate, held, ref), abs=0.1)
     assert one_pass > before + 0.2  # measured: 14.39 dB uncorrected
 
 
