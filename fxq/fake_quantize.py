@@ -708,8 +708,14 @@ class FakeQuantize(nn.Module):
         return out
 
     def _require_observed(self) -> None:
-        if self._checked_observed or torch.compiler.is_compiling():
-            return  # compiled: ``set_fake_quant_state`` checked it (a host sync here would split the graph)
+        if self._checked_observed:
+            return
+        if torch.compiler.is_compiling():  # a host read: outside the graph, once
+            self._check_observed_outside_graph()
+        else:
+            self._check_observed()
+
+    def _check_observed(self) -> None:
         if not self.is_fixed_scale and not bool(self.observed):
             raise RuntimeError(
                 f"fake quant {self.name or '(unnamed)'} has never observed data, so it has no scale; "
@@ -718,6 +724,8 @@ class FakeQuantize(nn.Module):
             )
         self._checked_observed = True
         self.warn_if_scale_at_floor()
+
+    _check_observed_outside_graph = torch.compiler.disable(_check_observed)
 
     def extra_repr(self) -> str:
         parts = [
@@ -759,10 +767,6 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
         if setter is not None:
             setter(state)
             found = True
-    for module in model.modules():
-        done = getattr(module, "state_set", None)
-        if done is not None:
-            done()
     if not found:
         raise ValueError(
             "set_fake_quantize: the model has no fxq fake quant; pass the model returned by "

@@ -111,7 +111,8 @@ def test_compiled_qat_then_validation_with_inductor():
         got = compiled(x)
         assert torch.equal(got, model(x))
         assert torch.equal(got, fxq.convert_fx(model)(x))
-        # new weights loaded after the state was set: the compiled model follows them
+        # new weights loaded after the state was set: the compiled model follows them (each
+        # QAT module's integer twin is fetched outside the graph and rebuilt on a change)
         other = _prepared()
         other.load_state_dict(reference.state_dict())
         fxq.set_fake_quantize(other, fxq.FakeQuantState.VALIDATION)

@@ -127,15 +127,6 @@ class QATModule(nn.Module):
     def set_fake_quant_state(self, state: FakeQuantState | str) -> None:
         self.state = _as_state(state)
 
-    def state_set(self) -> None:
-        """Called by ``fxq.set_fake_quantize`` once every module has its new state (every fake
-        quant its final scale): in VALIDATION the integer twin is built now, outside any
-        compiled region (a ``torch.compile``d model uses it as it is)."""
-        device = self._device()
-        if self.validating() and device is not None and device.type != "meta":
-            with contextlib.suppress(Exception):  # raised again by the first forward
-                self.integer_twin()
-
     # -- VALIDATION: the integer computation itself ---------------------------------------
     #: In VALIDATION state, compute with the integer twin (bit-exact with the
     #: converted model). The debug tools switch it off to measure how far the
@@ -159,17 +150,15 @@ class QATModule(nn.Module):
         Cached while nothing changes: a new parameter or buffer value, a new
         input scale, or a move to another device or dtype builds it again.
 
-        Under ``torch.compile`` the twin that ``fxq.set_fake_quantize`` built (or the last
-        eager call) is used as it is: building modules and reading tensor versions cannot be
-        compiled, and a new twin (a new object) is seen by the compiler's guards. Without one
-        (after ``load_state_dict``, which drops it) it is built outside the graph (one break).
+        Under ``torch.compile`` it is fetched outside the graph (one break per module):
+        building modules and reading tensor versions cannot be compiled, and a twin captured
+        in the graph would miss values written without a version bump (DDP's broadcast of
+        buffers).
         """
-        cached = self.__dict__.get("_twin")
         if torch.compiler.is_compiling():
-            return cached[1] if cached is not None else self._current_twin()
+            return self._twin_outside_graph()
         return self._current_twin()
 
-    @torch.compiler.disable
     def _current_twin(self) -> nn.Module:
         from fxq.quantized.mapping import to_quantized
 
@@ -181,6 +170,8 @@ class QATModule(nn.Module):
             cached = (key, twin)
             self.__dict__["_twin"] = cached
         return cached[1]
+
+    _twin_outside_graph = torch.compiler.disable(_current_twin)
 
     def _device(self) -> torch.device | None:
         for t in self.buffers():
@@ -212,12 +203,6 @@ class QATModule(nn.Module):
         with torch.no_grad(), _autocast_off(self._device()):
             out = twin(*args, **kwargs)
         return out.dequantize() if isinstance(out, QTensor) else out
-
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        # new values: a compiled call cannot see in-place copies into the tensors the twin was
-        # built from (eager calls would rebuild it anyway)
-        self.__dict__.pop("_twin", None)
-        super()._load_from_state_dict(*args, **kwargs)
 
     def __getstate__(self):
         state = dict(self.__dict__)
