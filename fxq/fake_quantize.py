@@ -233,8 +233,9 @@ def _finalize_before_saving(module: FakeQuantize, prefix: str, keep_vars: bool) 
 
 
 def _save_offset(module: FakeQuantize, state_dict, prefix: str, local_metadata) -> None:
-    if module.offset:  # only when set: a state dict without one is symmetric
-        state_dict[prefix + "offset"] = torch.tensor(module.offset)
+    # always, 0 included: a loader that fills the keys of a fresh model's state dict
+    # (torch.distributed.checkpoint) must find the key there
+    state_dict[prefix + "offset"] = torch.tensor(module.offset)
 
 
 class FakeQuantize(nn.Module):
@@ -264,8 +265,8 @@ class FakeQuantize(nn.Module):
             ``[0, qmax - qmin] * scale``, every level on the values that occur,
             and the integer model stores ``q - offset`` in the same signed dtype
             (``fxq.calibration.offset_activations`` sets it, with the consumers
-            that undo the shift in their biases). Saved in the state dict when
-            not 0.
+            that undo the shift in their biases). Saved in the state dict (a
+            state dict without it, from before, means 0).
     """
 
     def __init__(

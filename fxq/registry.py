@@ -1248,13 +1248,27 @@ def _integer_by_qat() -> dict[type, type]:
 def integer_class_for(qat_cls: type) -> type:
     """The fxq.quantized class a QAT class converts to.
 
+    A class that ``torch.distributed`` made for a wrapped module converts as the module's
+    own class: ``fully_shard`` (FSDP2) turns an ``fxq.qat.Conv2d`` into an instance of
+    ``FSDPConv2d(FSDPModule, Conv2d)``, whose VALIDATION forward builds the integer twin here.
+
     Raises:
         KeyError: for a class that no row names as its QAT class.
     """
     try:
-        return _integer_by_qat()[qat_cls]
+        return _integer_by_qat()[_without_distributed_wrapper(qat_cls)]
     except KeyError:
         raise KeyError(f"no registry row converts {qat_cls.__name__}") from None
+
+
+def _without_distributed_wrapper(cls: type) -> type:
+    """The first class of ``cls``'s MRO that ``torch.distributed`` did not define: ``cls``
+    itself, or the module's class under ``fully_shard``'s / ``replicate``'s dynamic subclass
+    (``type(f"FSDP{name}", (FSDPModule, cls), ...)``, made in ``torch.distributed``)."""
+    for base in cls.__mro__:
+        if not base.__module__.startswith("torch.distributed."):
+            return base
+    return cls
 
 
 def fusion_members(role: str) -> tuple[tuple[type, ...], tuple[Any, ...], tuple[str, ...]]:

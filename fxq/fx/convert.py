@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
@@ -50,13 +51,23 @@ def convert_fx(model: GraphModule, dequantize_outputs: bool = True) -> GraphModu
         that ``state_dict`` / ``torch.save`` handle.
 
     Raises:
-        TypeError: when ``model`` is not a prepared fxq model.
+        TypeError: when ``model`` is not a prepared fxq model, or its parameters are
+            shards (``torch.distributed.fsdp.fully_shard``).
         RuntimeError: when a fake quant never observed data (calibrate first).
     """
     if not isinstance(model, GraphModule) or not any(
         isinstance(m, QATModule) for m in model.modules()
     ):
         raise TypeError("convert_fx expects the model returned by fxq.prepare_qat_fx")
+    sharded = _sharded_parameters(model)
+    if sharded:
+        raise TypeError(
+            f"convert_fx: the model's parameters are shards ({sharded[0]} is a DTensor; "
+            "torch.distributed.fsdp.fully_shard). Gather a full state dict on every rank "
+            "(torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True))), load it into a freshly prepared "
+            "model and convert that"
+        )
     _require_observed(model)
     gm = copy.deepcopy(model)
     gm.eval()
@@ -65,6 +76,15 @@ def convert_fx(model: GraphModule, dequantize_outputs: bool = True) -> GraphModu
     if len(devices) == 1:  # what the integer modules computed on the host follows the model
         gm.to(devices.pop())
     return gm
+
+
+def _sharded_parameters(model: nn.Module) -> list[str]:
+    """Names of ``model``'s parameters that are ``DTensor`` shards (FSDP2, tensor parallel)."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.tensor import DTensor
+
+    return [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
 
 
 def _never_observed(fq: FakeQuantize) -> bool:
