@@ -12,14 +12,14 @@ run, on the same inputs, alternating so that machine noise hits all alike:
 Prints one row per model and variant: ms per step, its ratio to the float step and to
 torch.ao's step (compiled variants: to the compiled float and torch.ao steps). torch.ao:
 prepare_qat_fx with the x86 default QAT qconfig mapping. On CUDA the row "fxq torch ops"
-is the same fxq model with its fused fake-quant kernels off (``FXQ_TRITON=0``).
+is the same fxq model with its fused fake-quant kernels off (``torch_ops_only``, as
+``FXQ_TRITON=0``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import time
 import warnings
@@ -30,6 +30,7 @@ from tabulate import tabulate
 
 import fxq
 from fxq.qconfig import default_qat_8bit_fake_quant_qconfig
+from fxq.quantized import fake_quant_ops
 
 
 def torch_ao_qat(model: torch.nn.Module, example: torch.Tensor) -> torch.nn.Module:
@@ -128,14 +129,11 @@ def _describe(device: torch.device) -> str:
 
 
 def _unfused(step: callable) -> callable:
-    """``step`` with fxq's fused fake-quant kernels off (``FXQ_TRITON=0``): the torch ops."""
+    """``step`` with fxq's fused fake-quant kernels off (``torch_ops_only``): the torch ops."""
 
     def run() -> None:
-        os.environ["FXQ_TRITON"] = "0"
-        try:
+        with fake_quant_ops.torch_ops_only():
             step()
-        finally:
-            os.environ.pop("FXQ_TRITON", None)
 
     return run
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -43,8 +42,6 @@ from fxq.dtypes import QDType, as_qdtype, qint8, qint32
 from fxq.march import March, get_march_spec, spec_for
 from fxq.march.spec import Rounding, ScaleConstraint
 from fxq.observer import (
-    IMMEDIATE_CHECK_DEVICES,
-    NON_FINITE_CHECK_EVERY,
     FixedScaleObserver,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
@@ -67,7 +64,7 @@ __all__ = [
 ]
 
 #: the smallest scale fxq uses (``2**-23``): smaller statistics are clamped up to it
-_EPS = float(torch.finfo(torch.float32).eps)
+_EPS = fake_quant_ops.EPS
 
 
 class FakeQuantState(str, enum.Enum):
@@ -169,11 +166,6 @@ def fake_quantize_ste(
             inplace=inplace and wide is x and not x.requires_grad,
         )
     return out if out.dtype is x.dtype or not x.is_floating_point() else out.to(x.dtype)
-
-
-def _interpreting() -> bool:
-    """Whether Triton runs interpreted on the CPU (``TRITON_INTERPRET=1``: the tests)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def quantize_in_place(fq: nn.Module, x: Tensor) -> bool:
@@ -445,11 +437,7 @@ class FakeQuantize(nn.Module):
         constrained = self.spec.scale_constraint is not ScaleConstraint.ANY
         if out is not None and (constrained or out.shape != amax.shape):
             out = None  # the last step makes a new tensor anyway
-        last = out if fallback is None else None
-        scale = torch.div(amax, self._levels_divisor(amax), out=last).clamp_(min=_EPS)
-        if fallback is not None:  # no host sync: this runs at every QAT step
-            fallback = torch.maximum(scale, fallback.to(scale.dtype))
-            scale = torch.where(amax > 0, scale, fallback, out=out)
+        scale = fake_quant_ops.scale_from_amax(amax, self._levels_divisor(amax), fallback, out)
         return qf.constrain_scale(scale, self.spec.scale_constraint) if constrained else scale
 
     def _levels_divisor(self, like: Tensor) -> Tensor:
@@ -561,6 +549,9 @@ class FakeQuantize(nn.Module):
             if new.shape != self.scale.shape:
                 self.scale = torch.empty_like(new)
             self.scale.copy_(new)
+        self._mark_observed()
+
+    def _mark_observed(self) -> None:
         if not self._observed_set:  # it stays True (only a loaded state dict can change it)
             self.observed.fill_(True)
             self._observed_set = True
@@ -654,7 +645,6 @@ class FakeQuantize(nn.Module):
         statistics = cached[2]
         if (
             statistics is None
-            or (x.device.type in IMMEDIATE_CHECK_DEVICES and not _interpreting())
             or obs.min_val.shape != self.scale.shape
             or obs.min_val.device != x.device
             or self.scale.numel() != (1 if self.ch_axis is None else x.shape[self.ch_axis])
@@ -692,7 +682,7 @@ class FakeQuantize(nn.Module):
             obs.max_val,
             self.scale,
             obs.non_finite,
-            None if fallback is None else fallback.reshape(()),
+            fallback,
             getattr(obs, "averaging_constant", 0.0),
             statistics,
             self.levels_above_zero,
@@ -700,12 +690,8 @@ class FakeQuantize(nn.Module):
             self.dtype.qmax + self.offset,
             self.ch_axis,
         )
-        obs._unchecked = getattr(obs, "_unchecked", 0) + 1
-        if obs._unchecked >= NON_FINITE_CHECK_EVERY:
-            obs.check_non_finite()
-        if not self._observed_set:
-            self.observed.fill_(True)
-            self._observed_set = True
+        obs.count_deferred_check()
+        self._mark_observed()
         return out
 
     def _require_observed(self) -> None:

@@ -46,6 +46,11 @@ __all__ = [
     "observer_registry",
     "register_observer",
     "keep_dtypes",
+    "batch_minmax",
+    "running_minmax_",
+    "moving_average_",
+    "latest_minmax_",
+    "non_finite_poison",
     "synchronized",
     "world_size",
 ]
@@ -102,12 +107,50 @@ def rowwise_minmax(flat: Tensor) -> tuple[Tensor, Tensor]:
     return torch.aminmax(flat, dim=1)
 
 
-def _poison(mn: Tensor, mx: Tensor) -> Tensor:
+def non_finite_poison(mn: Tensor, mx: Tensor) -> Tensor:
     """0 where both ``mn`` and ``mx`` are finite, NaN where either is NaN or infinite
     (``0 * inf`` is NaN), in two elementwise kernels; ``torch.isfinite`` of both, combined,
     takes ten (it is composed of four ops). Never overflows: ``0 * x`` is 0 for every finite
     ``x``. Used by the NaN / Inf check at every observer update."""
     return mn.mul(0).add_(mx, alpha=0)
+
+
+def batch_minmax(x: Tensor, ch_axis: int | None) -> tuple[Tensor, Tensor]:
+    """Per-tensor ``[1]`` or per-channel ``[C]`` float32 min and max of a non-empty ``x``."""
+    x = x.detach()
+    if ch_axis is None:
+        mn, mx = torch.aminmax(memory_order(x))
+        return mn.reshape(1).float(), mx.reshape(1).float()
+    axis = ch_axis % x.dim()
+    flat = x.transpose(0, axis).reshape(x.shape[axis], -1)
+    mn, mx = rowwise_minmax(flat)
+    return mn.float(), mx.float()
+
+
+def running_minmax_(min_val: Tensor, max_val: Tensor, mn: Tensor, mx: Tensor) -> None:
+    """The running minimum and maximum, in place (``MinMaxObserver``)."""
+    torch.minimum(min_val, mn, out=min_val)
+    torch.maximum(max_val, mx, out=max_val)
+
+
+def moving_average_(min_val: Tensor, max_val: Tensor, mn: Tensor, mx: Tensor, c: float) -> None:
+    """``stat + c * (batch - stat)`` in place, the batch's own where ``stat`` was never set
+    (``MovingAverageMinMaxObserver``); ``c = 0`` keeps statistics once set."""
+    fresh = torch.isinf(min_val)
+    stats = [min_val, max_val]
+    if c == 0:  # frozen once set (no host sync to ask whether they are)
+        averages = stats
+    else:  # stat + c * (batch - stat), both statistics in each call (one kernel on CUDA)
+        steps = torch._foreach_sub([mn, mx], stats)
+        torch._foreach_mul_(steps, c)
+        averages = torch._foreach_add(stats, steps)
+    torch.where(fresh, mn, averages[0], out=min_val)
+    torch.where(fresh, mx, averages[1], out=max_val)
+
+
+def latest_minmax_(min_val: Tensor, max_val: Tensor, mn: Tensor, mx: Tensor) -> None:
+    """The batch's min and max, in place (``PerChannelMinMaxObserver``)."""
+    torch._foreach_copy_([min_val, max_val], [mn, mx])
 
 
 #: devices where a NaN / Inf is reported by the update that saw it; elsewhere (CUDA) the
@@ -154,14 +197,7 @@ class ObserverBase(nn.Module):
     # -- statistics -------------------------------------------------------
     def _batch_minmax(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Per-tensor ``[1]`` or per-channel ``[C]`` float32 min and max of a non-empty ``x``."""
-        x = x.detach()
-        if self.ch_axis is None:
-            mn, mx = torch.aminmax(memory_order(x))
-            return mn.reshape(1).float(), mx.reshape(1).float()
-        axis = self.ch_axis % x.dim()
-        flat = x.transpose(0, axis).reshape(x.shape[axis], -1)
-        mn, mx = rowwise_minmax(flat)
-        return mn.float(), mx.float()
+        return batch_minmax(x, self.ch_axis)
 
     def _check_finite(self, mn: Tensor, mx: Tensor) -> None:
         """Raise for NaN / Inf statistics: at once on the CPU; on an accelerator without a
@@ -174,10 +210,10 @@ class ObserverBase(nn.Module):
             # a compiled step has no host sync and no Python state that changes per step
             # (each would split or recompile the graph): NaN sticks in a buffer, read by
             # ``check_non_finite`` when the state changes or the model is converted
-            self.non_finite.add_(_poison(mn, mx).sum())
+            self.non_finite.add_(non_finite_poison(mn, mx).sum())
             return
         if self.immediate_check or mn.device.type in IMMEDIATE_CHECK_DEVICES:
-            if bool(_poison(mn, mx).isnan().any()):
+            if bool(non_finite_poison(mn, mx).isnan().any()):
                 self._raise_non_finite()
             return
         pending = getattr(self, "_non_finite", None)
@@ -185,9 +221,14 @@ class ObserverBase(nn.Module):
             self.check_non_finite()  # the model moved: read the old device's flag first
             pending = None
         if pending is None:
-            self._non_finite = _poison(mn, mx)
+            self._non_finite = non_finite_poison(mn, mx)
         else:  # NaN sticks: two small kernels per update, no host sync
             pending.add_(mn, alpha=0).add_(mx, alpha=0)
+        self.count_deferred_check()
+
+    def count_deferred_check(self) -> None:
+        """Count an update whose NaN / Inf check was deferred; every
+        ``NON_FINITE_CHECK_EVERY`` of them, check (one host sync)."""
         self._unchecked = getattr(self, "_unchecked", 0) + 1
         if self._unchecked >= NON_FINITE_CHECK_EVERY:
             self.check_non_finite()
@@ -200,11 +241,13 @@ class ObserverBase(nn.Module):
         """
         pending = getattr(self, "_non_finite", None)
         self._non_finite, self._unchecked = None, 0
-        if pending is not None and bool(pending.isnan().any()):
-            self._failed = True
-        if not self.non_finite.is_meta and bool(self.non_finite.isnan()):
-            self._failed = True
-            self.non_finite.zero_()
+        if not self.non_finite.is_meta:
+            bad = self.non_finite.isnan()  # from compiled and fused steps
+            if pending is not None:
+                bad = bad | pending.isnan().any()
+            if bool(bad):  # one host read for both flags
+                self._failed = True
+                self.non_finite.zero_()
         if getattr(self, "_failed", False):
             self._raise_non_finite()
 
@@ -331,8 +374,7 @@ class MinMaxObserver(ObserverBase):
         super().__init__(ch_axis, num_channels)
 
     def _update(self, mn: Tensor, mx: Tensor) -> None:
-        torch.minimum(self.min_val, mn, out=self.min_val)
-        torch.maximum(self.max_val, mx, out=self.max_val)
+        running_minmax_(self.min_val, self.max_val, mn, mx)
 
 
 class MovingAverageMinMaxObserver(ObserverBase):
@@ -361,17 +403,7 @@ class MovingAverageMinMaxObserver(ObserverBase):
         self.averaging_constant = averaging_constant
 
     def _update(self, mn: Tensor, mx: Tensor) -> None:
-        fresh = torch.isinf(self.min_val)
-        c = self.averaging_constant
-        stats = [self.min_val, self.max_val]
-        if c == 0:  # frozen once set (no host sync to ask whether they are)
-            averages = stats
-        else:  # stat + c * (batch - stat), both statistics in each call (one kernel on CUDA)
-            steps = torch._foreach_sub([mn, mx], stats)
-            torch._foreach_mul_(steps, c)
-            averages = torch._foreach_add(stats, steps)
-        torch.where(fresh, mn, averages[0], out=self.min_val)
-        torch.where(fresh, mx, averages[1], out=self.max_val)
+        moving_average_(self.min_val, self.max_val, mn, mx, self.averaging_constant)
 
 
 class PerChannelMinMaxObserver(ObserverBase):
@@ -386,7 +418,7 @@ class PerChannelMinMaxObserver(ObserverBase):
         super().__init__(ch_axis, num_channels)
 
     def _update(self, mn: Tensor, mx: Tensor) -> None:
-        torch._foreach_copy_([self.min_val, self.max_val], [mn, mx])
+        latest_minmax_(self.min_val, self.max_val, mn, mx)
 
 
 class MovingAveragePerChannelMinMaxObserver(MovingAverageMinMaxObserver):
@@ -415,8 +447,7 @@ class FixedScaleObserver(ObserverBase):
         self.register_buffer("fixed_scale", torch.tensor([float(scale)]))
 
     def _update(self, mn: Tensor, mx: Tensor) -> None:
-        torch.minimum(self.min_val, mn, out=self.min_val)
-        torch.maximum(self.max_val, mx, out=self.max_val)
+        running_minmax_(self.min_val, self.max_val, mn, mx)
 
     def has_statistics(self) -> bool:
         return True

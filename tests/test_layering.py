@@ -16,16 +16,13 @@ ROOT = pathlib.Path(fxq.__file__).parent
 #: bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("fxq.dtypes", "fxq.march"),
-    (  # pure integer math, no nn.Module
-        "fxq.quantized.functional",
-        "fxq.quantized.native",
-        "fxq.quantized.fake_quant_ops",
-        "fxq.quantized._fake_quant_triton",
-    ),
+    ("fxq.quantized.functional", "fxq.quantized.native"),  # pure integer math, no nn.Module
     (
         "fxq.qtensor",
         "fxq.observer",
         "fxq.calibration.observers",
+        "fxq.quantized.fake_quant_ops",  # the fused QAT step: the observers' updates
+        "fxq.quantized._fake_quant_triton",
         "fxq.fake_quantize",
         "fxq.stubs",
         "fxq.fused",

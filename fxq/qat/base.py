@@ -162,8 +162,8 @@ class QATModule(nn.Module):
     def _current_twin(self) -> nn.Module:
         from fxq.quantized.mapping import to_quantized
 
-        cached = self.__dict__.get("_twin")
         key = self._twin_key()
+        cached = self.__dict__.get("_twin")
         if cached is None or cached[0] != key:
             twin = to_quantized(self).to(self._device())
             twin.name = self.name

@@ -22,6 +22,8 @@ _BLOCK = 1024
 #: programs of the per-tensor reduction (each strides over the tensor)
 _MAX_PROGRAMS = 1024
 _OPTIONS = {"enable_fp_fusion": False}
+#: the smallest scale, ``2**-23`` (``fake_quant_ops.EPS``)
+_EPS = float(torch.finfo(torch.float32).eps)
 
 
 @triton.jit
@@ -200,14 +202,13 @@ def observe_fake_quantize(
     """``fxq::observe_fake_quantize`` in Triton; the caller checked the layout
     (``fake_quant_ops.kernels_take``): dense per tensor, contiguous per channel."""
     n = x.numel()
-    eps = float(torch.finfo(torch.float32).eps)
     if ch_axis is None:
         scratch = _scratch(x)
         grid = (min(triton.cdiv(n, _BLOCK), _MAX_PROGRAMS),)
         has_fallback = fallback is not None
         _observe_kernel[grid](
             x, scratch, min_val, max_val, scale, non_finite,
-            fallback if has_fallback else scale, n, c, float(levels), eps,
+            fallback if has_fallback else scale, n, c, float(levels), _EPS,
             MODE=mode, HAS_FALLBACK=has_fallback, BLOCK=_BLOCK, **_OPTIONS,
         )  # fmt: skip
         inner, channels = 1, 1
@@ -216,7 +217,7 @@ def observe_fake_quantize(
         channels = x.shape[axis]
         inner = n // max(1, x.shape[: axis + 1].numel())
         _rows_kernel[(channels,)](
-            x, min_val, max_val, scale, non_finite, n // channels, c, float(levels), eps,
+            x, min_val, max_val, scale, non_finite, n // channels, c, float(levels), _EPS,
             MODE=mode, BLOCK=_BLOCK, **_OPTIONS,
         )  # fmt: skip
     out = torch.empty_like(x)

@@ -9,13 +9,14 @@ same step as one ``torch.library`` op:
 * on CUDA with Triton: two kernels (a reduction whose last program updates the statistics
   and the scale, or per weight one program per output channel doing both for its channel;
   then the elementwise rounding with its mask);
-* elsewhere (CPU, or without Triton): the torch ops below, which are the definition.
+* elsewhere (CPU, or without Triton): the definition, made of the unfused modules' own
+  functions (``fxq.observer``'s updates, ``scale_from_amax``, QAT training's rounding).
 
-Both compute exactly what ``fxq.observer`` and ``fxq.fake_quantize`` compute for the
-observers they cover (``STATISTICS``): the same IEEE float32 operations in the same order
-(divisions correctly rounded, no fused multiply-add), so the result is bit for bit the one
-of the unfused modules; the tests check the Triton kernels against the torch definition on
-the CPU with Triton's interpreter (``TRITON_INTERPRET=1``) and on CUDA when present.
+The kernels compute exactly what the modules compute for the observers they cover
+(``Statistics``): the same IEEE float32 operations in the same order (divisions correctly
+rounded, no fused multiply-add), so the result is bit for bit the unfused modules'; the
+tests check them against the modules on the CPU with Triton's interpreter
+(``TRITON_INTERPRET=1``) and on CUDA when present.
 
 The rounding is QAT training's (``fxq.quantized.functional.fake_quantize`` with
 ``exact=False``): ``clamp(floor(x * (1 / s) + 1/2), qmin, qmax) * s``, the march's
@@ -35,17 +36,34 @@ observed (the observer reads it on the host when the state changes: no sync per 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import os
+from collections.abc import Iterator
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from fxq.observer import (
+    batch_minmax,
+    latest_minmax_,
+    moving_average_,
+    non_finite_poison,
+    running_minmax_,
+)
 from fxq.quantized import functional as qf
 
-__all__ = ["Statistics", "observe_fake_quantize", "triton_usable", "kernels_take", "EPS"]
+__all__ = [
+    "Statistics",
+    "observe_fake_quantize",
+    "scale_from_amax",
+    "triton_usable",
+    "kernels_take",
+    "torch_ops_only",
+    "EPS",
+]
 
 #: the smallest scale (``fxq.fake_quantize``'s floor, ``2**-23``)
 EPS = float(torch.finfo(torch.float32).eps)
@@ -62,48 +80,36 @@ class Statistics(enum.IntEnum):
 # -- the definition: torch ops ---------------------------------------------------------------
 
 
-def _batch_minmax(x: Tensor, ch_axis: int | None) -> tuple[Tensor, Tensor]:
-    if ch_axis is None:
-        mn, mx = torch.aminmax(x.detach())
-        return mn.reshape(1).float(), mx.reshape(1).float()
-    flat = x.detach().transpose(0, ch_axis % x.dim()).reshape(x.shape[ch_axis % x.dim()], -1)
-    mn, mx = torch.aminmax(flat, dim=1)
-    return mn.float(), mx.float()
-
-
-def _update_statistics_torch(
-    mn: Tensor, mx: Tensor, min_val: Tensor, max_val: Tensor, c: float, mode: int
-) -> None:
-    if mode == Statistics.LATEST:
-        min_val.copy_(mn)
-        max_val.copy_(mx)
-    elif mode == Statistics.RUNNING:
-        torch.minimum(min_val, mn, out=min_val)
-        torch.maximum(max_val, mx, out=max_val)
-    else:
-        fresh = torch.isinf(min_val)
-        new_min = min_val + (mn - min_val) * c if c else min_val.clone()
-        new_max = max_val + (mx - max_val) * c if c else max_val.clone()
-        torch.where(fresh, mn, new_min, out=min_val)
-        torch.where(fresh, mx, new_max, out=max_val)
-
-
-def _scale_torch(min_val: Tensor, max_val: Tensor, levels: int, fallback: Tensor | None) -> Tensor:
-    amax = torch.maximum(-min_val, max_val)
-    scale = torch.div(amax, torch.full((), float(levels), device=amax.device)).clamp_(min=EPS)
+def scale_from_amax(
+    amax: Tensor, divisor: Tensor, fallback: Tensor | None = None, out: Tensor | None = None
+) -> Tensor:
+    """``max(amax / divisor, 2**-23)``; where ``amax`` is not positive and ``fallback`` is
+    given, at least ``fallback``. Written into ``out`` when given (no host sync, few ops:
+    ``FakeQuantize`` computes its scale with it at every QAT step)."""
+    last = out if fallback is None else None
+    scale = torch.div(amax, divisor, out=last).clamp_(min=EPS)
     if fallback is not None:
-        scale = torch.where(amax > 0, scale, torch.maximum(scale, fallback.to(scale.dtype)))
+        fallback = torch.maximum(scale, fallback.to(scale.dtype))
+        scale = torch.where(amax > 0, scale, fallback, out=out)
     return scale
 
 
 def _observe_fake_quantize_torch(
     x, min_val, max_val, scale, non_finite, fallback, c, mode, levels, qmin, qmax, ch_axis
 ):  # fmt: skip
+    """The definition: the observers' own updates (``fxq.observer``) and the scale
+    ``FakeQuantize`` computes, then QAT training's rounding."""
     if x.numel():
-        mn, mx = _batch_minmax(x, ch_axis)
-        non_finite.add_(mn.mul(0).add_(mx, alpha=0).sum())
-        _update_statistics_torch(mn, mx, min_val, max_val, c, mode)
-        scale.copy_(_scale_torch(min_val, max_val, levels, fallback))
+        mn, mx = batch_minmax(x, ch_axis)
+        non_finite.add_(non_finite_poison(mn, mx).sum())
+        if mode == Statistics.MOVING:
+            moving_average_(min_val, max_val, mn, mx, c)
+        elif mode == Statistics.RUNNING:
+            running_minmax_(min_val, max_val, mn, mx)
+        else:
+            latest_minmax_(min_val, max_val, mn, mx)
+        divisor = torch.full((), float(levels), device=min_val.device)
+        scale_from_amax(torch.maximum(-min_val, max_val), divisor, fallback, out=scale)
     return qf.fake_quantize(x, scale, qmin, qmax, qf.Rounding.HALF_UP, ch_axis, exact=False)
 
 
@@ -120,11 +126,27 @@ def _triton():
     return _fake_quant_triton
 
 
+#: blocks of ``torch_ops_only`` entered and not left
+_TORCH_OPS_ONLY = 0
+
+
+@contextlib.contextmanager
+def torch_ops_only() -> Iterator[None]:
+    """Within the block the op runs its torch definition, as everywhere with
+    ``FXQ_TRITON=0`` (to compare the two, or time them). Re-entrant."""
+    global _TORCH_OPS_ONLY
+    _TORCH_OPS_ONLY += 1
+    try:
+        yield
+    finally:
+        _TORCH_OPS_ONLY -= 1
+
+
 def triton_usable(x: Tensor) -> bool:
     """Whether the Triton kernels run for ``x``: a float32 tensor on CUDA (or on the CPU under
     ``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use), Triton importable and
-    not switched off with ``FXQ_TRITON=0``."""
-    if x.dtype is not torch.float32 or os.environ.get("FXQ_TRITON") == "0":
+    not switched off (``FXQ_TRITON=0``, ``torch_ops_only``)."""
+    if x.dtype is not torch.float32 or _TORCH_OPS_ONLY or os.environ.get("FXQ_TRITON") == "0":
         return False
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False

@@ -8,6 +8,7 @@ Equal means bit for bit: outputs, gradients, statistics, scales.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -65,18 +66,17 @@ def _inputs(name: str, step: int, device) -> torch.Tensor:
     return x.to(device)
 
 
-def compare_steps(name: str, device, fused_on, steps: int = 4) -> None:
-    """``steps`` QAT steps of a fake quant with the fused op (``fused_on``: a context in which
-    it runs) and of a copy without it; asserts every number equal."""
+def compare_steps(name: str, device, steps: int = 4) -> None:
+    """``steps`` QAT steps of a fake quant with the fused op and of a copy without it
+    (``torch_ops_only``); asserts every number equal."""
     fq = _fake_quant(name).to(device)
     ref = copy.deepcopy(fq)
     for step in range(steps):
         x = _inputs(name, step, device).requires_grad_()
         x_ref = x.detach().clone().requires_grad_()
-        with fused_on():
-            assert fq._fused_statistics(x) is not None
-            out = fq(x)
-        with _unfused():
+        assert fq._fused_statistics(x) is not None
+        out = fq(x)
+        with fake_quant_ops.torch_ops_only():
             assert ref._fused_statistics(x_ref) is None
             expected = ref(x_ref)
         grad = torch.randn_like(out)
@@ -127,19 +127,19 @@ def test_the_op_is_one_node_for_torch_compile():
 
 
 _INTERPRETED = """
-import contextlib, warnings
+import warnings
 warnings.simplefilter("ignore")
 from tests.quantized.test_fake_quant_ops import CASES, compare_steps, compare_training
 for name in CASES:
-    compare_steps(name, "cpu", contextlib.nullcontext)
-compare_training("cpu", contextlib.nullcontext)
+    compare_steps(name, "cpu")
+compare_training("cpu")
 print("equal")
 """
 
 
 def test_the_triton_kernels_equal_the_modules_interpreted():
     """The Triton kernels, run by Triton's interpreter on the CPU, against the modules (the
-    reference runs with ``FXQ_TRITON=0``, switched per call)."""
+    reference runs in ``torch_ops_only`` blocks)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
@@ -153,7 +153,7 @@ def test_the_triton_kernels_equal_the_modules_interpreted():
     assert result.stdout.strip() == "equal"
 
 
-def compare_training(device, fused_on, steps: int = 3) -> None:
+def compare_training(device, steps: int = 3) -> None:
     """QAT training steps of a small CNN with the fused op and without: every output, loss
     and state-dict entry equal, and the NaN / Inf flag raised by the same step."""
     from tests.helpers import ResidualNet
@@ -169,7 +169,9 @@ def compare_training(device, fused_on, steps: int = 3) -> None:
     for step in range(steps):
         x = torch.randn(6, 3, 10, 10, generator=torch.Generator().manual_seed(step)).to(device)
         losses = []
-        for m, opt, context in zip((model, ref), optimizers, (fused_on, _unfused)):
+        for m, opt, context in zip(
+            (model, ref), optimizers, (contextlib.nullcontext, fake_quant_ops.torch_ops_only)
+        ):
             opt.zero_grad()
             with context():
                 loss = torch.nn.functional.cross_entropy(m(x), labels)
@@ -186,24 +188,9 @@ def compare_training(device, fused_on, steps: int = 3) -> None:
     fxq.set_fake_quantize(model, fxq.FakeQuantState.QAT)
     bad = torch.randn(6, 3, 10, 10, device=device)
     bad[0, 0, 0, 0] = float("nan")
-    with fused_on():
-        model(bad)
+    model(bad)
     with pytest.raises(ValueError, match=r"observer of .* saw NaN or Inf"):
         fxq.set_fake_quantize(model, fxq.FakeQuantState.VALIDATION)
-
-
-class _unfused:
-    """Within the block the fused op is off (``FXQ_TRITON=0``)."""
-
-    def __enter__(self):
-        self._saved = os.environ.get("FXQ_TRITON")
-        os.environ["FXQ_TRITON"] = "0"
-
-    def __exit__(self, *exc):
-        if self._saved is None:
-            os.environ.pop("FXQ_TRITON", None)
-        else:
-            os.environ["FXQ_TRITON"] = self._saved
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -212,16 +199,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @needs_cuda
 @pytest.mark.parametrize("name", CASES)
 def test_the_triton_kernels_equal_the_modules_on_cuda(name):
-    import contextlib
-
-    compare_steps(name, torch.device("cuda"), contextlib.nullcontext)
+    compare_steps(name, torch.device("cuda"))
 
 
 @needs_cuda
 def test_qat_training_with_the_fused_op_equals_the_torch_ops_on_cuda():
-    import contextlib
-
-    compare_training(torch.device("cuda"), contextlib.nullcontext)
+    compare_training(torch.device("cuda"))
 
 
 @needs_cuda
@@ -245,16 +228,13 @@ def test_a_fused_qat_fake_quant_step_launches_two_kernels():
 def test_a_large_tensor_gathers_every_programs_statistics_on_cuda():
     """1024 programs meet in the scratch; the last one must see every other's min and max
     (a race would show as a scale off the unfused one's in some of the calls)."""
-    import contextlib
-
     fq = _fake_quant("moving").cuda()
     ref = copy.deepcopy(fq)
     for step in range(20):
         x = torch.randn(32, 64, 56, 56, device="cuda") * (1 + step % 3)
         x.view(-1)[torch.randint(0, x.numel(), (1,)).item()] = 40.0 + step  # the max, anywhere
-        with contextlib.nullcontext():
-            out = fq(x)
-        with _unfused():
+        out = fq(x)
+        with fake_quant_ops.torch_ops_only():
             expected = ref(x)
         assert torch.equal(fq.activation_post_process.max_val, ref.activation_post_process.max_val)
         assert torch.equal(fq.scale, ref.scale), step
