@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxq.dtypes import QDType, as_qdtype, qint8, qint32
+from fxq.dtypes import QDType, as_qdtype, qint8, qint16, qint32
 from fxq.march import March, get_march_spec, spec_for
 from fxq.march.spec import Rounding, ScaleConstraint
 from fxq.observer import (
@@ -224,9 +224,10 @@ def _finalize_before_saving(module: FakeQuantize, prefix: str, keep_vars: bool) 
     module.finalize()  # a state_dict holds the scale the statistics give
 
 
-def _save_offset(module: FakeQuantize, state_dict, prefix: str, local_metadata) -> None:
-    # always, 0 included: a loader that fills the keys of a fresh model's state dict
-    # (torch.distributed.checkpoint) must find the key there
+def _save_grid(module: FakeQuantize, state_dict, prefix: str, local_metadata) -> None:
+    # the grid's dtype and offset, always (8 and 0 included): a loader that fills the keys of
+    # a fresh model's state dict (torch.distributed.checkpoint) must find them there
+    state_dict[prefix + "bits"] = torch.tensor(module.dtype.bits)
     state_dict[prefix + "offset"] = torch.tensor(module.offset)
 
 
@@ -259,6 +260,12 @@ class FakeQuantize(nn.Module):
             (``fxq.calibration.offset_activations`` sets it, with the consumers
             that undo the shift in their biases). Saved in the state dict (a
             state dict without it, from before, means 0).
+        dtype: saved in the state dict as ``bits`` (8, 16 or 32), since recipes
+            change it (``ptq`` widens the outputs, ``mixed_precision`` picks
+            int16 layers) and the scale is only right on its own grid: loading
+            gives a freshly prepared model the saved dtype, or fails naming the
+            fake quant when its march cannot run it (a state dict without it,
+            from before, keeps the qconfig's dtype).
     """
 
     def __init__(
@@ -298,7 +305,7 @@ class FakeQuantize(nn.Module):
         self.activation_post_process.qmax = self.dtype.qmax
         self._stale = False  # a deferred observer has statistics the scale does not reflect yet
         self.register_state_dict_pre_hook(_finalize_before_saving)
-        self.register_state_dict_post_hook(_save_offset)
+        self.register_state_dict_post_hook(_save_grid)
         n = num_channels if (ch_axis is not None and num_channels) else 1
         self.register_buffer("scale", torch.ones(n))
         self.register_buffer("observed", torch.zeros((), dtype=torch.bool))
@@ -321,6 +328,12 @@ class FakeQuantize(nn.Module):
     @property
     def rounding(self) -> Rounding:
         return self.spec.rounding
+
+    @property
+    def bits(self) -> int:
+        """``dtype``'s width, as the state dict saves it (state-dict tools look keys up as
+        attributes: ``torch.distributed.checkpoint``)."""
+        return self.dtype.bits
 
     @property
     def is_high_precision(self) -> bool:
@@ -379,6 +392,24 @@ class FakeQuantize(nn.Module):
             f"offset must be 0 or {-self.dtype.qmin} (an unsigned range in {self.dtype.name}), "
             f"got {offset}"
         )
+
+    def _dtype_problem(self, bits: int) -> str:
+        """Why a saved dtype of ``bits`` cannot be this fake quant's ("" when it can)."""
+        dtype = {d.bits: d for d in (qint8, qint16, qint32)}.get(bits)
+        spec = self.spec
+        if dtype is None:
+            return f"a quantized dtype of {bits} bits does not exist (8, 16 or 32)"
+        if dtype not in (qint32, spec.weight_dtype) and not spec.supports_activation(dtype):
+            return (
+                f"the saved dtype {dtype.name} is not available on march {spec.march.value} "
+                f"(it runs: {spec.allowed_dtype_names()}); load with the march it was saved with"
+            )
+        return ""
+
+    def _adopt_dtype(self, dtype: QDType) -> None:
+        """Take ``dtype`` (a loaded state's): the grid, and the levels the observer counts."""
+        self.dtype = dtype
+        self.activation_post_process.qmax = self.levels_above_zero
 
     def _adopt_offset(self, offset: int) -> None:
         """Set the offset and the levels the observer's searches count (scale unchanged)."""
@@ -559,7 +590,14 @@ class FakeQuantize(nn.Module):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
     ):
-        # the offset is saved only when set: a state dict without one is symmetric
+        saved_bits = state_dict.pop(prefix + "bits", None)
+        if saved_bits is not None and int(saved_bits) != self.dtype.bits:
+            problem = self._dtype_problem(int(saved_bits))
+            if problem:
+                errors.append(f"{prefix}bits: {problem}")
+            else:
+                self._adopt_dtype(as_qdtype(f"qint{int(saved_bits)}"))
+        # a state dict from before offsets were always saved: no key means symmetric
         saved_offset = state_dict.pop(prefix + "offset", None)
         offset = 0 if saved_offset is None else int(saved_offset)
         if offset != self.offset:

@@ -74,6 +74,23 @@ class QATModule(nn.Module):
         self.standalone = False
         self.name = ""  # the module's path, set by prepare (for messages)
 
+    # -- state -----------------------------------------------------------------
+    # ``freeze_bn`` changes what a training step computes, so it travels with the state dict
+    # of a module that folds a BatchNorm (a state dict without it keeps the module's flag)
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if getattr(self, "bn", None) is not None:
+            destination[prefix + "freeze_bn"] = torch.tensor(bool(self.freeze_bn))
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+    ):
+        if getattr(self, "bn", None) is not None and prefix + "freeze_bn" in state_dict:
+            self.freeze_bn = bool(state_dict.pop(prefix + "freeze_bn"))
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+        )
+
     # -- wiring ----------------------------------------------------------------
     @property
     def spec(self):

@@ -107,6 +107,20 @@ class WeightedQAT(QATModule):
     def _float_op(self) -> nn.Module:  # pragma: no cover
         raise NotImplementedError
 
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+    ):
+        # a recipe may have given a bias-free layer a bias (bias correction, learned rounding):
+        # a freshly prepared model takes it, as a zero bias the load then fills
+        if self.bias is None and isinstance(state_dict.get(prefix + "bias"), Tensor):
+            weight = self.weight
+            self.bias = nn.Parameter(
+                torch.zeros(self.out_channels, dtype=weight.dtype, device=weight.device)
+            )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+        )
+
     # -- subclass hooks ------------------------------------------------------------
     def _copy_hyperparameters(self, float_op: nn.Module) -> None:  # pragma: no cover
         raise NotImplementedError

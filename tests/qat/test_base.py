@@ -18,7 +18,15 @@ from fxq.qat.base import quantize_bias
 from fxq.qconfig import default_qat_8bit_fake_quant_qconfig
 
 # nn.Module methods a subclass may override on purpose (with nn.Module's signature)
-_OVERRIDABLE = {"forward", "extra_repr", "_load_from_state_dict", "_apply", "train"}
+# nn.Module's documented extension points, overridden with their own signatures
+_OVERRIDABLE = {
+    "forward",
+    "extra_repr",
+    "_save_to_state_dict",
+    "_load_from_state_dict",
+    "_apply",
+    "train",
+}
 
 
 def _fxq_module_classes() -> list[type[nn.Module]]:

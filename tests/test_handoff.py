@@ -1,0 +1,185 @@
+"""The hand-offs between stages carry everything through ``state_dict``.
+
+A model calibrated by each documented recipe (``calibrate``, ``ptq`` with learned rounding,
+``ptq(method="calibrate")`` with its bias correction, a ``mixed_precision`` choice) is saved
+as a state dict and loaded in a new Python process into a model freshly prepared with the
+QAT qconfig, as the README's flow does. In VALIDATION it must equal the calibrated model bit
+for bit, and so must the integer models converted from both. The recipes change more than
+tensors (outputs widened to int32, biases added to bias-free layers, int16 activations);
+before those travelled with the state dict, the loaded model differed by up to half an
+output step, or the load failed on unexpected keys.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxq
+from fxq.calibration import calibrate, ptq
+from fxq.calibration.mixed_precision import mixed_precision
+from fxq.qconfig import default_calib_8bit_fake_quant_qconfig as calib_q8
+from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
+from tests.helpers import run_in_fresh_process
+
+IMAGE = (4, 3, 16, 16)
+
+
+class HandoffNet(nn.Module):
+    """Bias-free convs (bias correction adds biases), a depthwise conv (equalization), ReLUs
+    that only convs read (offsets), a BatchNorm no conv absorbs, a linear output (int32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn0 = nn.BatchNorm2d(8)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.pw = nn.Conv2d(8, 8, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5, bias=False)
+        for bn in (self.bn0, self.bn1, self.bn2):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.data.uniform_(0.5, 1.5)
+            bn.bias.data.uniform_(-0.2, 0.2)
+
+    def forward(self, x):
+        y = F.relu(self.bn0(self.stem(x)))
+        z = self.pw(F.relu(self.dw(y)))
+        z = F.relu(self.bn2(z + y))
+        return self.fc(z.mean((2, 3)))
+
+
+def _recipes(net: nn.Module, data: list[torch.Tensor], march: str) -> dict[str, nn.Module]:
+    recipes = {
+        "calibrate": calibrate(fxq.prepare_qat_fx(net, {"": calib_q8}), data),
+        "ptq": ptq(fxq.prepare_qat_fx(net, {"": calib_q8}), data, iters=2),
+        "ptq calibrate": ptq(fxq.prepare_qat_fx(net, {"": calib_q8}), data, method="calibrate"),
+    }
+    if march == "bayes":  # the march with int16 activations
+        chosen = mixed_precision(net, recipes["ptq"], data, int16_budget=0.5)
+        recipes["mixed precision"] = ptq(fxq.prepare_qat_fx(net, chosen), data, iters=2)
+    return recipes
+
+
+def _what_the_recipe_changed(model: nn.Module) -> set[str]:
+    changed = set()
+    for m in model.modules():
+        if isinstance(m, fxq.FakeQuantize) and m.dtype is not fxq.qint8 and m.ch_axis is None:
+            changed.add(m.dtype.name)
+        if isinstance(m, fxq.FakeQuantize) and m.offset:
+            changed.add("offset")
+        if isinstance(m, nn.Module) and getattr(m, "bias", False) is not None and hasattr(
+            m, "weight_fake_quant"
+        ) and getattr(m, "bn", None) is None:
+            changed.add("bias")
+    return changed
+
+
+@pytest.mark.parametrize("march", ["bayes", "bernoulli2"])
+def test_each_recipe_hands_off_to_a_fresh_qat_model_in_a_new_process(march, tmp_path: Path):
+    fxq.set_march(march)
+    net = HandoffNet().eval()
+    data = [torch.randn(IMAGE) for _ in range(3)]
+    x = torch.randn(IMAGE)
+    expected, changes = {}, {}
+    for name, calib in _recipes(net, data, march).items():
+        changes[name] = sorted(_what_the_recipe_changed(calib))
+        fxq.set_fake_quantize(calib, fxq.FakeQuantState.VALIDATION)
+        with torch.no_grad():
+            expected[name] = (calib.eval()(x), fxq.convert_fx(calib)(x))
+        torch.save(calib.state_dict(), tmp_path / f"{name}.pt")
+    # the recipes change what the README's flow used to lose
+    assert "qint32" in changes["ptq"] and "bias" in changes["ptq calibrate"]
+    assert changes["calibrate"] == []
+    if march == "bayes":
+        assert "qint16" in changes["mixed precision"]
+    torch.save({"net": net.state_dict(), "x": x, "expected": expected}, tmp_path / "expected.pt")
+    code = f"""
+        import json
+        import torch
+        import fxq
+        from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
+        from tests.test_handoff import HandoffNet
+
+        fxq.set_march({march!r})
+        saved = torch.load({str(tmp_path / "expected.pt")!r}, weights_only=True)
+        net = HandoffNet()
+        net.load_state_dict(saved["net"])
+        results = {{}}
+        for name, (validation, integer) in saved["expected"].items():
+            qat = fxq.prepare_qat_fx(net, {{"": q8}})
+            state = torch.load({str(tmp_path)!r} + "/" + name + ".pt", weights_only=True)
+            qat.load_state_dict(state)  # strict: every key matches
+            fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
+            with torch.no_grad():
+                results[name] = [
+                    torch.equal(qat.eval()(saved["x"]), validation),
+                    torch.equal(fxq.convert_fx(qat)(saved["x"]), integer),
+                ]
+        print(json.dumps(results))
+        """
+    results = json.loads(run_in_fresh_process(code))
+    assert results == {name: [True, True] for name in expected}
+
+
+def test_a_qat_checkpoint_resumes_with_its_frozen_batchnorms(bayes, tmp_path: Path):
+    """``freeze_bn_stats`` changes what a training step computes: it travels with the state."""
+    net = HandoffNet().eval()
+    data = [torch.randn(IMAGE) for _ in range(2)]
+    qat = fxq.prepare_qat_fx(net, {"": q8})
+    qat.load_state_dict(ptq(fxq.prepare_qat_fx(net, {"": calib_q8}), data, iters=0).state_dict())
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.QAT)
+    fxq.qat.freeze_bn_stats(qat.train())
+    torch.save(qat.state_dict(), tmp_path / "qat.pt")
+    x = torch.randn(IMAGE)
+    with torch.no_grad():
+        step = qat(x)  # training mode, BatchNorms frozen: running statistics folded
+    torch.save({"net": net.state_dict(), "x": x, "step": step}, tmp_path / "expected.pt")
+    code = f"""
+        import torch
+        import fxq
+        from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
+        from tests.test_handoff import HandoffNet
+
+        fxq.set_march("bayes")
+        saved = torch.load({str(tmp_path / "expected.pt")!r}, weights_only=True)
+        net = HandoffNet()
+        net.load_state_dict(saved["net"])
+        qat = fxq.prepare_qat_fx(net, {{"": q8}}).train()
+        qat.load_state_dict(torch.load({str(tmp_path / "qat.pt")!r}, weights_only=True))
+        with torch.no_grad():
+            print(torch.equal(qat(saved["x"]), saved["step"]))
+        """
+    assert run_in_fresh_process(code) == "True"
+
+
+def test_a_dtype_the_march_cannot_run_fails_the_load_naming_the_fake_quant(bayes):
+    net = HandoffNet().eval()
+    data = [torch.randn(IMAGE)]
+    int16 = fxq.qconfig.default_calib_8bit_weight_16bit_act_fake_quant_qconfig
+    state = calibrate(fxq.prepare_qat_fx(net, {"": int16}), data).state_dict()
+    fxq.set_march("bernoulli2")
+    fresh = fxq.prepare_qat_fx(net, {"": q8})
+    with pytest.raises(
+        RuntimeError,
+        match=r"stem\.activation_post_process\.bits: the saved dtype qint16 is not available on "
+        r"march bernoulli2 \(it runs: qint8\); load with the march it was saved with",
+    ):
+        fresh.load_state_dict(state)
+
+
+def test_a_state_dict_without_dtypes_keeps_the_qconfigs(bayes):
+    """State dicts saved before the dtype was saved (no ``bits`` keys) still load."""
+    net = HandoffNet().eval()
+    calib = calibrate(fxq.prepare_qat_fx(net, {"": calib_q8}), [torch.randn(IMAGE)])
+    state = {k: v for k, v in calib.state_dict().items() if not k.endswith(".bits")}
+    fresh = fxq.prepare_qat_fx(net, {"": q8})
+    fresh.load_state_dict(state)
+    assert {m.dtype for m in fresh.modules() if isinstance(m, fxq.FakeQuantize)} == {fxq.qint8}
