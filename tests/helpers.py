@@ -191,3 +191,29 @@ class TinyRetinaNet(nn.Module):
         scores = torch.cat([d[0] for d in detections])
         boxes = torch.cat([d[1] for d in detections])
         return {"scores": scores, "boxes": boxes, "count": int(scores.numel())}
+
+
+class HandoffNet(nn.Module):
+    """Bias-free convs (bias correction adds biases), a depthwise conv (equalization), ReLUs
+    that only convs read (offsets), a BatchNorm no conv absorbs, a linear output (int32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn0 = nn.BatchNorm2d(8)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.pw = nn.Conv2d(8, 8, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5, bias=False)
+        for bn in (self.bn0, self.bn1, self.bn2):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.data.uniform_(0.5, 1.5)
+            bn.bias.data.uniform_(-0.2, 0.2)
+
+    def forward(self, x):
+        y = F.relu(self.bn0(self.stem(x)))
+        z = self.pw(F.relu(self.dw(y)))
+        z = F.relu(self.bn2(z + y))
+        return self.fc(z.mean((2, 3)))

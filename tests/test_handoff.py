@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fxq
@@ -25,35 +24,9 @@ from fxq.calibration import calibrate, ptq
 from fxq.calibration.mixed_precision import mixed_precision
 from fxq.qconfig import default_calib_8bit_fake_quant_qconfig as calib_q8
 from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
-from tests.helpers import run_in_fresh_process
+from tests.helpers import HandoffNet, run_in_fresh_process
 
 IMAGE = (4, 3, 16, 16)
-
-
-class HandoffNet(nn.Module):
-    """Bias-free convs (bias correction adds biases), a depthwise conv (equalization), ReLUs
-    that only convs read (offsets), a BatchNorm no conv absorbs, a linear output (int32)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
-        self.bn0 = nn.BatchNorm2d(8)
-        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False)
-        self.bn1 = nn.BatchNorm2d(8)
-        self.pw = nn.Conv2d(8, 8, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(8)
-        self.fc = nn.Linear(8, 5, bias=False)
-        for bn in (self.bn0, self.bn1, self.bn2):
-            bn.running_mean.uniform_(-0.5, 0.5)
-            bn.running_var.uniform_(0.5, 2.0)
-            bn.weight.data.uniform_(0.5, 1.5)
-            bn.bias.data.uniform_(-0.2, 0.2)
-
-    def forward(self, x):
-        y = F.relu(self.bn0(self.stem(x)))
-        z = self.pw(F.relu(self.dw(y)))
-        z = F.relu(self.bn2(z + y))
-        return self.fc(z.mean((2, 3)))
 
 
 def _recipes(net: nn.Module, data: list[torch.Tensor], march: str) -> dict[str, nn.Module]:
@@ -75,9 +48,12 @@ def _what_the_recipe_changed(model: nn.Module) -> set[str]:
             changed.add(m.dtype.name)
         if isinstance(m, fxq.FakeQuantize) and m.offset:
             changed.add("offset")
-        if isinstance(m, nn.Module) and getattr(m, "bias", False) is not None and hasattr(
-            m, "weight_fake_quant"
-        ) and getattr(m, "bn", None) is None:
+        if (
+            isinstance(m, nn.Module)
+            and getattr(m, "bias", False) is not None
+            and hasattr(m, "weight_fake_quant")
+            and getattr(m, "bn", None) is None
+        ):
             changed.add("bias")
     return changed
 
@@ -106,7 +82,7 @@ def test_each_recipe_hands_off_to_a_fresh_qat_model_in_a_new_process(march, tmp_
         import torch
         import fxq
         from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
-        from tests.test_handoff import HandoffNet
+        from tests.helpers import HandoffNet
 
         fxq.set_march({march!r})
         saved = torch.load({str(tmp_path / "expected.pt")!r}, weights_only=True)
@@ -146,7 +122,7 @@ def test_a_qat_checkpoint_resumes_with_its_frozen_batchnorms(bayes, tmp_path: Pa
         import torch
         import fxq
         from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
-        from tests.test_handoff import HandoffNet
+        from tests.helpers import HandoffNet
 
         fxq.set_march("bayes")
         saved = torch.load({str(tmp_path / "expected.pt")!r}, weights_only=True)
