@@ -164,7 +164,7 @@ def weight_only_int8(model: nn.Module) -> nn.Module:
     return out
 
 
-# the int16 recipe that reaches 25 dB on MobileNetV2 (docs/accuracy.md, fourteenth session):
+# the int16 recipe that reaches 25 dB on MobileNetV2 (docs/accuracy_log.md, fourteenth session):
 # the rounding learned longer with the activations float, then the biases tuned on the output
 MIXED_TUNED = {"float_activations": True, "iters": 120, "lr": 0.1, "tune_biases": 8}
 

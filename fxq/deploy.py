@@ -12,7 +12,9 @@ The by-hand way (torch.fx) works on fxq models as on any GraphModule::
     traced.recompile()
 
 ``insert_after`` does the same in one call, checks that the node exists (and
-says which nodes do), lints the graph and recompiles. ``yuv_input`` is the
+says which nodes do), lints the graph and recompiles. ``"quant"`` also finds
+the input quantize stub that ``prepare_qat_fx`` inserts in a model without a
+``QuantStub`` (``input_1_quant``) when the model has one input. ``yuv_input`` is the
 whole camera-input recipe: keep the quantize stub's scale as the
 ``q_scale`` of the inserted ``centered_yuv2rgb``, then set the stub to scale
 1.0 so it passes the camera's integers through.
@@ -29,7 +31,7 @@ from torch.fx import GraphModule, Node
 from fxq.functional import centered_yuv2bgr, centered_yuv2rgb
 from fxq.quantized.stubs import Quantize
 
-__all__ = ["NodeNotFoundError", "find_node", "insert_after", "yuv_input"]
+__all__ = ["NodeNotFoundError", "find_node", "input_stubs", "insert_after", "yuv_input"]
 
 
 class NodeNotFoundError(KeyError):
@@ -39,21 +41,64 @@ class NodeNotFoundError(KeyError):
         return str(self.args[0])
 
 
-def find_node(gm: GraphModule, name: str) -> Node:
+def input_stubs(gm: GraphModule) -> list[Node]:
+    """The quantize stubs of a converted model that read a model input, in graph order.
+
+    A ``fxq.QuantStub`` of the model (node ``quant`` when the attribute is
+    ``self.quant``) or one that ``prepare_qat_fx`` inserted because the model
+    had none (``x_quant``, ``input_1_quant``, ...).
+    """
+    return [
+        node
+        for node in gm.graph.nodes
+        if node.op == "call_module"
+        and isinstance(gm.get_submodule(node.target), Quantize)
+        and any(arg.op == "placeholder" for arg in node.all_input_nodes)
+    ]
+
+
+def find_node(gm: GraphModule, name: str = "quant") -> Node:
     """The node called ``name`` (its name or its module target).
 
+    ``"quant"`` (the default), when no node has that name, is the model's
+    input quantize stub if it has exactly one (``input_stubs``): the stub
+    ``prepare_qat_fx`` inserts when the model has no ``QuantStub`` is called
+    after the input (``input_1_quant``).
+
     Raises:
-        NodeNotFoundError (a KeyError): naming the closest existing nodes.
+        NodeNotFoundError (a KeyError): naming the closest existing nodes;
+            for a name that asks for a quantize stub (``"quant"``, ``"x_quant"``)
+            the input quantize stubs.
     """
     for node in gm.graph.nodes:
         if node.name == name or (node.op in ("call_module", "get_attr") and node.target == name):
             return node
+    stubs = input_stubs(gm)
+    if name == "quant" and len(stubs) == 1:
+        return stubs[0]
+    raise NodeNotFoundError(_not_found(gm, name, stubs, stubs_only=False))
+
+
+def _not_found(gm: GraphModule, name: str, stubs: list[Node], stubs_only: bool) -> str:
+    """The message for a missing node ``name``: suggestions, then the graph's nodes.
+
+    Suggested are the input quantize stubs when the caller needs one
+    (``stubs_only``) or ``name`` asks for one; otherwise the closest names.
+    """
     names = [n.name for n in gm.graph.nodes]
-    close = difflib.get_close_matches(name, names, n=3)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    raise NodeNotFoundError(
-        f"no node named {name!r} in the graph{hint} Nodes: {', '.join(names[:12])}"
-        + (" ..." if len(names) > 12 else "")
+    asks_for_stub = stubs_only or ("quant" in name and "dequant" not in name)
+    if stubs and asks_for_stub:
+        which = "stub" if len(stubs) == 1 else "stubs"
+        hint = (
+            f"; did you mean {', '.join(repr(n.name) for n in stubs)} (the input quantize {which})?"
+        )
+        if name == "quant":
+            hint += f" The model has {len(stubs)} inputs: name the stub of the one to change."
+    else:
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return f"no node named {name!r} in the graph{hint} Nodes: {', '.join(names[:12])}" + (
+        " ..." if len(names) > 12 else ""
     )
 
 
@@ -64,7 +109,8 @@ def insert_after(
 
     Args:
         gm: a GraphModule (typically from ``fxq.convert_fx``); modified in place.
-        name: the node's name or module target (e.g. ``"quant"``).
+        name: the node's name or module target (e.g. ``"quant"``, which also
+            finds the only input quantize stub: see ``find_node``).
         fn: a function (e.g. ``fxq.functional.centered_yuv2rgb``).
 
     Returns:
@@ -98,11 +144,21 @@ def yuv_input(
     quantize stub with ``q_scale`` = the stub's current scale and the
     model's march, then sets the stub's scale to 1.0.
 
+    Args:
+        gm: a converted model (``fxq.convert_fx``); modified in place.
+        name: the quantize stub's node name or module target. The default
+            ``"quant"`` is the model's ``self.quant`` stub or, when no node has
+            that name, its only input quantize stub (the one ``prepare_qat_fx``
+            inserts in a model without ``QuantStub``, e.g. ``input_1_quant``).
+
     Raises:
-        KeyError: no such node; TypeError: the node is not a quantize stub of a
-        converted model.
+        KeyError: no such node (the message lists the input quantize stubs);
+        TypeError: the node is not a quantize stub of a converted model.
     """
-    node = find_node(gm, name)
+    try:
+        node = find_node(gm, name)
+    except NodeNotFoundError:
+        raise NodeNotFoundError(_not_found(gm, name, input_stubs(gm), stubs_only=True)) from None
     stub = gm.get_submodule(node.target) if node.op == "call_module" else None
     if not isinstance(stub, Quantize):
         raise TypeError(

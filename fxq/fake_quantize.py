@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -53,6 +52,7 @@ from fxq.observer import (
 from fxq.quantized import fake_quant_ops
 from fxq.quantized import functional as qf
 from fxq.quantized.fake_quant_ops import Statistics
+from fxq.utils.warning_summary import summarises_warnings, warn_per_module
 
 __all__ = [
     "FakeQuantState",
@@ -535,7 +535,14 @@ class FakeQuantize(nn.Module):
             return False
         if not self._warned_floor:
             self._warned_floor = True
-            warnings.warn(self._floor_message(seen, at_floor), stacklevel=3)
+            warn_per_module(  # one summary per public call (set_fake_quantize, calibrate, ...)
+                self.name or "(unnamed)",
+                self._floor_message(seen, at_floor),
+                headline="the scale is clamped at fxq's smallest scale 2**-23, so their values "
+                "quantize to 0 or to a few levels",
+                what="fake quant",
+                stacklevel=3,
+            )
         return True
 
     def _floor_message(self, seen: Tensor, at_floor: Tensor) -> str:
@@ -767,6 +774,7 @@ class FakeQuantize(nn.Module):
         return ", ".join(parts)
 
 
+@summarises_warnings("fxq.set_fake_quantize")
 def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Module:
     """Put every fake quant (and every fxq.qat module) of ``model`` in ``state``.
 

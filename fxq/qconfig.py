@@ -37,7 +37,7 @@ from fxq.dtypes import QDType, as_qdtype, qint8, qint16, qint32
 from fxq.fake_quantize import FakeQuantize, FakeQuantizeFactory
 from fxq.march import MarchSpec
 from fxq.observer import ObserverBase, get_observer_class
-from fxq.registry import ROWS, canonical_key, row_named
+from fxq.registry import canonical_key, row_named, rows
 
 __all__ = [
     "QConfig",
@@ -513,7 +513,7 @@ def _nn_module_classes() -> dict[str, type[nn.Module]]:
 def _functional_op_names() -> list[str]:
     """The strings that name a functional op: registry row names and ``Tensor`` method names."""
     names: list[str] = []
-    for row in ROWS:
+    for row in rows():
         if row.functions or row.methods:
             names.append(row.name)
             names.extend(row.methods)

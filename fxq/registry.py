@@ -34,8 +34,10 @@ import dataclasses
 import enum
 import functools
 import importlib
+import importlib.util
 import math
 import operator
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +54,8 @@ from fxq.qtensor import QTensor, implements, is_handled, passthrough_function, p
 __all__ = [
     "Kind",
     "OpRow",
-    "ROWS",
+    "ROWS",  # noqa: F822 (made by __getattr__: reading it imports the optional packages)
+    "rows",
     "NONTENSOR_METHODS",
     "row_for",
     "row_for_module",
@@ -1002,15 +1005,24 @@ def _table() -> list[OpRow]:
         ),
         OpRow("tensor_metadata", Kind.NONTENSOR, methods=tuple(sorted(NONTENSOR_METHODS))),
     ]
-    try:  # torchvision is optional
-        from torchvision.ops import StochasticDepth, stochastic_depth
-    except ImportError:  # pragma: no cover
-        pass
-    else:  # identity in eval; a random mask in training
-        rows.append(
-            _pass("stochastic_depth", (StochasticDepth,), (stochastic_depth,), qtensor=None)
-        )
+    return _documented(rows)
+
+
+def _documented(rows: list[OpRow]) -> list[OpRow]:
     return [dataclasses.replace(r, doc=_DOCS.get(r.name, r.doc)) for r in rows]
+
+
+def _torchvision_rows() -> list[OpRow]:
+    from torchvision.ops import StochasticDepth, stochastic_depth
+
+    # identity in eval; a random mask in training
+    return [_pass("stochastic_depth", (StochasticDepth,), (stochastic_depth,), qtensor=None)]
+
+
+#: rows whose targets live in optional packages, by package: added once the package has been
+#: imported (a model can hold its modules or call its functions only then), so that
+#: ``import fxq`` imports none of them
+_OPTIONAL_ROWS: dict[str, Callable[[], list[OpRow]]] = {"torchvision": _torchvision_rows}
 
 
 _DOCS = {
@@ -1080,7 +1092,7 @@ NONTENSOR_METHODS = frozenset(
     }
 )
 
-ROWS: tuple[OpRow, ...] = tuple(_table())
+_ROWS: tuple[OpRow, ...] = tuple(_table())
 
 _BY_NAME: dict[str, OpRow] = {}
 _BY_MODULE: dict[type, OpRow] = {}
@@ -1088,8 +1100,8 @@ _BY_FUNCTION: dict[Any, OpRow] = {}
 _BY_METHOD: dict[str, OpRow] = {}
 
 
-def _index() -> None:
-    for row in ROWS:
+def _index(new: Iterable[OpRow]) -> None:
+    for row in new:
         if row.name in _BY_NAME:
             raise ValueError(f"two registry rows are named {row.name!r}")
         _BY_NAME[row.name] = row
@@ -1104,7 +1116,42 @@ def _index() -> None:
                 table[t] = row
 
 
-_index()
+_index(_ROWS)
+
+
+def _add_optional_rows(import_packages: bool = False) -> None:
+    """Add the rows of the optional packages imported by now (or, with ``import_packages``,
+    of every installed one). Cheap when there is nothing to add: every lookup calls it."""
+    global _ROWS
+    for package in list(_OPTIONAL_ROWS):
+        if package not in sys.modules and not (
+            import_packages and importlib.util.find_spec(package) is not None
+        ):
+            continue
+        make = _OPTIONAL_ROWS.pop(package)
+        try:
+            added = _documented(make())
+        except ImportError:  # pragma: no cover  (a broken install: its ops stay unknown)
+            continue
+        _index(added)
+        _ROWS = _ROWS + tuple(added)
+        _install_qtensor_passthroughs(added)
+        registry_class.cache_clear()
+        _integer_by_qat.cache_clear()
+
+
+def rows() -> tuple[OpRow, ...]:
+    """The registry's rows: fxq's own and those of the optional packages imported by now."""
+    if _OPTIONAL_ROWS:
+        _add_optional_rows()
+    return _ROWS
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ROWS":  # every row, those of installed optional packages included
+        _add_optional_rows(import_packages=True)
+        return _ROWS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- lookups ---------------------------------------------------------------------------
@@ -1140,6 +1187,7 @@ def row_named(name: str) -> OpRow:
     Raises:
         KeyError: for an unknown name (the message lists close matches).
     """
+    rows()
     try:
         return _BY_NAME[name]
     except KeyError:
@@ -1171,6 +1219,7 @@ def registry_class(cls: type) -> type | None:
     >>> registry_class(MyConv) is torch.nn.Conv2d, registry_class(torch.nn.Module)
     (True, None)
     """
+    rows()  # a class of an optional package: its rows first
     if cls in _BY_MODULE:
         return cls
     for i, base in enumerate(cls.__mro__[1:], start=1):
@@ -1191,6 +1240,7 @@ def row_for_module(cls: type) -> OpRow:
 
 def row_for_function(fn: Any) -> OpRow:
     """The row of a ``call_function`` target; a FLOAT row when unknown."""
+    rows()
     try:
         row = _BY_FUNCTION.get(fn)
     except TypeError:  # unhashable target
@@ -1226,6 +1276,7 @@ def canonical_key(target: Any) -> Any:
     """
     if isinstance(target, type):
         return target
+    rows()
     if isinstance(target, str):
         row = _BY_NAME.get(target) or _BY_METHOD.get(target)
         return row.name if row is not None else target
@@ -1239,7 +1290,7 @@ def canonical_key(target: Any) -> Any:
 @functools.cache
 def _integer_by_qat() -> dict[type, type]:
     table: dict[type, type] = {}
-    for row in ROWS:
+    for row in rows():
         if row.qat is not None and row.integer is not None:
             table[row.qat_class] = row.integer_class
     return table
@@ -1273,11 +1324,11 @@ def _without_distributed_wrapper(cls: type) -> type:
 
 def fusion_members(role: str) -> tuple[tuple[type, ...], tuple[Any, ...], tuple[str, ...]]:
     """The module classes, functions and method names that play ``role`` in fusions."""
-    rows = [r for r in ROWS if r.fusion_role == role]
+    members = [r for r in rows() if r.fusion_role == role]
     return (
-        tuple(m for r in rows for m in r.modules),
-        tuple(f for r in rows for f in r.functions),
-        tuple(m for r in rows for m in r.methods),
+        tuple(m for r in members for m in r.modules),
+        tuple(f for r in members for f in r.functions),
+        tuple(m for r in members for m in r.methods),
     )
 
 
@@ -1293,9 +1344,9 @@ def functional_target(node: Node) -> Callable:
 
 
 # -- QTensor pass-throughs ----------------------------------------------------------------
-def _install_qtensor_passthroughs() -> None:
+def _install_qtensor_passthroughs(new: Iterable[OpRow]) -> None:
     """Give QTensor every pass-through row's methods and functions ("data" rows)."""
-    for row in ROWS:
+    for row in new:
         if row.kind is not Kind.PASSTHROUGH or row.qtensor != "data":
             continue
         for name in row.methods:
@@ -1306,7 +1357,7 @@ def _install_qtensor_passthroughs() -> None:
                 implements(fn)(passthrough_function(fn))
 
 
-_install_qtensor_passthroughs()
+_install_qtensor_passthroughs(_ROWS)
 
 
 # -- documentation ----------------------------------------------------------------------
@@ -1326,7 +1377,8 @@ def markdown_table() -> str:
         "| op (qconfig key) | kind | matches | QAT / integer class | fusion role | notes |",
         "|---|---|---|---|---|---|",
     ]
-    for row in ROWS:
+    _add_optional_rows(import_packages=True)  # the same table whatever was imported
+    for row in _ROWS:
         classes = (
             f"`{row.qat.removeprefix('fxq.')}` / `{row.integer.removeprefix('fxq.')}`"
             if row.qat and row.integer

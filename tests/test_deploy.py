@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import io
+import re
 import warnings
 
 import pytest
@@ -174,3 +175,99 @@ def test_yuv_input_gives_the_predictions_of_rgb_input():
     converted.conv.register_forward_pre_hook(lambda m, i: inner.append(i[0]))
     converted(yuv)
     assert isinstance(inner[0], QTensor) and inner[0].q_scale() == pytest.approx(1 / 128)
+
+
+class _AutoStubNet(torch.nn.Module):
+    """_YuvNet without stubs: prepare_qat_fx quantizes the input itself (``x_quant``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+class _ExplicitStubNet(_AutoStubNet):
+    def __init__(self):
+        super().__init__()
+        self.quant = fxq.QuantStub()
+        self.dequant = fxq.DeQuantStub()
+
+    def forward(self, x):
+        return self.dequant(torch.relu(self.conv(self.quant(x))))
+
+
+class _TwoInputNet(_AutoStubNet):
+    def forward(self, x, y):
+        return torch.relu(self.conv(x) + y)
+
+
+def _convert(net, *batch):
+    fxq.set_march("bayes")
+    qat = fxq.prepare_qat_fx(
+        net, {"": fxq.qconfig.default_calib_8bit_fake_quant_qconfig}, example_inputs=batch
+    )
+    fxq.set_fake_quantize(qat, "calibration")
+    with torch.no_grad():
+        qat(*batch)
+    fxq.set_fake_quantize(qat, "validation")
+    return fxq.convert_fx(qat)
+
+
+def test_yuv_input_finds_the_automatic_input_stub():
+    """A model without QuantStub: "quant" (or no name) is its only input stub, and the camera
+    model it gives equals the explicit-stub model's, bit for bit."""
+    torch.manual_seed(0)
+    auto_net = _AutoStubNet()
+    explicit_net = _ExplicitStubNet()
+    explicit_net.conv.load_state_dict(auto_net.conv.state_dict())
+    calibration = (torch.rand(4, 3, 8, 8) * 255 - 128) / 128
+    explicit = _convert(explicit_net, calibration)
+    auto, auto_default = _convert(auto_net, calibration), _convert(auto_net, calibration)
+    assert [n.name for n in fxq.deploy.input_stubs(auto)] == ["x_quant"]
+    assert fxq.deploy.find_node(auto, "quant").name == "x_quant"
+    nodes = [
+        yuv_input(explicit, "quant", swing="full"),
+        yuv_input(auto, "quant", swing="full"),
+        yuv_input(auto_default, swing="full"),
+    ]
+    assert [n.args[0].name for n in nodes] == ["quant", "x_quant", "x_quant"]
+    assert len({n.kwargs["q_scale"] for n in nodes}) == 1
+    assert auto.x_quant.scale.item() == 1.0 and auto_default.x_quant.scale.item() == 1.0
+    yuv = rgb2centered_yuv(torch.randint(0, 256, (2, 3, 8, 8)).float(), "full")
+    with torch.no_grad():
+        want = explicit(yuv)
+        assert want.abs().sum() > 0
+        assert torch.equal(auto(yuv), want)
+        assert torch.equal(auto_default(yuv), want)
+
+
+def test_yuv_input_without_the_stub_suggests_the_input_stubs():
+    x = torch.rand(2, 3, 8, 8)
+    auto = _convert(_AutoStubNet(), x)
+    nodes = "Nodes: x, x_quant, conv, conv_dequant, output"
+    with pytest.raises(
+        KeyError,
+        match="^"
+        + re.escape(
+            f"no node named 'qaunt' in the graph; did you mean 'x_quant' (the input quantize "
+            f"stub)? {nodes}"
+        )
+        + "$",
+    ):
+        yuv_input(auto, "qaunt")
+    two = _convert(_TwoInputNet(), x, torch.rand(2, 4, 8, 8))
+    with pytest.raises(
+        KeyError,
+        match="^"
+        + re.escape(
+            "no node named 'quant' in the graph; did you mean 'x_quant', 'y_quant' (the input "
+            "quantize stubs)? The model has 2 inputs: name the stub of the one to change. Nodes: "
+        ),
+    ):
+        yuv_input(two)
+    node = yuv_input(two, "x_quant", swing="full")
+    assert node.args[0].name == "x_quant" and [u.name for u in node.users] == ["conv"]
+    # insert_after finds "quant" the same way
+    assert insert_after(auto, "quant", torch.neg).args[0].name == "x_quant"

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(fxq.__file__).parent
 
 #: bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("fxq.dtypes", "fxq.march"),
+    ("fxq.dtypes", "fxq.march", "fxq.utils.warning_summary"),  # the last imports no fxq
     ("fxq.quantized.functional", "fxq.quantized.native"),  # pure integer math, no nn.Module
     (
         "fxq.qtensor",

@@ -37,6 +37,26 @@ def test_constraints_pin_torch_and_torchvision():
     assert pins["torch"] == "2.14.1" and pins["torchvision"] == "0.29.1"
 
 
+def test_a_users_day_calibrates_with_ptq():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## A user's day", 1)[1].split("```")[1]
+    assert "from fxq.calibration import ptq\n" in block
+    assert "\nptq(calib, loader, num_batches=20)" in block
+    assert "calibrate(" not in block
+
+
+def test_the_cpu_only_install_pins_what_constraints_pin():
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [x for x in readme.splitlines() if "download.pytorch.org/whl/cpu" in x]
+    pins = dict(x.split("==") for x in (ROOT / "constraints.txt").read_text().split() if "==" in x)
+    assert line.endswith(
+        "pip install --index-url https://download.pytorch.org/whl/cpu "
+        f"torch=={pins['torch']} torchvision=={pins['torchvision']}"
+    )
+    # a paragraph of its own, not one of the commands CI runs
+    assert readme.index(line) > readme.index("<!-- ci:test -->")
+
+
 def test_readme_python_names_exist():
     import fxq
 

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_calib, n_test, n_debug = (16, 16, 2) if args.fast else (64, 96, 16)
     n_fix = args.fix if args.fix is not None else (6 if args.fast else 8)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fxq_debug_"))
+    out.mkdir(parents=True, exist_ok=True)  # --out may name a folder that does not exist yet
 
     fxq.set_march(fxq.March.BAYES)
     torch.manual_seed(0)

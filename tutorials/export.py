@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     # 2. export: the integer graph and two ONNX files (dimension 0 is a dynamic batch)
     out = Path(args.out or tempfile.mkdtemp())
+    out.mkdir(parents=True, exist_ok=True)  # --out may name a folder that does not exist yet
     example = x_test[:2]
     graph = fxq.export.to_graph(integer, example)
     graph.save(out / "digits.fxq")

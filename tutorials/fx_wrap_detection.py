@@ -1,7 +1,7 @@
 """Detection with ``@fxq.fx_wrap()``: a RetinaNet-style detector, trained, quantized, converted.
 
-    python tutorials/fx_wrap_detection.py            # full settings (a few minutes)
-    python tutorials/fx_wrap_detection.py --fast     # small settings (what the tests run)
+    python tutorials/fx_wrap_detection.py            # full settings (about 10 minutes, 2 cores)
+    python tutorials/fx_wrap_detection.py --fast     # small settings (what the tests run; 3-4)
 
 A detector's forward ends in Python that a graph cannot hold: anchors built
 with loops over feature-map shapes, and a post-process that thresholds scores,
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--fast", action="store_true", help="fewer images and epochs")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    n_train, epochs, qat_epochs = (1024, 8, 2) if args.fast else (4096, 24, 4)
+    n_train, epochs, qat_epochs = (1024, 8, 2) if args.fast else (2048, 12, 3)
     start = time.perf_counter()
     train_set = make_dataset(n_train, seed=0)
     test_set = make_dataset(400, seed=1)

@@ -4,8 +4,9 @@
     python tutorials/quickstart.py --fast     # small settings (what the tests run)
 
 1. train a small CNN in float;
-2. calibrate it (post-training quantization);
-3. fine-tune with QAT, starting from the calibrated scales;
+2. calibrate it with ``fxq.calibration.ptq`` (post-training quantization: ranges,
+   then the weights' rounding learned block by block);
+3. fine-tune with QAT, starting from the calibrated model's state;
 4. convert to the integer model;
 
 and print the accuracy of the float, calibrated, QAT (VALIDATION state) and
@@ -23,6 +24,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import fxq
+from fxq.calibration import ptq
 from fxq.qconfig import default_calib_8bit_fake_quant_qconfig, default_qat_8bit_fake_quant_qconfig
 
 
@@ -83,17 +85,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model = DigitsNet()
     train(model, train_set, epochs, lr=3e-3)
 
-    # 2. calibration: observers only, then VALIDATION rounds with the frozen scales
+    # 2. post-training calibration (ptq: the recipe to start with), then VALIDATION rounds
+    #    with the frozen scales
     fxq.set_march("bayes")
     calib = fxq.prepare_qat_fx(model, {"": default_calib_8bit_fake_quant_qconfig})
-    fxq.set_fake_quantize(calib, fxq.FakeQuantState.CALIBRATION)
-    calib.eval()
-    with torch.no_grad():
-        for i in range(0, 512, 128):
-            calib(train_set[0][i : i + 128])
+    batches = [train_set[0][i : i + 128] for i in range(0, 512, 128)]
+    ptq(calib, batches, show_progress=False)
     fxq.set_fake_quantize(calib, fxq.FakeQuantState.VALIDATION)
 
-    # 3. QAT: a fresh QAT model starts from the calibrated scales
+    # 3. QAT: a fresh QAT model starts from the calibrated model (scales, dtypes, weights)
     qat = fxq.prepare_qat_fx(model, {"": default_qat_8bit_fake_quant_qconfig})
     qat.load_state_dict(calib.state_dict())
     fxq.set_fake_quantize(qat, fxq.FakeQuantState.QAT)

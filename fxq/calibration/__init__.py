@@ -22,6 +22,10 @@
 * ``tune_biases(model, data, float_model)``: the biases trained end to end on
   the model output (``ptq(..., tune_biases=True)``).
 
+Every ``data`` follows one contract (``fxq.calibration.data``): an iterable of
+batches, a batch being a tensor, a tuple whose first elements are the inputs
+(``(images, labels)``) or a dict of keyword inputs; ``input_fn`` maps anything else.
+
 Only the observers are imported with the package; the runners (which use the
 QAT modules and the FX passes) are imported on first use (PEP 562), so that
 ``import fxq.calibration.observers`` stays in the observers' layer.

@@ -34,6 +34,7 @@ from tabulate import tabulate
 from torch import Tensor, nn
 from torch.fx import GraphModule, Interpreter, Node
 
+from fxq.calibration.data import batch_list
 from fxq.calibration.observers import HistogramObserver
 from fxq.calibration.runner import batch_arguments, call_order, progress, run_batches
 from fxq.debug import float_fake_quant
@@ -41,6 +42,7 @@ from fxq.debug.sensitivity import _clone
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
 from fxq.observer import world_size
 from fxq.quantized import functional as qf
+from fxq.utils.warning_summary import summarises_warnings
 
 __all__ = ["auto_calibrate", "AUTO_CANDIDATES"]
 
@@ -177,6 +179,7 @@ def _require_one_rank() -> None:
         )
 
 
+@summarises_warnings("fxq.calibration.auto_calibrate")
 def auto_calibrate(
     model: nn.Module,
     data: Iterable[Any],
@@ -209,10 +212,8 @@ def auto_calibrate(
         RuntimeError: in a ``torch.distributed`` run with several ranks (each
             would choose from its own batches); run it in one process.
     """
-    batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
-    if not batches:
-        raise ValueError("auto_calibrate: the data yielded no batch")
     _require_one_rank()
+    batches = batch_list(data, num_batches, "auto_calibrate")
     training = model.training
     model.eval()
     snapshot = {k: v.clone() for k, v in model.state_dict().items()}

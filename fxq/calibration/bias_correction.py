@@ -25,7 +25,7 @@ where ``x`` is the layer's mean float input over the calibration samples
 mean output). Each layer corrects only the shift its own weight rounding
 causes (and the rounding of its mean input), not the accumulated error of the
 layers before it nor the clipping of its inputs' tails. One float forward per
-batch measures every layer at once. Measured (``docs/accuracy.md``): it helps
+batch measures every layer at once. Measured (``docs/accuracy_log.md``): it helps
 on a model whose weights round one way (the tests) and on the first blocks of
 MobileNetV2, and lowers the logits SQNR of the whole MobileNetV2 (12.80 ->
 11.53 dB after ``ptq``'s ranges), as the sequential form did.
@@ -44,6 +44,7 @@ import torch
 from tabulate import tabulate
 from torch import Tensor, nn
 
+from fxq.calibration.data import batch_list
 from fxq.calibration.reconstruction import (
     _correct_bias,
     _layers_in_order,
@@ -94,7 +95,7 @@ def bias_correction(
             module docstring.
         skip_depthwise: leave depthwise convolutions' biases as they are
             (``ptq`` does: on MobileNetV2 correcting them costs 0.6-0.8 dB while
-            correcting every other layer gains 0.8 dB, ``docs/accuracy.md``).
+            correcting every other layer gains 0.8 dB, ``docs/accuracy_log.md``).
 
     Returns:
         one row per layer: ``layer`` and the RMS over channels of the
@@ -117,9 +118,7 @@ def bias_correction(
         raise ValueError(
             f"bias_correction: unknown mode {mode!r}; choose from {', '.join(BIAS_CORRECTION_MODES)}"
         )
-    batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
-    if not batches:
-        raise ValueError("bias_correction: `data` yielded no batch; pass calibration batches")
+    batches = batch_list(data, num_batches, "bias_correction", ranks="nonempty")
     require_calibrated(model, "bias_correction")
     if mode == "fast":
         rows = fast_bias_correction(model, batches, input_fn, show_progress, skip_depthwise)

@@ -14,7 +14,7 @@ from them.
 A bias is one number per channel, so the tuning has few parameters to fit
 the calibration samples with (tuning the weights the same way lowered the
 held-out SQNR). Measured on MobileNetV2 with 10 % int16 activations
-(``docs/accuracy.md``, fourteenth session): +0.3 to +0.5 dB after learned
+(``docs/accuracy_log.md``, fourteenth session): +0.3 to +0.5 dB after learned
 rounding, in 4 epochs at ``lr=3e-5``; a learning rate of 1e-3 ruins the
 model (the steps are far larger than the shifts to correct).
 
@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from fxq.calibration.auto import _flatten_outputs
+from fxq.calibration.data import batch_list
 from fxq.calibration.runner import (
     average_over_ranks,
     batch_arguments,
@@ -128,9 +129,7 @@ def tune_biases(
     """
     from fxq.calibration.reconstruction import layerwise_session
 
-    batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
-    if not batches:
-        raise ValueError("tune_biases: the data yielded no batch")
+    batches = batch_list(data, num_batches, "tune_biases", ranks="equal")
     if epochs < 1 or not lr > 0:
         raise ValueError(f"tune_biases: epochs must be >= 1 and lr > 0, got {epochs} and {lr}")
     require_calibrated(model, "tune_biases")

@@ -27,7 +27,7 @@ per-tensor int8 quantization of the same channel would saturate anyway.
 
 The change lives in the prepared model's parameters (QAT continues from it;
 ``convert_fx`` needs nothing new). ``ptq`` runs it before calibrating
-(``equalize=True``). Measured on MobileNetV2: ``docs/accuracy.md``.
+(``equalize=True``). Measured on MobileNetV2: ``docs/accuracy_log.md``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule
 
+from fxq.calibration.data import batch_list
 from fxq.calibration.runner import keep_rank0_result, run_batches
 from fxq.fake_quantize import bypass
 from fxq.observer import MinMaxObserver, world_size
@@ -201,9 +202,7 @@ def equalize_depthwise(
     pairs = depthwise_pairs(model)
     if not pairs:
         return []
-    batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
-    if not batches:
-        raise ValueError("equalize_depthwise: `data` yielded no batch")
+    batches = batch_list(data, num_batches, "equalize_depthwise", ranks="nonempty")
     producers = {p: model.get_submodule(p) for p, _ in pairs}
     peaks = _channel_max(batches, model, producers, input_fn)
     report, _ = _equalize(model, pairs, peaks, max_gain)

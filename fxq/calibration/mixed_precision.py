@@ -28,29 +28,31 @@ When learned rounding follows (``ptq(method="best")``), rank with
 float weights, and ``float_weights`` refuses such a model): the rounding takes away most of the weights' error,
 so what int16 should go to is the activations' error alone (MobileNetV2,
 10 % int16 then ``best``: 22.07 dB ranked on the quantized weights, 22.43 dB
-ranked with float weights; docs/accuracy.md). The benchmark ranks on the
+ranked with float weights; docs/accuracy_log.md). The benchmark ranks on the
 signed grid (``ptq(model, data, iters=0, offset=False)``), then learns with
 ``ptq(method="best", float_activations=True, iters=120, lr=0.1,
 tune_biases=8)``: 25.09 dB on MobileNetV2 with 10 % int16, where plain
-``best`` gives 23.21 dB (``docs/accuracy.md``, fourteenth and fifteenth sessions).
+``best`` gives 23.21 dB (``docs/accuracy_log.md``, fourteenth and fifteenth sessions).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from fxq.calibration.data import batch_arguments, one_or_more_batches
 from fxq.dtypes import qint16
 from fxq.fake_quantize import bypassed, weight_quants
 from fxq.march import spec_for
 from fxq.observer import world_size
 from fxq.qat.base import QATModule
 from fxq.qconfig import QConfig
+from fxq.utils.warning_summary import summarises_warnings
 
 __all__ = ["mixed_precision", "BUDGET_UNITS"]
 
@@ -97,6 +99,7 @@ def _check_budget(name: str, value: float | None) -> float:
     return float(value)
 
 
+@summarises_warnings("fxq.calibration.mixed_precision")
 def mixed_precision(
     float_model: nn.Module,
     calib_model: GraphModule,
@@ -108,6 +111,7 @@ def mixed_precision(
     float_weights: bool = False,
     budget_unit: str = "tensors",
     show: bool = False,
+    input_fn: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
     """A qconfig_dict with int16 activations (and float ops) where they help the output most.
 
@@ -115,7 +119,8 @@ def mixed_precision(
         float_model: the float model (the reference of the sensitivity).
         calib_model: the same model prepared with ``qconfig_dict`` and calibrated
             (e.g. with ``fxq.calibration.ptq``); left as it was.
-        batches: calibration batches for the sensitivity (a list; a few suffice).
+        batches: calibration batches for the sensitivity (a list; a few suffice), as
+            ``fxq.debug.sensitivity`` takes them (``fxq.calibration.data``).
         int16_budget: the largest fraction of the quantized activations (counted
             as ``budget_unit`` says) that become int16.
         float_budget: the largest fraction left in float (a qconfig of None):
@@ -137,6 +142,7 @@ def mixed_precision(
             already int16 counts its elements, not its bytes, and one that the
             first batch does not reach is not chosen).
         show: print the choices.
+        input_fn: maps a batch to the models' arguments.
 
     Returns:
         a qconfig_dict for ``prepare_qat_fx(float_model, ...)``; its
@@ -149,7 +155,8 @@ def mixed_precision(
         ValueError: a budget outside [0, 1] or an unknown ``budget_unit``; an
             int16 budget on a march without int16 activations (e.g. bernoulli2);
             ``calib_model`` without a qconfig to build on; ``float_weights`` on a
-            model whose weights are already rounded.
+            model whose weights are already rounded; no batch (on every rank alike).
+        TypeError: ``batches`` is an iterator of batches given as one tensor or dict.
     """
     from fxq.debug import sensitivity
 
@@ -168,6 +175,7 @@ def mixed_precision(
                 f"{spec.allowed_dtype_names()}); use int16_budget=0 (and float_budget for float "
                 "ops), or a march with int16 such as fxq.set_march('bayes')"
             )
+    batches = one_or_more_batches(batches, "mixed_precision", "batches", ranks="nonempty")
     base = dict(qconfig_dict) if qconfig_dict is not None else {}
     if "" not in base:
         common = _common_qconfig(calib_model)
@@ -190,14 +198,19 @@ def mixed_precision(
         )
     # each activation's elements, when a budget counts bytes
     sizes = (
-        _activation_sizes(calib_model, batches)
+        _activation_sizes(calib_model, batches, input_fn)
         if budget_unit == "bytes" and (int16_budget > 0 or float_share > 0)
         else None
     )
     if float_share > 0:
         with bypassed(weights):
             rows = sensitivity(
-                float_model, calib_model, batches, mode="float_one", kinds=("activation",)
+                float_model,
+                calib_model,
+                batches,
+                mode="float_one",
+                kinds=("activation",),
+                input_fn=input_fn,
             )
         budget = _Budget(float_share, rows, sizes)
         for row in budget.order(rows):
@@ -209,7 +222,12 @@ def mixed_precision(
     if int16_budget > 0:
         with bypassed(weights):
             rows = sensitivity(
-                float_model, calib_model, batches, dtype=qint16, kinds=("activation",)
+                float_model,
+                calib_model,
+                batches,
+                dtype=qint16,
+                kinds=("activation",),
+                input_fn=input_fn,
             )
         budget = _Budget(int16_budget, rows, sizes)
         for row in budget.order(rows):
@@ -280,11 +298,13 @@ class _Budget:
         return True
 
 
-def _activation_sizes(calib_model: GraphModule, batches: Any) -> dict[str, int]:
+def _activation_sizes(
+    calib_model: GraphModule, batches: list[Any], input_fn: Callable[[Any], Any] | None = None
+) -> dict[str, int]:
     """The elements each quantized activation holds on the first batch, by module name
     (one float pass with the fake quants bypassed: no statistics change)."""
     from fxq.debug.capture import eval_no_grad
-    from fxq.debug.sensitivity import _batches, quantized_values
+    from fxq.debug.sensitivity import quantized_values
     from fxq.fake_quantize import bypass
 
     sizes: dict[str, int] = {}
@@ -296,7 +316,7 @@ def _activation_sizes(calib_model: GraphModule, batches: Any) -> dict[str, int]:
 
         return hook
 
-    first = _batches(batches)[0]  # the first batch's arguments, as sensitivity reads them
+    args, kwargs = batch_arguments(calib_model, batches[0], input_fn)  # as sensitivity reads it
     handles = [
         v.fake_quant.register_forward_hook(count(v.name))
         for v in quantized_values(calib_model)
@@ -304,7 +324,7 @@ def _activation_sizes(calib_model: GraphModule, batches: Any) -> dict[str, int]:
     ]
     try:
         with eval_no_grad(calib_model), bypass(calib_model):
-            calib_model(*first)
+            calib_model(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()

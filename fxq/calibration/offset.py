@@ -25,7 +25,7 @@ fine input grid (int16) or a tiny weight scale can take past int32:
 ``release_overflowing`` gives it back once the scales are known.
 
 ``ptq`` applies it (``offset=True``) before calibrating and releases what
-overflows before learning the rounding; measured in ``docs/accuracy.md``
+overflows before learning the rounding; measured in ``docs/accuracy_log.md``
 (MobileNetV2: ``default`` +1.2 dB, ``best`` +1.8 dB).
 """
 

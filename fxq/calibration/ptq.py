@@ -10,7 +10,7 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
 * ``"default"``: the recipe to use unless there is a reason not to: one pass
   over the calibration data, then a short learned rounding on its first 16
   samples (MobileNetV2, 96 crops, 2 cores: 7.5-10 s, 19.6-20.3 dB; see
-  ``docs/accuracy.md``):
+  ``docs/accuracy_log.md``):
 
   1. **model outputs wide**: an output produced by a conv / linear keeps its
      int32 accumulator on marches that have a high-precision output; other
@@ -72,7 +72,7 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   where NNCF's ``nncf.quantize`` took 11.7 s (1.2x), 24.4 s where it took
   26.4 s (0.92x; ``benchmarks/RESULTS.md``).
 
-Two options for the last dB, off by default (``docs/accuracy.md``, fourteenth session):
+Two options for the last dB, off by default (``docs/accuracy_log.md``, fourteenth session):
 
 * ``float_activations=True`` (a ``weight_reconstruction`` option): the rounding is
   learned with every activation float, approximating the float weights alone. After
@@ -103,6 +103,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from fxq.calibration.data import batch_list
 from fxq.calibration.observers import MeanMinMaxObserver, PercentileObserver
 from fxq.calibration.runner import calibrate, fast_layout, keep_rank0_result, run_batches
 from fxq.dtypes import qint16, qint32
@@ -111,6 +112,7 @@ from fxq.march import spec_for
 from fxq.observer import ObserverBase
 from fxq.qat.base import QATModule
 from fxq.qat.weighted import WeightedQAT
+from fxq.utils.warning_summary import summarises_warnings
 
 __all__ = [
     "ptq",
@@ -125,7 +127,7 @@ __all__ = [
 PTQ_METHODS = ("default", "calibrate", "best")
 
 # learned rounding in method="best" (MobileNetV2 / EfficientNet-Lite0, 96 crops, 2 cores, after
-# the range choice; see docs/accuracy.md): iters 60 / batch 4 / lr 0.2 20.46 / 21.14 dB in
+# the range choice; see docs/accuracy_log.md): iters 60 / batch 4 / lr 0.2 20.46 / 21.14 dB in
 # 33 / 46 s; 30 / 4 / 0.4 20.10 / 21.45 dB in 26 / 28 s; 20 / 8 / 0.4 19.96 / 21.25 dB;
 # 25 / 6 / 0.4 20.22 / 20.82 dB (the draws of samples move a result by a few tenths)
 BEST_ROUNDING = {"block_depth": "auto", "iters": 30, "batch_size": 4, "lr": 0.4}
@@ -314,13 +316,7 @@ def _take_ranges(quants: Sequence[FakeQuantize], observers: list[ObserverBase]) 
             fq._stale = True  # the scale comes from the swapped-in observer on exit
 
 
-def _batches(data: Iterable[Any], num_batches: int | None, who: str) -> list[Any]:
-    batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
-    if not batches:
-        raise ValueError(f"{who}: `data` yielded no batch; pass a non-empty list of batches")
-    return batches
-
-
+@summarises_warnings("fxq.calibration.ptq")
 def ptq(
     model: nn.Module,
     data: Iterable[Any],
@@ -340,7 +336,9 @@ def ptq(
     Args:
         model: the model from ``prepare_qat_fx`` (any qconfig); calibrated in
             place, keeping its prepared form.
-        data: calibration batches (see ``fxq.calibration.calibrate``).
+        data: calibration batches: tensors, ``(images, labels)`` tuples or dicts of
+            keyword inputs (``fxq.calibration.data``; a single tensor is refused: wrap
+            it in a list).
         method: ``"default"``, ``"calibrate"`` or ``"best"``.
         output: how model outputs are quantized (``widen_outputs``): ``"auto"``,
             ``"int16"`` or ``"int8"`` (the qconfig's dtype and observer).
@@ -374,7 +372,9 @@ def ptq(
         convert it).
 
     Raises:
-        ValueError: an unknown method or output, or no batch.
+        ValueError: an unknown method or output, no batch, ``num_batches < 1``, or (in a
+            distributed run) ranks with different numbers of batches, on every rank.
+        TypeError: ``data`` is one tensor or one dict.
 
     A failure part-way puts the model back as it was (weights, biases, scales,
     observers, dtypes).
@@ -393,7 +393,7 @@ def ptq(
             f"ptq: {sorted(options)} (learned-rounding settings) do not apply to "
             "method='calibrate', which learns no rounding"
         )
-    batches = fast_layout(model, _batches(data, num_batches, "ptq"), input_fn)
+    batches = fast_layout(model, batch_list(data, num_batches, "ptq", ranks="equal"), input_fn)
     rounding = {}
     if method != "calibrate":
         _check_options(options)

@@ -32,7 +32,7 @@ the blocks it could not record.
    weights alone, without fitting the activations' rounding error of the
    calibration samples. That is worse where the activations are int8 (their
    error is what the learning takes away), better where the most sensitive
-   ones are int16 (``docs/accuracy.md``, fourteenth session).
+   ones are int16 (``docs/accuracy_log.md``, fourteenth session).
 2. **bias correction** (Nagel et al. 2019, empirical): the mean shift per
    output channel that quantizing the weights causes, ``E[(W_q - W) x]`` on
    the inputs the layer sees in the quantized model, is subtracted from its
@@ -60,6 +60,7 @@ from tabulate import tabulate
 from torch import Tensor, nn
 from torch.fx import Graph, GraphModule, Interpreter, Node
 
+from fxq.calibration.data import batch_list
 from fxq.calibration.runner import (
     average_over_ranks,
     batch_arguments,
@@ -899,9 +900,7 @@ def weight_reconstruction(
 
     A failure part-way (an exception, Ctrl-C) restores the model's weights and biases.
     """
-    batches = list(data) if num_batches is None else [b for _, b in zip(range(num_batches), data)]
-    if not batches:
-        raise ValueError("weight_reconstruction: the data yielded no batch")
+    batches = batch_list(data, num_batches, "weight_reconstruction", ranks="nonempty")
     if num_samples is not None:
         batches = leading_batches(model, batches, num_samples, input_fn)
     batches = fast_layout(model, batches, input_fn)

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.fx import GraphModule
 
+from fxq.calibration.data import (
+    BatchCountAgreement,
+    agree_on_batch_count,
+    batch_arguments,
+    check_data,
+    check_num_batches,
+    each_batch,
+    no_batch_error,
+)
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
 from fxq.observer import synchronized, world_size
+from fxq.utils.warning_summary import summarises_warnings
 
 __all__ = [
     "calibrate",
@@ -26,51 +35,6 @@ __all__ = [
     "average_over_ranks",
     "fast_layout",
 ]
-
-
-def _positional_count(model: nn.Module) -> int | None:
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    count = 0
-    for p in params:
-        if p.kind is inspect.Parameter.VAR_POSITIONAL:
-            return None
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
-            count += 1
-    return count
-
-
-def batch_arguments(
-    model: nn.Module, batch: Any, input_fn: Callable[[Any], Any] | None = None
-) -> tuple[tuple, dict]:
-    """How to call ``model`` on one batch.
-
-    * ``input_fn(batch)`` decides when given (it returns the positional
-      arguments, or a dict of keyword arguments);
-    * a tensor is the one argument;
-    * a tuple / list is the positional arguments, cut to the number ``forward``
-      takes, so ``(images, labels)`` from a DataLoader calls ``model(images)``;
-    * a dict whose keys are all ``forward`` parameters is keyword arguments;
-      any other dict is passed as the one argument.
-    """
-    if input_fn is not None:
-        batch = input_fn(batch)
-        if isinstance(batch, Mapping):
-            return (), dict(batch)
-        return (tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)), {}
-    if isinstance(batch, (tuple, list)):
-        count = _positional_count(model)
-        return tuple(batch[:count] if count is not None else batch), {}
-    if isinstance(batch, Mapping):
-        try:
-            names = set(inspect.signature(model.forward).parameters)
-        except (TypeError, ValueError):
-            names = set()
-        if batch and set(batch) <= names:
-            return (), dict(batch)
-    return (batch,), {}
 
 
 # tensor methods whose result depends on the memory layout (a ``view`` of a channels_last
@@ -177,6 +141,9 @@ def progress(
         sys.stderr.write("\n")
 
 
+_END = object()
+
+
 def run_batches(
     model: nn.Module,
     data: Iterable[Any],
@@ -184,39 +151,54 @@ def run_batches(
     input_fn: Callable[[Any], Any] | None = None,
     label: str = "running",
     show_progress: bool | None = None,
+    who: str = "run_batches",
+    agreement: BatchCountAgreement | None = None,
 ) -> list[Any]:
     """Run ``model`` on up to ``num_batches`` batches without gradients; return the outputs.
 
+    ``data`` follows ``fxq.calibration.data``'s contract. With ``agreement``, the ranks
+    of a distributed run agree before each batch that every rank has one.
+
     Raises:
-        ValueError: when ``num_batches`` is not a positive integer.
+        ValueError: when ``num_batches`` is not a positive integer (naming ``who``), or the
+            ranks run out of batches at different steps.
+        TypeError: when ``data`` is one tensor or one dict (wrap it in a list).
     """
-    if num_batches is not None and (
-        isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1
-    ):
-        raise ValueError(
-            f"num_batches must be a positive integer or None (every batch), got {num_batches!r}"
-        )
+    batches = each_batch(data, num_batches, who)
     total = num_batches
     if total is None:
         try:
             total = len(data)  # type: ignore[arg-type]
         except TypeError:
             total = None
-    outputs = []
 
-    def limited() -> Iterator[Any]:
-        for i, batch in enumerate(data):
-            if num_batches is not None and i >= num_batches:
+    def agreed() -> Iterator[Any]:
+        while True:
+            batch = next(batches, _END)
+            if agreement is not None and not agreement.step(batch is not _END):
+                return
+            if batch is _END:
                 return
             yield batch
 
+    outputs = []
     with torch.no_grad():
-        for batch in progress(limited(), total, label, show_progress):
+        for batch in progress(agreed(), total, label, show_progress):
             args, kwargs = batch_arguments(model, batch, input_fn)
             outputs.append(model(*args, **kwargs))
     return outputs
 
 
+def _known_length(data: Any, num_batches: int | None) -> int | None:
+    """How many batches ``data`` will yield, when it says (``len``), capped at ``num_batches``."""
+    try:
+        count = len(data)
+    except TypeError:
+        return None
+    return count if num_batches is None else min(count, num_batches)
+
+
+@summarises_warnings("fxq.calibration.calibrate")
 def calibrate(
     model: nn.Module,
     data: Iterable[Any],
@@ -240,37 +222,59 @@ def calibrate(
 
     Args:
         model: the model from ``prepare_qat_fx``.
-        data: an iterable of batches (tensors, tuples such as ``(images,
-            labels)``, or dicts; see ``batch_arguments``).
-        num_batches: stop after this many batches.
+        data: an iterable of batches: tensors, tuples such as ``(images,
+            labels)`` (the model gets the images), or dicts of keyword inputs
+            (keys that are no input, such as ``"label"``, are left out); see
+            ``fxq.calibration.data``. A single tensor is refused: wrap it in a list.
+        num_batches: stop after this many batches (a positive integer).
         input_fn: maps a batch to the model's arguments.
         show_progress: draw a progress bar (default: when stderr is a terminal).
         sync_ranks: in a ``torch.distributed`` run with several ranks, combine
             every batch's activation statistics over the ranks
             (``fxq.observer.synchronized``), so N ranks on N shards get the
             scales one process gets on all the data. Every rank must then run
-            the same number of batches; False keeps each rank's own statistics.
+            the same number of batches: the ranks agree on it first (from
+            ``len(data)`` when it has one, else batch by batch), and uneven or
+            empty shards raise the same error on every rank. False keeps each
+            rank's own statistics.
 
     Returns:
         ``model``, calibrated (still in CALIBRATION state).
 
     Raises:
         ValueError: when ``model`` has no fake quant, ``num_batches`` is not a
-            positive integer, or ``data`` yielded no batch.
+            positive integer, ``data`` yielded no batch, or (``sync_ranks``) the
+            ranks have different numbers of batches.
+        TypeError: when ``data`` is one tensor or one dict.
     """
     saved = _ModelModes(model)
     try:
+        check_num_batches(num_batches, "calibrate")
+        check_data(data, "calibrate")
+        ranks = sync_ranks and world_size() > 1
+        known = _known_length(data, num_batches) if ranks else None
+        if known is not None:  # before any collective on statistics
+            agree_on_batch_count(known, "calibrate")
         set_fake_quantize(model, FakeQuantState.CALIBRATION)
         model.eval()
         sync = synchronized(model) if sync_ranks else contextlib.nullcontext(model)
         with sync:
-            outputs = run_batches(model, data, num_batches, input_fn, "calibrating", show_progress)
+            outputs = run_batches(
+                model,
+                data,
+                num_batches,
+                input_fn,
+                "calibrating",
+                show_progress,
+                who="calibrate",
+                agreement=BatchCountAgreement("calibrate") if ranks else None,
+            )
         if not outputs:
-            raise ValueError(
-                f"calibrate: `data` ({type(data).__name__}) yielded no batch, so nothing was "
-                "observed. Pass a non-empty iterable of batches (a DataLoader, or a list of "
-                "tensors); an iterator or generator can only be consumed once. The model was left "
-                "in the mode and fake-quant state it had."
+            raise no_batch_error(
+                data,
+                "calibrate",
+                note="Nothing was observed; the model was left in the mode and fake-quant "
+                "state it had.",
             )
     except BaseException:
         saved.restore()

@@ -12,6 +12,7 @@ name, and a float model is compared through its fused graph.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from fxq.calibration.data import batch_arguments, positional_arguments
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, fake_quantize_ste
 from fxq.fx.fuse import fuse_fx
 from fxq.fx.tracer import bind_root, call_wrapped_method
@@ -30,6 +32,10 @@ from fxq.quantized.base import QuantizedModule
 
 __all__ = [
     "is_fxq_model",
+    "is_converted",
+    "require_fake_quant_model",
+    "vendor_argument_ignored",
+    "model_inputs",
     "as_graph",
     "as_inputs",
     "snapshot",
@@ -43,6 +49,55 @@ __all__ = [
 def is_fxq_model(model: nn.Module) -> bool:
     """True for a model made by ``prepare_qat_fx`` or ``convert_fx``."""
     return any(isinstance(m, (FakeQuantize, QATModule, QuantizedModule)) for m in model.modules())
+
+
+def is_converted(model: nn.Module) -> bool:
+    """True for a model made by ``convert_fx`` (it holds integer modules)."""
+    return any(isinstance(m, QuantizedModule) for m in model.modules())
+
+
+def require_fake_quant_model(model: nn.Module, who: str, role: str) -> None:
+    """Raise unless ``model`` is a calibrated or QAT model from ``prepare_qat_fx``.
+
+    Raises:
+        TypeError: a float model, or a converted (integer) model, naming ``who`` and ``role``.
+    """
+    if is_converted(model):
+        raise TypeError(
+            f"{who}: {role} is a converted (integer) model from fxq.convert_fx, but a "
+            "fake-quant model is needed; pass the calibrated or QAT model from "
+            "fxq.prepare_qat_fx (the one you converted), or compare an integer model with "
+            "fxq.debug.featuremap_similarity / compare_qat_quantized"
+        )
+    if not any(isinstance(m, (FakeQuantize, QATModule)) for m in model.modules()):
+        raise TypeError(
+            f"{who}: {role} must be the calibrated or QAT model from fxq.prepare_qat_fx, "
+            f"got a float {type(model).__name__}"
+        )
+
+
+_NOTED: set[tuple[str, str]] = set()
+
+
+def vendor_argument_ignored(who: str, argument: str, why: str) -> None:
+    """Warn once per process that ``who`` accepts the vendor plugin's ``argument`` but
+    ignores it, and why (a ``UserWarning`` naming the argument)."""
+    if (who, argument) in _NOTED:
+        return
+    _NOTED.add((who, argument))
+    warnings.warn(
+        f"{who}: `{argument}` (an argument of the vendor plugin's tool) is accepted and "
+        f"ignored: {why}",
+        stacklevel=3,
+    )
+
+
+def model_inputs(
+    model: nn.Module, batch: Any, input_fn: Callable[[Any], Any] | None = None
+) -> tuple:
+    """One batch (``fxq.calibration.data``) as the positional arguments of ``model``'s
+    forward, for runners that take positional arguments only (``torch.fx.Interpreter``)."""
+    return positional_arguments(model, *batch_arguments(model, batch, input_fn))
 
 
 def as_graph(model: nn.Module, role: str = "model") -> GraphModule:

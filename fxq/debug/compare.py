@@ -19,7 +19,8 @@ import torch
 from tabulate import tabulate
 from torch import Tensor, nn
 
-from fxq.debug.capture import as_inputs, snapshot
+from fxq.calibration.data import batch_arguments, one_batch
+from fxq.debug.capture import snapshot
 from fxq.fake_quantize import FakeQuantState, set_fake_quantize
 from fxq.qat.base import QATModule
 from fxq.qtensor import QTensor
@@ -47,7 +48,7 @@ def float_fake_quant(model: nn.Module) -> Iterator[nn.Module]:
                 m.simulate_integer = value
 
 
-def _capture(model: nn.Module, kind: type, inputs: tuple) -> dict[str, list[Any]]:
+def _capture(model: nn.Module, kind: type, inputs: Any) -> dict[str, list[Any]]:
     outputs: dict[str, list[Any]] = {}
     hooks = []
     for name, module in model.named_modules():
@@ -57,9 +58,10 @@ def _capture(model: nn.Module, kind: type, inputs: tuple) -> dict[str, list[Any]
                     lambda m, i, o, name=name: outputs.setdefault(name, []).append(snapshot(o))
                 )
             )
+    args, kwargs = batch_arguments(model, inputs)
     try:
         with torch.no_grad():
-            model(*inputs)
+            model(*args, **kwargs)
     finally:
         for h in hooks:
             h.remove()
@@ -78,7 +80,8 @@ def compare_qat_quantized(
         qat_model: the model from ``prepare_qat_fx``; it is put in VALIDATION
             state for the comparison (its state is restored after).
         quantized_model: the model from ``convert_fx`` of it.
-        inputs: one input or a tuple of positional inputs.
+        inputs: one batch (``fxq.calibration.data``): a tensor, a tuple whose first
+            elements are the inputs, or a dict of keyword inputs.
         show: print the table (tabulate).
 
     Returns:
@@ -86,8 +89,11 @@ def compare_qat_quantized(
         elements that agree exactly), ``max_lsb`` (largest difference in
         output steps; for float outputs, the largest absolute difference),
         ``elements``.
+
+    Raises:
+        ValueError: ``inputs`` is empty or holds no sample.
     """
-    inputs = as_inputs(inputs)
+    one_batch(inputs, "compare_qat_quantized")
     states = {m: m.state for m in qat_model.modules() if hasattr(m, "state")}
     training = qat_model.training
     set_fake_quantize(qat_model, FakeQuantState.VALIDATION)

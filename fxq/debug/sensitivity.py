@@ -13,7 +13,13 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Interpreter, Node
 
-from fxq.debug.capture import as_inputs, call_function_bound, eval_no_grad, is_fxq_model
+from fxq.calibration.data import batch_arguments, one_or_more_batches, positional_arguments
+from fxq.debug.capture import (
+    call_function_bound,
+    eval_no_grad,
+    is_fxq_model,
+    require_fake_quant_model,
+)
 from fxq.debug.compare import float_fake_quant
 from fxq.debug.metrics import Similarity, flat, similarity_for
 from fxq.debug.report import HtmlPage, figure, text_table, write_text
@@ -210,12 +216,6 @@ def _toggled(value: QuantizedValue, mode: str, dtype: QDType | None) -> Iterator
             fq.scale.copy_(saved[1])
 
 
-def _batches(inputs: Any) -> list[tuple]:
-    if isinstance(inputs, list):
-        return [as_inputs(b) for b in inputs]
-    return [as_inputs(inputs)]
-
-
 def sensitivity(
     float_model: nn.Module,
     calib_model: GraphModule,
@@ -227,6 +227,7 @@ def sensitivity(
     show: bool = False,
     top: int = 30,
     kinds: Sequence[str] | None = None,
+    input_fn: Callable[[Any], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The model-output error caused by each quantized value alone, worst first.
 
@@ -262,7 +263,9 @@ def sensitivity(
         float_model: the float model (its outputs are the reference).
         calib_model: the calibrated (or QAT) model from ``prepare_qat_fx``; its
             fake-quant states and scales are restored after.
-        inputs: one input, a tuple of positional inputs, or a list of such batches.
+        inputs: one batch (a tensor, a tuple whose first elements are the inputs, a
+            dict of keyword inputs) or a list (any iterable) of batches
+            (``fxq.calibration.data``).
         metric: ``"sqnr"`` (default), ``"cosine"``, ``"mse"``, ``"l1"``, or a callable
             ``(reference, output) -> float`` (higher means better) on the model outputs
             of all batches concatenated (flattened, float64).
@@ -275,6 +278,7 @@ def sensitivity(
         kinds: only these kinds of value (``"activation"``, ``"weight"``, ``"input"`` for
             a standalone module's inputs); e.g. ``("activation",)`` halves the cost when
             only activations can change (choosing int16 layers).
+        input_fn: maps a batch to the models' arguments.
 
     Returns:
         one dict per quantized value, most harmful first: ``rank``, ``name``, ``kind``
@@ -284,8 +288,10 @@ def sensitivity(
         on the first row).
 
     Raises:
-        TypeError: ``calib_model`` is not a model from ``prepare_qat_fx``.
-        ValueError: an unknown mode or metric, or no quantized value.
+        TypeError: ``calib_model`` is not a model from ``prepare_qat_fx`` (a converted,
+            integer model included).
+        ValueError: an unknown mode or metric, no quantized value, or no batch (``[]``,
+            a batch of zero samples).
     """
     if mode not in SENSITIVITY_MODES:
         raise ValueError(f"sensitivity: mode must be one of {SENSITIVITY_MODES}, got {mode!r}")
@@ -294,6 +300,8 @@ def sensitivity(
             "sensitivity: calib_model must be the calibrated or QAT model returned by "
             f"fxq.prepare_qat_fx, got {type(calib_model).__name__}"
         )
+    require_fake_quant_model(calib_model, "sensitivity", "calib_model")
+    batches = one_or_more_batches(inputs, "sensitivity")
     sim = similarity_for(metric or "sqnr")
     target_dtype = as_qdtype(dtype) if dtype is not None else None
     if target_dtype is not None:
@@ -311,14 +319,15 @@ def sensitivity(
     if not values:
         raise ValueError("sensitivity: calib_model has no quantized value")
     start = time.perf_counter()
-    batches = _batches(inputs)
     reference: list[Tensor] = []
     outputs: list[list[Tensor]] = [[] for _ in values]
     baseline: list[Tensor] = []
     runner = _SuffixRunner(calib_model)
     with eval_no_grad(float_model, calib_model), _state(calib_model, mode):
-        for args in batches:
-            reference.append(_flat(float_model(*args)))
+        for batch in batches:
+            float_args, float_kwargs = batch_arguments(float_model, batch, input_fn)
+            reference.append(_flat(float_model(*float_args, **float_kwargs)))
+            args = positional_arguments(calib_model, *batch_arguments(calib_model, batch, input_fn))
             baseline.append(_flat(runner.run_base(*args)))
             for i, value in enumerate(values):
                 if target_dtype is not None and value.fake_quant.dtype.bits >= target_dtype.bits:

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
+from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.fx import GraphModule, Node
+from torch.utils._pytree import tree_flatten
 
+from fxq.calibration.data import one_batch
 from fxq.debug.capture import (
     Recorder,
     as_graph,
-    as_inputs,
     eval_no_grad,
+    model_inputs,
     node_type,
     output_scale,
     snapshot,
+    vendor_argument_ignored,
 )
 from fxq.debug.metrics import Similarity, cosine, flat, l1, max_abs, mse, similarity_for, sqnr
 from fxq.debug.report import HtmlPage, figure, text_table, write_text
@@ -55,6 +60,10 @@ def featuremap_similarity(
     out_dir: str | Path | None = None,
     show: bool = False,
     worst: int = 5,
+    *,
+    threshold: float | None = None,
+    devices: Any = None,
+    input_fn: Callable[[Any], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run two versions of a model on the same inputs and compare every layer's output.
 
@@ -75,8 +84,9 @@ def featuremap_similarity(
     Args:
         model1: the reference model (usually the float model).
         model2: the model to check.
-        inputs: one input or a tuple of positional inputs (a few samples are
-            enough; every layer's output of ``model1`` is held in memory).
+        inputs: one batch (``fxq.calibration.data``): a tensor, a tuple whose first
+            elements are the positional inputs, or a dict of keyword inputs (a few
+            samples are enough; every layer's output of ``model1`` is held in memory).
         similarity_func: the measure of the ``similarity`` and ``op_similarity``
             columns and of the ordering: ``"cosine"`` (vendor default), ``"sqnr"``,
             ``"mse"``, ``"l1"``, ``"max_abs"``, or a callable ``(reference, test) ->
@@ -87,6 +97,15 @@ def featuremap_similarity(
             worst layers marked, and the table).
         show: print the table.
         worst: how many layers the HTML marks as worst.
+        threshold: print the layers whose ``similarity`` is worse than this (below it
+            for cosine / SQNR, above it for MSE / L1...), as the vendor plugin does.
+        devices: the vendor plugin's device choice; ignored (with a warning): the models
+            run where they are.
+        input_fn: maps ``inputs`` to the models' arguments.
+
+    The vendor plugin's positional order ``(model1, model2, inputs, similarity_func,
+    threshold, devices, out_dir)`` is accepted too: a number where ``out_dir`` stands is
+    the threshold.
 
     Returns:
         one dict per layer of ``model2``, in run order: ``index``, ``layer`` (node
@@ -100,16 +119,28 @@ def featuremap_similarity(
 
     Raises:
         TypeError: a model is no ``nn.Module`` or an fxq model that is not a GraphModule.
-        ValueError: an unknown ``similarity_func``, or no layer in common.
+        ValueError: an unknown ``similarity_func``; no layer in common; ``inputs`` with no
+            sample; or models of different structure (a layer whose outputs differ in
+            shape, named with both shapes).
     """
+    if isinstance(worst, (str, os.PathLike)):  # the vendor's order, up to out_dir
+        out_dir, threshold, devices, show, worst = worst, out_dir, show, False, 5
+    elif isinstance(out_dir, Real) and not isinstance(out_dir, bool):  # ... up to threshold
+        threshold, out_dir = out_dir, None
+        if not isinstance(show, bool):
+            devices, show = show, False
+    if devices is not None:
+        vendor_argument_ignored(
+            "featuremap_similarity", "devices", "the models run on the device they are on"
+        )
     sim = similarity_for(similarity_func)
-    inputs = as_inputs(inputs)
+    one_batch(inputs, "featuremap_similarity")
     g1, g2 = as_graph(model1, "model1"), as_graph(model2, "model2")
     with eval_no_grad(g1, g2), _Standalone(g1, g2) as standalone:
         first = Recorder(g1)
-        first.run(*inputs)
+        first.run(*model_inputs(g1, inputs, input_fn))
         second = Recorder(g2, reference=first)
-        second.run(*inputs)
+        second.run(*model_inputs(g2, inputs, input_fn))
         rows = _rows(g1, g2, first, second, sim)
         rows += standalone.rows(sim, len(rows))
     if not rows:
@@ -119,9 +150,32 @@ def featuremap_similarity(
         )
     if show:
         print(text_table(_renamed(rows, sim), _columns(sim)))
+    if threshold is not None:
+        beyond = [
+            r
+            for r in rows
+            if sim.worst_first_key(r["similarity"]) < sim.worst_first_key(float(threshold))
+        ]
+        print(
+            f"{len(beyond)} layer(s) with {sim.name} worse than {threshold}:\n"
+            + text_table(_renamed(beyond, sim), _columns(sim))
+        )
     if out_dir is not None:
         write_similarity_files(rows, Path(out_dir), sim, worst)
     return rows
+
+
+def _shapes(value: Any) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
+
+
+def _structure_error(layer: str, ref: Any, out: Any) -> ValueError:
+    return ValueError(
+        f"featuremap_similarity: layer {layer!r} gives output shape(s) {_shapes(ref)} in "
+        f"model1 but {_shapes(out)} in model2: the models differ in structure (e.g. in "
+        "width), so their layers cannot be compared. Pass a float model and a model prepared "
+        "or converted from it"
+    )
 
 
 class _Standalone:
@@ -161,8 +215,10 @@ class _Standalone:
             ones, twos = self.calls.get((path, 0), []), self.calls.get((path, 1), [])
             for i, ((args1, ref), (_, out)) in enumerate(zip(ones, twos)):
                 a, b = flat(ref), flat(out)
-                if a is None or b is None or a.shape != b.shape:
+                if a is None or b is None:
                     continue
+                if a.shape != b.shape:
+                    raise _structure_error(path, ref, out)
                 try:
                     same = flat(m2(*args1))  # quantizes its own (float) inputs
                 except Exception:
@@ -219,8 +275,10 @@ def _rows(
         out = second.values[node.name]
         ref = _reference(first, second, node)
         a, b = flat(ref), flat(out)
-        if a is None or b is None or a.shape != b.shape:
+        if a is None or b is None:
             continue
+        if a.shape != b.shape:
+            raise _structure_error(node.name, ref, out)
         scale = output_scale(g2, node, out)
         if scale is None and node.name in g1_nodes:
             scale = output_scale(g1, g1_nodes[node.name], ref)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,16 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
-from fxq.debug.capture import Recorder, as_graph, as_inputs, eval_no_grad, node_type, output_scale
+from fxq.calibration.data import one_batch
+from fxq.debug.capture import (
+    Recorder,
+    as_graph,
+    eval_no_grad,
+    model_inputs,
+    node_type,
+    output_scale,
+    vendor_argument_ignored,
+)
 from fxq.debug.metrics import flat
 from fxq.debug.report import HtmlPage, figure, text_table, write_text
 from fxq.dtypes import qint8
@@ -42,18 +51,27 @@ STATISTIC_COLUMNS = (
 
 def get_raw_features(
     model: nn.Module,
-    inputs: Any,
+    inputs: Any = None,
     prefixes: Sequence[str] | str | None = None,
     types: Sequence[type | str] | None = None,
     float_values: bool = False,
+    *,
+    example_inputs: Any = None,
+    input_fn: Callable[[Any], Any] | None = None,
+    device: Any = None,
+    preserve_int: bool = False,
+    use_class_name: bool = False,
+    skip_identity: bool = False,
 ) -> list[dict[str, Any]]:
     """Every layer's inputs and outputs on ``inputs``, with the scale that quantizes them.
 
     Args:
         model: a float model, a model from ``prepare_qat_fx`` or from ``convert_fx``
             (layers are the nodes of its graph; a float model is fused first).
-        inputs: one input or a tuple of positional inputs (the values are kept:
-            use a few samples).
+        inputs: one batch (``fxq.calibration.data``): a tensor, a tuple whose first
+            elements are the positional inputs, or a dict of keyword inputs (the values
+            are kept: use a few samples). The vendor plugin's name ``example_inputs=``
+            is accepted too.
         prefixes: keep only layers whose node name or module path starts with one of these.
         types: keep only layers whose module is an instance of one of these classes
             (or whose type name is one of these strings, e.g. ``"Conv2d"``).
@@ -61,17 +79,41 @@ def get_raw_features(
             bypassed, no statistics updated) so that ``clipped`` / ``to_zero``
             tell what the scales would do to them; otherwise the model runs as
             it is (in VALIDATION its outputs already lie on their grids).
+        input_fn: maps ``inputs`` to the model's arguments.
+        device, preserve_int, use_class_name, skip_identity: the vendor plugin's
+            options, accepted and ignored with a warning when set (the model runs where
+            it is; ``data`` is always float; ``type`` is the class name; fxq's graphs
+            record no identity layers).
 
     Returns:
         one dict per recorded tensor, in run order: ``layer`` (node name), ``module``,
         ``type``, ``attr`` (``"output"`` or ``"input0"``, ``"input1"``...), ``data``
         (a float tensor; a ``QTensor`` dequantized), ``scale`` (float or None),
         ``dtype`` (``"qint8"``... or the torch dtype), ``qmax``.
+
+    Raises:
+        ValueError: no inputs, or inputs with no sample.
     """
+    if (inputs is None) == (example_inputs is None):
+        raise ValueError(
+            "get_raw_features: pass the model's inputs once, as `inputs` (or the vendor "
+            "plugin's name `example_inputs`)"
+        )
+    inputs = example_inputs if inputs is None else inputs
+    if not isinstance(float_values, bool):  # the vendor's order: (..., types, device, ...)
+        device, float_values = float_values, False
+    for name, value, why in (
+        ("device", device is not None, "the model runs on the device it is on"),
+        ("preserve_int", preserve_int, "`data` is the float value (a QTensor dequantized)"),
+        ("use_class_name", use_class_name, "`type` already holds the class name"),
+        ("skip_identity", skip_identity, "fxq's graphs hold no identity layers to skip"),
+    ):
+        if value:
+            vendor_argument_ignored("get_raw_features", name, why)
     if isinstance(prefixes, str):
         prefixes = (prefixes,)
     gm = as_graph(model, "model")
-    inputs = as_inputs(inputs)
+    one_batch(inputs, "get_raw_features")
     features: list[dict[str, Any]] = []
 
     def keep(node: Node) -> bool:
@@ -80,7 +122,7 @@ def get_raw_features(
     context = bypass(gm) if float_values else contextlib.nullcontext()
     with eval_no_grad(gm), context:
         recorder = Recorder(gm, keep=keep)
-        recorder.run(*inputs)
+        recorder.run(*model_inputs(gm, inputs, input_fn))
     for node in gm.graph.nodes:
         if node.name not in recorder.values or node.op == "placeholder":
             continue
@@ -93,11 +135,11 @@ def _selected(
 ) -> bool:
     if node.op not in ("call_module", "call_function", "call_method"):
         return True
-    if prefixes is not None:
+    if prefixes:  # None or () (the vendor's default): every layer
         names = (node.name, str(node.target))
         if not any(n.startswith(p) for n in names for p in prefixes):
             return False
-    if types is not None:
+    if types:
         module = gm.get_submodule(node.target) if node.op == "call_module" else None
         kind = node_type(gm, node)
         ok = False
@@ -178,6 +220,12 @@ def profile_featuremap(
     out_dir: str | Path | None = None,
     show: bool = False,
     histograms: bool = True,
+    *,
+    file_name: str | None = None,
+    with_tensorboard: bool = False,
+    tensorboard_dir: str | None = None,
+    print_per_channel_scale: bool = False,
+    show_per_channel: bool = False,
 ) -> list[dict[str, Any]]:
     """Statistics of features from ``get_raw_features``, and what their scales do to them.
 
@@ -188,6 +236,13 @@ def profile_featuremap(
             layer output with the quantization range overlaid).
         show: print the tables.
         histograms: draw the histograms in the HTML page.
+        file_name: the files' name without extension (default ``"statistic"``).
+        with_tensorboard, tensorboard_dir, print_per_channel_scale, show_per_channel: the
+            vendor plugin's options, accepted; when set they are ignored with a warning
+            (fxq writes no TensorBoard logs: the histograms are in the HTML page, and
+            activations have one scale each). The vendor's positional order
+            ``(featuremap, with_tensorboard, tensorboard_dir, ...)`` is accepted too: a
+            bool where ``out_dir`` stands is ``with_tensorboard``.
 
     Returns:
         one dict per feature, in run order: ``layer``, ``module``, ``type``, ``attr``,
@@ -197,6 +252,32 @@ def profile_featuremap(
         step, which round to 0), ``nan``, ``inf`` (counts); the scale-based fractions
         are None without a scale.
     """
+    if isinstance(out_dir, bool):  # the vendor's positional order
+        with_tensorboard, out_dir = out_dir, None
+        if isinstance(show, str):
+            tensorboard_dir, show = show, False
+    for name, value, why in (
+        (
+            "with_tensorboard",
+            with_tensorboard,
+            "fxq writes no TensorBoard logs; the histograms are in the HTML page (out_dir)",
+        ),
+        (
+            "tensorboard_dir",
+            tensorboard_dir is not None,
+            "fxq writes no TensorBoard logs; pass out_dir for the HTML page with the histograms",
+        ),
+        (
+            "print_per_channel_scale",
+            print_per_channel_scale,
+            "activations have one scale each; compare_weights gives the weights' per-channel "
+            "scales",
+        ),
+        ("show_per_channel", show_per_channel, "statistics are per tensor"),
+    ):
+        if value:
+            vendor_argument_ignored("profile_featuremap", name, why)
+    stem = file_name or "statistic"
     rows = [_statistics(f) for f in features]
     sorted_rows = sorted(rows, key=lambda r: -r["range"] if r["range"] == r["range"] else 0)
     text = (
@@ -208,8 +289,8 @@ def profile_featuremap(
         print(text)
     if out_dir is not None:
         out = Path(out_dir)
-        write_text(out / "statistic.txt", text)
-        _write_html(features, rows, sorted_rows, out, histograms)
+        write_text(out / f"{stem}.txt", text)
+        _write_html(features, rows, sorted_rows, out, histograms, stem)
     return rows
 
 
@@ -274,6 +355,7 @@ def _write_html(
     sorted_rows: list[dict[str, Any]],
     out: Path,
     histograms: bool,
+    stem: str = "statistic",
 ) -> None:
     page = HtmlPage("feature map statistics")
     page.paragraph(
@@ -290,4 +372,4 @@ def _write_html(
         for f in features:
             if f["attr"] == "output":
                 page.figure(_histogram(f), f"{f['layer']} output", f"hist-{_slug(f['layer'])}")
-    page.write(out / "statistic.html")
+    page.write(out / f"{stem}.html")

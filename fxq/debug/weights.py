@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from fxq.debug.capture import as_graph, is_fxq_model
-from fxq.debug.metrics import cosine, sqnr
+from fxq.debug.capture import as_graph, is_fxq_model, vendor_argument_ignored
+from fxq.debug.metrics import SIMILARITIES, cosine, similarity_for, sqnr
 from fxq.debug.report import HtmlPage, figure, text_table, write_text
 from fxq.fake_quantize import fake_quantize_ste
 from fxq.fused import Fused
@@ -39,6 +40,10 @@ def compare_weights(
     out_dir: str | Path | None = None,
     show: bool = False,
     worst_channels: int = 3,
+    *,
+    similarity_func: str | Callable[[Any, Any], float] | None = None,
+    with_tensorboard: bool = False,
+    tensorboard_dir: str | None = None,
 ) -> list[dict[str, Any]]:
     """Per weighted layer, the float weight against its quantized weight, per output channel.
 
@@ -57,6 +62,15 @@ def compare_weights(
             (per-channel SQNR of the worst layers).
         show: print the table.
         worst_channels: how many channels ``worst_channels`` names.
+        similarity_func: also measure each whole weight with this (``"cosine"``,
+            ``"sqnr"``, ``"mse"``, ``"l1"``, ``"max_abs"`` in any case, or a callable
+            ``(reference, test) -> float``): the ``similarity`` key of each row.
+        with_tensorboard, tensorboard_dir: the vendor plugin's options, accepted; when
+            set they are ignored with a warning (fxq writes no TensorBoard logs).
+
+    The vendor plugin's positional order ``(float_model, qat_quantized_model,
+    similarity_func, with_tensorboard, tensorboard_dir, out_dir)`` is accepted too: a
+    similarity name or callable where ``out_dir`` stands is ``similarity_func``.
 
     Returns:
         one dict per weighted layer, worst layer (lowest ``min_channel_sqnr``) first:
@@ -64,12 +78,27 @@ def compare_weights(
         ``min_channel_sqnr``, ``worst_channels`` (``"3:12.1dB 0:25.3dB"``: channel and
         its SQNR), ``channel_sqnr`` (every channel, a list), ``max_abs``, ``max_lsb``
         (largest error in steps of the channel's scale: at most 0.5 unless the
-        weight changed since its scale was set), ``scale_min``, ``scale_max``.
+        weight changed since its scale was set), ``scale_min``, ``scale_max``, and
+        ``similarity`` when ``similarity_func`` is given.
 
     Raises:
         TypeError: ``qat_or_integer_model`` is no fxq model.
         ValueError: no weighted layer in common.
     """
+    if callable(out_dir) or (isinstance(out_dir, str) and out_dir.lower() in SIMILARITIES):
+        similarity_func, out_dir = out_dir, None  # the vendor's positional order
+        with_tensorboard, show = with_tensorboard or bool(show), False
+        if isinstance(worst_channels, str):
+            tensorboard_dir, worst_channels = worst_channels, 3
+    if with_tensorboard:
+        vendor_argument_ignored(
+            "compare_weights", "with_tensorboard", "fxq writes no TensorBoard logs; pass out_dir"
+        )
+    if tensorboard_dir is not None:
+        vendor_argument_ignored(
+            "compare_weights", "tensorboard_dir", "fxq writes no TensorBoard logs; pass out_dir"
+        )
+    sim = similarity_for(similarity_func) if similarity_func is not None else None
     if not is_fxq_model(qat_or_integer_model):
         raise TypeError(
             "compare_weights: the second model must come from fxq.prepare_qat_fx or "
@@ -90,6 +119,8 @@ def compare_weights(
         if ref is None or ref.shape != weight.shape:
             continue
         rows.append(_row(path, module, ref, weight, scale, worst_channels))
+        if sim is not None:
+            rows[-1]["similarity"] = sim.fn(ref, weight)
     if not rows:
         raise ValueError(
             "compare_weights: no weighted layer in common; pass the float model and a model "

@@ -15,7 +15,6 @@ bit for bit.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import torch
 from torch import nn
@@ -31,12 +30,14 @@ from fxq.quantized.base import QuantizedModule
 from fxq.quantized.mapping import to_quantized
 from fxq.quantized.stubs import DeQuantize, UnusedQuantize
 from fxq.registry import Kind, row_for
+from fxq.utils.warning_summary import summarises_warnings, warn_per_module
 
 __all__ = ["convert_fx"]
 
 _DEQUANT_STUBS = (stubs.DeQuantStub,)
 
 
+@summarises_warnings("fxq.convert_fx")
 def convert_fx(model: GraphModule, dequantize_outputs: bool = True) -> GraphModule:
     """Lower a QAT model to the integer model.
 
@@ -202,9 +203,13 @@ class _Converter:
                         for fq in child.modules()
                         if isinstance(fq, FakeQuantize)
                     ):
-                        warnings.warn(
+                        warn_per_module(
+                            repr(path),
                             f"fxq.convert_fx: {path!r} ({type(child).__name__}) is reached only from "
                             "opaque code and never ran during calibration; it stays float",
+                            headline="reached only from opaque code and never ran during "
+                            "calibration; they stay float",
+                            what="layer",
                             stacklevel=3,
                         )
                         setattr(parent, name, child.to_float())

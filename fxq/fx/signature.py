@@ -17,15 +17,23 @@ For such a ``forward`` fxq traces a small generated function with the
 fixed value, or ``torch.fx.PH`` for a tensor input), and it calls the real
 ``forward`` (wrapper included) by keyword. The graph module then takes the
 named arguments, in order, like the model.
+
+A graph traced with example inputs checks, at each call, that it gets every
+input it was traced with (``InputCheck``): calling a model prepared with
+``example_inputs={"input_ids": ..., "attention_mask": ...}`` with
+``input_ids`` only is a ``TypeError`` naming ``attention_mask``, not an error
+deep inside the graph where the missing input (None) is first used.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
-__all__ = ["keyword_forward", "traced_parameters"]
+import torch.fx
+
+__all__ = ["InputCheck", "keyword_forward", "missing_inputs", "traced_parameters"]
 
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
@@ -120,3 +128,71 @@ def keyword_forward(
         p.name: p.annotation for p in params if isinstance(p.annotation, type)
     }
     return generated
+
+
+class InputCheck(torch.fx.CodeGen):
+    """Code generation whose ``forward`` first checks that the traced inputs are given.
+
+    An input traced with an example value but with a default in the model's
+    signature (``attention_mask=None``) can be left out of a call, and the
+    graph would then run on None. The generated ``forward`` starts with one
+    ``is None`` test of those inputs and raises a ``TypeError`` naming the
+    missing ones and what to do. Set on a graph with ``graph.set_codegen``; it
+    is kept by ``copy.deepcopy`` (so by ``prepare_qat_fx`` and ``convert_fx``).
+
+    Args:
+        model: the traced model's class name, for the message.
+        inputs: the names of the inputs the graph was traced with (a name the
+            generated ``forward`` does not take is ignored).
+
+    >>> import torch
+    >>> def f(x, mask=None):
+    ...     return x * mask
+    >>> gm = torch.fx.symbolic_trace(f)
+    >>> gm.graph.set_codegen(InputCheck("f", ["x", "mask"]))
+    >>> _ = gm.recompile()
+    >>> gm(torch.ones(1))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: f was traced with the inputs 'x', 'mask' and is called without 'mask': call ...
+    """
+
+    def __init__(self, model: str, inputs: Sequence[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.inputs = tuple(inputs)
+
+    def gen_fn_def(self, free_vars: list[str], *args: Any, **kwargs: Any) -> str:
+        fn_def = super().gen_fn_def(free_vars, *args, **kwargs)
+        taken = {v.split(":")[0].split("=")[0].strip() for v in free_vars}
+        names = [n for n in self.inputs if n in taken and n.isidentifier()]
+        if not names:
+            return fn_def
+        return (
+            f"{fn_def}\n"
+            f"    if {' or '.join(f'{n} is None' for n in names)}:\n"
+            f"        _fxq_missing_inputs({self.model!r}, {tuple(self.inputs)!r}, "
+            f"{', '.join(f'{n}={n}' for n in names)})"
+        )
+
+    def _gen_python_code(self, *args: Any, **kwargs: Any) -> Any:
+        # the failing call raises in a function, not in the generated code (where torch.fx
+        # would print the generated source around the line to stderr)
+        code = super()._gen_python_code(*args, **kwargs)
+        code.globals["_fxq_missing_inputs"] = missing_inputs
+        return code
+
+
+def missing_inputs(model: str, traced: Sequence[str], **given: Any) -> NoReturn:
+    """Raise the error of ``InputCheck``: ``model`` was called without some ``traced`` inputs.
+
+    Raises:
+        TypeError: always, naming the inputs of ``given`` that are None.
+    """
+    missing = ", ".join(repr(n) for n, v in given.items() if v is None)
+    raise TypeError(
+        f"{model} was traced with the inputs {', '.join(map(repr, traced))} and is called "
+        f"without {missing}: call it with every input it was traced with, or trace it "
+        "(fxq.symbolic_trace / fxq.prepare_qat_fx example_inputs=...) with only the inputs you "
+        "will pass; the arguments example_inputs leaves out are traced at their defaults"
+    )

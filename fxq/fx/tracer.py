@@ -52,7 +52,7 @@ from fxq.fx.example_values import NO_VALUE, ExampleValues, MetaProxy
 from fxq.fx.example_values import iterate as example_iterate
 from fxq.fx.example_values import keys as example_keys
 from fxq.fx.example_values import to_bool as example_to_bool
-from fxq.fx.signature import keyword_forward, traced_parameters
+from fxq.fx.signature import InputCheck, keyword_forward, traced_parameters
 from fxq.registry import registry_class
 
 __all__ = [
@@ -65,11 +65,15 @@ __all__ = [
     "concrete_args_for",
     "bind_root",
     "SELF",
+    "SizeQuestionError",
+    "reads_only_sizes",
 ]
 
 T = TypeVar("T")
 
 _ACTIVE: list[Tracer] = []  # tracers currently tracing (innermost last)
+#: ``GraphModule.meta`` key: the model name and inputs of its ``InputCheck`` (kept by pickle)
+_INPUT_CHECK = "fxq_input_check"
 
 
 class _SelfRef:
@@ -94,6 +98,65 @@ SELF = _SelfRef()
 
 class FxqTraceError(TraceError):
     """Tracing failed; the message names the source line and what to wrap."""
+
+
+class SizeQuestionError(TraceError):
+    """Python asked about traced tensor sizes (``if x.shape[-1] != w:``) with no example inputs.
+
+    ``fxq.symbolic_trace`` reports it as an ``FxqTraceError`` that advises
+    ``example_inputs`` first: with them such conditions are decided.
+    """
+
+
+#: tensor methods and attributes whose results are sizes, not data
+_SIZE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
+_SIZE_ATTRS = frozenset({"shape", "ndim"})
+
+
+def _is_size_read(node: torch.fx.Node) -> bool:
+    """``x.size()``, ``x.dim()``, ``x.numel()``, ``x.shape``, ``x.ndim`` or ``len(x)``."""
+    if node.op == "call_method":
+        return node.target in _SIZE_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in _SIZE_ATTRS
+    return node.target in (len, torch.numel)
+
+
+def _is_python_arithmetic(target: Any) -> bool:
+    """``operator``, ``math`` and builtin functions (``ne``, ``ceil``, ``getitem``, ``min``)."""
+    return getattr(target, "__module__", None) in ("_operator", "operator", "math", "builtins")
+
+
+def reads_only_sizes(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is computed from tensor sizes only (``shape``, ``size()``, ``dim()``...).
+
+    Walks the node's inputs back to the size reads; a path that reaches a
+    tensor's data (a graph input, a module's or an op's output) makes it False.
+
+    >>> gm = torch.fx.symbolic_trace(lambda x: x.shape[-1] * 2 != x.size(0))
+    >>> reads_only_sizes(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    True
+    >>> gm = torch.fx.symbolic_trace(lambda x: x.sum() > x.size(0))
+    >>> reads_only_sizes(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    False
+    """
+    seen: set[torch.fx.Node] = set()
+    work = [node]
+    sizes = False
+    while work:
+        n = work.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if _is_size_read(n):
+            sizes = True
+        elif n.op == "call_function" and _is_python_arithmetic(n.target):
+            work.extend(n.all_input_nodes)
+        else:
+            return False  # a graph input, a module, a buffer or a tensor op: data
+    return sizes
 
 
 _NO_ARGUMENT: Any = object()  # fx_wrap() called with no argument: the decorator factory
@@ -258,6 +321,8 @@ def _is_torch_fx_wrapped(target: Any) -> bool:
 
 
 def _torchvision_leaves() -> tuple[type, ...]:
+    if "torchvision" not in sys.modules:  # a model holds its modules only once it is imported
+        return ()
     try:
         from torchvision.ops import StochasticDepth
     except Exception:  # torchvision is optional
@@ -362,16 +427,33 @@ class Tracer(torch.fx.Tracer):
         return None
 
     def to_bool(self, obj: torch.fx.Proxy) -> bool:
-        """A condition on shapes or dtypes is decided with the example inputs' metadata."""
+        """A condition on shapes or dtypes is decided with the example inputs' metadata.
+
+        Raises:
+            SizeQuestionError: the condition reads only sizes and there are no
+                example inputs to answer it.
+        """
         known = example_to_bool(obj)
         if known is None:
+            self._check_size_question(obj)
             return super().to_bool(obj)
         self.decided.append(obj.node)
         return known
 
     def iter(self, obj: torch.fx.Proxy) -> Iterator[Any]:
         found = example_iterate(obj)
-        return super().iter(obj) if found is None else found
+        if found is None:
+            self._check_size_question(obj)
+            return super().iter(obj)
+        return found
+
+    def _check_size_question(self, obj: torch.fx.Proxy) -> None:
+        """Raise ``SizeQuestionError`` for a Python question on sizes that example inputs answer."""
+        if not self.has_example_inputs and reads_only_sizes(obj.node):
+            raise SizeQuestionError(
+                "symbolically traced variables cannot be used as inputs to control flow "
+                "(this condition reads tensor sizes, and no example inputs were given)"
+            )
 
     def keys(self, obj: torch.fx.Proxy) -> Any:
         found = example_keys(obj)
@@ -466,6 +548,10 @@ class Tracer(torch.fx.Tracer):
             graph = super().trace(root, concrete_args)
             for node in self.inlined:
                 node.meta.pop("is_wrapped", None)
+            saved = getattr(root, "meta", None)
+            if isinstance(saved, dict) and _INPUT_CHECK in saved:
+                # an unpickled graph module (torch.fx traces its code again): keep its check
+                graph.set_codegen(InputCheck(*saved[_INPUT_CHECK]))
             return graph
         except FxqTraceError:
             raise
@@ -502,7 +588,7 @@ class Tracer(torch.fx.Tracer):
                 if m is self_obj:
                     module_note = f" (module '{path or '<root>'}', {type(m).__name__})"
                     break
-        cause = _cause(frame, line, error)
+        cause = _cause(frame, line, error, sizes_known=self.has_example_inputs)
         return (
             f"fxq.symbolic_trace failed: {type(error).__name__}: {error}\n"
             f"  at {filename}:{lineno}, in {func}{module_note}:\n"
@@ -583,8 +669,10 @@ def _is_optional_argument(proxy: torch.fx.Proxy) -> bool:
     return bool(proxy.node.args) or str(proxy.node.target).startswith("*")
 
 
-def _cause(frame: Any, line: str, error: BaseException) -> str:
-    """Why tracing failed here: an argument that should be concrete, or tensor control flow."""
+def _cause(frame: Any, line: str, error: BaseException, sizes_known: bool = False) -> str:
+    """Why tracing failed here: an argument that should be concrete, a question on sizes
+    that example inputs answer (unless ``sizes_known``: the tracer has them), or tensor
+    control flow."""
     arguments = _argument_proxies(frame)
     mentioned = {n: p for n, p in arguments.items() if re.search(rf"\b{re.escape(n)}\b", line)}
     optional = {n: p for n, p in (mentioned or arguments).items() if _is_optional_argument(p)}
@@ -617,12 +705,27 @@ def _cause(frame: Any, line: str, error: BaseException) -> str:
             + _WRAP_ADVICE[0].lower()
             + _WRAP_ADVICE[1:]
         )
+    if _is_size_question(error, sizes_known):
+        return (
+            "This condition reads tensor sizes (shape, size(), dim()), which the tracer answers "
+            "from example inputs: pass example_inputs=... (inputs like those you will call the "
+            "model with) to fxq.prepare_qat_fx / fxq.symbolic_trace so sizes are known and the branch "
+            "is decided while the sizes stay graph values; or w" + _WRAP_ADVICE[1:]
+        )
     if isinstance(error, TraceError) or "Proxy" in str(error):
         return (
             "This code depends on tensor values (an `if`/`while` on a tensor, len(), iterating "
             "a tensor or other data-dependent Python), which a graph cannot record. " + _WRAP_ADVICE
         )
     return _WRAP_ADVICE
+
+
+def _is_size_question(error: BaseException, sizes_known: bool) -> bool:
+    """A condition on sizes (``SizeQuestionError``), or ``len()`` of a traced value (a size)."""
+    if isinstance(error, SizeQuestionError):
+        return True
+    is_len = isinstance(error, RuntimeError) and "'len' is not supported" in str(error)
+    return is_len and not sizes_known
 
 
 def _package_note(filename: str) -> str:
@@ -680,7 +783,8 @@ def symbolic_trace(
     elif example_inputs is not None:  # positional: the arguments after them, at their defaults
         defaults = _defaults_after(model, example_inputs, concrete_args)
         concrete_args = {**defaults, **(concrete_args or {})} if defaults else concrete_args
-    tracer = Tracer(example_inputs=_inputs_by_name(model, example_inputs, concrete_args))
+    examples = _inputs_by_name(model, example_inputs, concrete_args)
+    tracer = Tracer(example_inputs=examples)
     graph = tracer.trace(model, concrete_args)
     _drop_decided_conditions(graph, tracer.decided)
     for node in list(graph.nodes):
@@ -690,7 +794,16 @@ def symbolic_trace(
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
     _mark_concrete_placeholders(graph, model, concrete_args or {})
+    if examples:  # calls must give every input the graph was traced with
+        traced = [
+            n.target
+            for n in graph.nodes
+            if n.op == "placeholder" and n.target in examples and not n.meta.get("fxq_concrete")
+        ]
+        graph.set_codegen(InputCheck(type(model).__name__, traced))
     gm = GraphModule(model, graph, type(model).__name__)
+    if examples:  # a pickled graph module is traced again from its code: see Tracer.trace
+        gm.meta[_INPUT_CHECK] = (type(model).__name__, tuple(traced))
     if tracer.uses_root_methods:
         _attach_root_state(gm, model)
     return gm

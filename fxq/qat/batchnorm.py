@@ -2,7 +2,8 @@
 
 In the integer model it is ``x * a + b`` with ``a = gamma / std`` quantized
 per channel (like a depthwise 1x1 conv weight) and ``b`` an int32 bias; the
-QAT module mirrors that, and trains the statistics like a fused conv + BN.
+QAT module mirrors that, and trains the statistics like a fused conv + BN
+(a channel with gamma = 0 outputs beta in every state, as its factor of 0 does).
 """
 
 from __future__ import annotations
@@ -76,7 +77,13 @@ class BatchNorm(QATModule):
         a_q = self.weight_fake_quant(factor)
         shape = self._shape(x.dim())
         if self.training and not self.freeze_bn and self.state is not FakeQuantState.VALIDATION:
-            y = self.bn(x * (a_q / factor).reshape(shape))
+            # the BatchNorm trains on batch statistics of x scaled by the quantization error of
+            # its factor. A channel whose factor cannot be inverted (gamma = 0: timm LeViT's
+            # zero-initialised layers) takes x unscaled: the BatchNorm outputs beta there, as the
+            # quantized factor of 0 does at deployment, and its statistics stay right.
+            invertible = torch.isfinite(factor.detach().reciprocal())
+            ratio = a_q / torch.where(invertible, factor, 1.0)
+            y = self.bn(x * torch.where(invertible, ratio, 1.0).reshape(shape))
         else:
             b = quantize_bias(
                 self.folded_bias(),

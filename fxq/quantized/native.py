@@ -5,8 +5,9 @@ passes in torch (convert, multiply, round, clamp, convert); the C kernel in
 ``native_kernels.c`` does it in one. It is compiled on first use with the
 system C compiler into ``~/.cache/fxq`` (or ``$FXQ_CACHE_DIR``) and computes
 exactly what ``fxq.quantized.functional.requantize_exact`` computes in torch
-(the tests compare both bit for bit). Without a compiler, or with
-``FXQ_NATIVE=0``, fxq uses the torch path: same results, slower.
+(the tests compare both bit for bit). Without a compiler, or when the build
+fails, fxq warns once with the reason and uses the torch path: same results,
+slower; ``FXQ_NATIVE=0`` chooses the torch path without a warning.
 
 Graph captures: the kernels are also the torch custom ops ``fxq::requantize``
 and ``fxq::requantize_add`` (``torch.library``, with fake implementations), so
@@ -78,10 +79,44 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("FXQ_CACHE_DIR") or Path.home() / ".cache" / "fxq")
 
 
-def _build() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or sys.platform == "win32":
-        return None
+class BuildError(RuntimeError):
+    """The native kernels cannot be built here; the message says why."""
+
+
+def _compiler() -> str:
+    """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on the PATH.
+
+    Raises:
+        BuildError: when there is none, or ``$CC`` names no program.
+    """
+    if sys.platform == "win32":
+        raise BuildError("fxq builds its native kernels on Linux and macOS only")
+    chosen = os.environ.get("CC")
+    if chosen:
+        found = shutil.which(chosen)
+        if found is None:
+            raise BuildError(f"the C compiler CC={chosen!r} was not found")
+        return found
+    found = shutil.which("cc") or shutil.which("gcc")
+    if found is None:
+        raise BuildError("no C compiler was found (CC is not set; neither cc nor gcc is on PATH)")
+    return found
+
+
+def _first_error(stderr: str) -> str:
+    """The compiler's first error line (else its first line) from ``stderr``."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["no message"])[0][:300]
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (once per source, CPU and compiler; cached on disk) and load the kernels.
+
+    Raises:
+        BuildError: no compiler, or the compiler failed (with its first error line).
+    """
+    compiler = _compiler()
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(
         source + _cpu_signature().encode() + compiler.encode() + " ".join(_FLAGS).encode()
@@ -94,12 +129,7 @@ def _build() -> ctypes.CDLL | None:
             cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"]
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
-                warnings.warn(
-                    "fxq: could not build the native CPU kernels, using the (slower, identical) torch "
-                    f"path: {result.stderr.strip()[:300]}",
-                    stacklevel=3,
-                )
-                return None
+                raise BuildError(f"{compiler} failed: {_first_error(result.stderr)}")
             os.replace(out, target)
     lib = ctypes.CDLL(str(target))
     ptr, i64, f64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
@@ -132,12 +162,21 @@ def _library() -> ctypes.CDLL | None:
                 try:
                     _LIB = _build()
                 except Exception as e:  # a broken toolchain must not break fxq
-                    warnings.warn(
-                        f"fxq: native kernels unavailable ({e}); using the torch path", stacklevel=3
-                    )
+                    reason = str(e) if isinstance(e, BuildError) else f"{type(e).__name__}: {e}"
+                    warnings.warn(fallback_message(reason), stacklevel=3)
                     _LIB = None
             _TRIED = True
     return _LIB
+
+
+def fallback_message(reason: str) -> str:
+    """The one warning fxq gives when the native kernels cannot be used, and why."""
+    return (
+        "fxq: the native CPU kernels are not available, so integer models run the torch "
+        f"path (same results, slower): {reason}. To build them, install a C compiler with "
+        "OpenMP (e.g. `apt install gcc`) or point CC at one; to use the torch path without "
+        "this warning, set FXQ_NATIVE=0"
+    )
 
 
 def available() -> bool:

@@ -194,7 +194,12 @@ def test_calibrate_handles_batches_limits_and_progress(bayes):
         (),
         {"image": image, "mask": mask},
     )
-    assert batch_arguments(model, {"img": image}) == (({"img": image},), {})
+    with pytest.raises(ValueError, match=r"keys \['img'\], none of which is an input of"):
+        batch_arguments(model, {"img": image})  # data_contract tests: the whole message
+    assert batch_arguments(model, {"img": image}, input_fn=lambda b: (b,)) == (
+        ({"img": image},),
+        {},
+    )
     assert (
         batch_arguments(model, (image,), input_fn=lambda b: {"image": b[0], "mask": mask})[1][
             "mask"

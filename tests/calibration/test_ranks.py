@@ -206,3 +206,121 @@ def test_outside_a_distributed_run_synchronized_changes_nothing(bayes):
             for m in model.modules()
             if isinstance(m, fxq.observer.ObserverBase)
         )
+
+
+# -- uneven or empty ranks: one clear error on every rank, never a hang ------------------------
+
+
+def _generator(batches: list[torch.Tensor]):
+    yield from batches  # no len(): the ranks agree batch by batch
+
+
+def _uneven_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import datetime
+
+    from fxq.calibration import bias_correction
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    three_or_two = [_shards(s, rank) for s in range(3 - rank)]  # rank 0: 3, rank 1: 2
+    none_on_rank1 = [_shards(0, rank)] if rank == 0 else []
+    cases = {
+        "calibrate_uneven": lambda: calibrate(_prepared("min_max"), three_or_two),
+        "calibrate_uneven_stream": lambda: calibrate(
+            _prepared("min_max"), _generator(three_or_two)
+        ),
+        "calibrate_empty": lambda: calibrate(_prepared("min_max"), none_on_rank1),
+        "calibrate_empty_stream": lambda: calibrate(
+            _prepared("min_max"), _generator(none_on_rank1)
+        ),
+        "ptq_uneven": lambda: ptq(_prepared("min_max"), three_or_two, iters=2),
+        "bias_correction_empty": lambda: bias_correction(
+            calibrate(_prepared("min_max"), [_shards(0, rank)]), none_on_rank1
+        ),
+    }
+    result = {}
+    try:
+        for name, run in cases.items():
+            try:
+                run()
+                result[name] = "returned"
+            except Exception as e:  # noqa: BLE001 - the message is what the test checks
+                result[name] = f"{type(e).__name__}: {e}"
+            dist.barrier()
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def uneven() -> list[dict[str, str]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        context = mp.spawn(
+            _uneven_worker,
+            args=(2, os.path.join(tmp, "init"), tmp),
+            nprocs=2,
+            join=False,
+        )
+        import time
+
+        deadline = time.monotonic() + 300
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail("the ranks hung on uneven data")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+
+
+UNEVEN = (
+    "ValueError: calibrate: the ranks have different numbers of batches (rank 0: 3, rank 1: 2); "
+    "every rank must run the same number, because each batch's statistics or steps are "
+    "combined over the ranks. Give the ranks equal shards (DistributedSampler(drop_last=True)) "
+    "or pass num_batches=2 on every rank, or calibrate with sync_ranks=False (each rank keeps "
+    "its own statistics)."
+)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("calibrate_uneven", UNEVEN + " Nothing was run"),
+        (
+            "calibrate_uneven_stream",
+            UNEVEN.replace("rank 0: 3", "rank 0: at least 3")
+            + " The 2 batch(es) every rank had were run",
+        ),
+        (
+            "calibrate_empty",
+            "ValueError: calibrate: rank(s) [1] of 2 have no batch (batches per rank: rank 0: 1, "
+            "rank 1: 0); every rank must have batches. Give each rank a non-empty shard (e.g. "
+            "DistributedSampler with at least as many batches as ranks). Nothing was run",
+        ),
+        (
+            "calibrate_empty_stream",
+            "ValueError: calibrate: rank(s) [1] of 2 have no batch (batches per rank: rank 0: "
+            "at least 1, rank 1: 0); every rank must have batches.",
+        ),
+        (
+            "ptq_uneven",
+            UNEVEN.replace("calibrate: the", "ptq: the").split(", or calibrate")[0]
+            + ". Nothing was run",
+        ),
+        (
+            "bias_correction_empty",
+            "ValueError: bias_correction: rank(s) [1] of 2 have no batch (batches per rank: "
+            "rank 0: 1, rank 1: 0)",
+        ),
+    ],
+)
+def test_uneven_or_empty_ranks_fail_together_with_one_message(uneven, case, expected):
+    """Every rank raises the same error before any statistic is combined: no rank returns
+    with partial statistics, none waits for a peer that gave up."""
+    assert uneven[0][case] == uneven[1][case]
+    assert uneven[0][case].startswith(expected), uneven[0][case]

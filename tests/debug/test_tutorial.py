@@ -12,7 +12,8 @@ def test_debug_accuracy_tutorial(capsys, tmp_path):
     spec = importlib.util.spec_from_file_location("debug_accuracy", TUTORIAL)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    results = module.main(["--fast", "--out", str(tmp_path)])
+    out_dir = tmp_path / "reports" / "run1"  # --out creates the folder
+    results = module.main(["--fast", "--out", str(out_dir)])
     # measured with --fast: 12.51 dB -> 16.48 dB, top-1 agreement 68.8% -> 81.2%
     # (int16 for the six activations that hurt most alone)
     assert results["sqnr before"] > 9.0
@@ -22,4 +23,4 @@ def test_debug_accuracy_tutorial(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "logit SQNR against float:  before" in out
     for page in ("similarity/similarity.html", "sensitivity/sensitivity.html"):
-        assert parse_html(tmp_path / page).svgs == 1
+        assert parse_html(out_dir / page).svgs == 1

@@ -10,7 +10,8 @@ def test_export_tutorial(capsys, tmp_path):
     spec = importlib.util.spec_from_file_location("export_tutorial", TUTORIAL)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    results = module.main(["--fast", "--out", str(tmp_path)])
+    out_dir = tmp_path / "new" / "nested"  # --out creates the folder
+    results = module.main(["--fast", "--out", str(out_dir)])
     assert results["integer accuracy"] > 90.0
     assert results["integer graph (numpy) exact"] is True
     assert results["integer ONNX (onnxruntime) exact"] is True
@@ -18,4 +19,4 @@ def test_export_tutorial(capsys, tmp_path):
     assert results["QDQ ONNX (onnxruntime) same class"] >= 97.0
     out = capsys.readouterr().out
     assert "IntegerGraph (march bayes" in out and "bit-exact" in out
-    assert {p.name for p in tmp_path.iterdir()} == {"digits.fxq", "digits.onnx", "digits_qdq.onnx"}
+    assert {p.name for p in out_dir.iterdir()} == {"digits.fxq", "digits.onnx", "digits_qdq.onnx"}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import re
 import warnings
 import zipfile
 from pathlib import Path
@@ -28,6 +29,7 @@ from torch import nn
 import fxq
 from fxq.fx.prepare import FloatOpWarning
 from fxq.fx.tracer import FxqTraceError
+from tests.helpers import run_in_fresh_process
 
 transformers = pytest.importorskip("transformers")
 
@@ -571,3 +573,52 @@ def test_calibration_outputs_are_the_float_models(bayes, monkeypatch):
     bypassed = _outputs(qat, batches, None, fxq.fake_quantize.bypass)
     assert len(recorded) == len(bypassed) == 2
     assert all(torch.equal(a, b) for a, b in zip(recorded, bypassed))
+
+
+def test_calling_with_fewer_inputs_than_traced_names_the_missing_ones(bayes, tmp_path):
+    """BERT prepared with input_ids and attention_mask, called with input_ids only: the
+    prepared, converted and pickled (loaded in a fresh process) models each raise a TypeError
+    naming attention_mask."""
+    model, make_inputs, _ = _small_model("bert")
+    inputs = make_inputs(2, 8, padded=True)
+    qat = fxq.prepare_qat_fx(model.eval(), {"": q8}, example_inputs=inputs)
+    _calibrate(qat, [inputs])
+    converted = fxq.convert_fx(qat)
+    message = (
+        "BertModel was traced with the inputs 'input_ids', 'attention_mask' and is called "
+        "without 'attention_mask': call it with every input it was traced with, or trace it "
+        "(fxq.symbolic_trace / fxq.prepare_qat_fx example_inputs=...) with only the inputs you "
+        "will pass; the arguments example_inputs leaves out are traced at their defaults"
+    )
+    with torch.no_grad():
+        expected = qat(**inputs)["last_hidden_state"]
+        for m in (qat, converted):
+            with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+                m(inputs["input_ids"])
+            with pytest.raises(TypeError, match="is called without 'input_ids', 'attention_mask'"):
+                m(attention_mask=None)
+        assert torch.equal(converted(**inputs)["last_hidden_state"], expected)
+    # a whole-model pickle is traced again from its code by torch.fx: the check is kept
+    # (loaded in a fresh process: unpickling a graph with a concrete argument leaves torch.fx's
+    # table of wrapped functions unable to trace in that process)
+    torch.save({"model": converted, "inputs": inputs, "expected": expected}, tmp_path / "m.pkl")
+    out = run_in_fresh_process(
+        f"""
+        import torch
+        saved = torch.load({str(tmp_path / "m.pkl")!r}, weights_only=False)
+        model, inputs = saved["model"], saved["inputs"]
+        with torch.no_grad():
+            print(torch.equal(model(**inputs)["last_hidden_state"], saved["expected"]))
+            try:
+                model(inputs["input_ids"])
+            except TypeError as e:
+                print(e)
+        """
+    )
+    assert out == f"True\n{message}"
+    # traced with the inputs it will be called with, it runs
+    ids = {"input_ids": inputs["input_ids"]}
+    only_ids = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=ids)
+    _calibrate(only_ids, [ids])
+    with torch.no_grad():
+        assert only_ids(inputs["input_ids"])["last_hidden_state"].shape == (2, 8, 64)

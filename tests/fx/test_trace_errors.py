@@ -1,6 +1,7 @@
 """Trace errors name the failing line wherever it is, and tell the causes apart;
 ``concrete_args`` in ``fxq.symbolic_trace`` and ``prepare_qat_fx``."""
 
+import math
 import re
 import warnings
 
@@ -114,3 +115,108 @@ def test_prepare_with_concrete_arguments_converts(bayes, form):
 def test_keyword_example_inputs_need_every_argument_without_default(bayes):
     with pytest.raises(ValueError, match=r"no value for 'x'"):
         fxq.prepare_qat_fx(Masked(), {"": q8}, example_inputs={"mask": torch.ones(4)})
+
+
+class PadToMultiple(nn.Module):
+    """timm MobileViT's unfold: a Python condition on sizes only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        H, W = y.shape[-2:]
+        new_h, new_w = math.ceil(H / 4) * 4, math.ceil(W / 4) * 4
+        if new_h != H or new_w != W:
+            y = nn.functional.interpolate(y, size=(new_h, new_w), mode="bilinear")
+        return y
+
+
+class SizeAndDataBranch(nn.Module):
+    def forward(self, x):
+        if x.sum() > x.size(0):  # reads sizes and data
+            x = -x
+        return x
+
+
+_SIZE_ADVICE = (
+    "This condition reads tensor sizes (shape, size(), dim()), which the tracer answers from "
+    "example inputs: pass example_inputs=... (inputs like those you will call the model with) "
+    "to fxq.prepare_qat_fx / fxq.symbolic_trace so sizes are known and the branch is decided "
+    "while the sizes stay graph values; or wrap the function or method containing this line "
+    "with @fxq.fx_wrap()"
+)
+
+
+def test_a_condition_on_sizes_advises_example_inputs_first(bayes):
+    with pytest.raises(FxqTraceError) as info:
+        fxq.symbolic_trace(PadToMultiple())
+    message = str(info.value)
+    assert "reads tensor sizes, and no example inputs were given" in message
+    assert re.search(r"test_trace_errors\.py:\d+, in PadToMultiple\.forward", message)
+    assert "if new_h != H or new_w != W:" in message
+    assert _SIZE_ADVICE in message
+    # the advice works: with example inputs the model traces and quantizes
+    x = torch.randn(2, 2, 6, 8)
+    qat = fxq.prepare_qat_fx(PadToMultiple(), {"": q8}, example_inputs=(x,))
+    calibrate(qat, [x])
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
+    integer = fxq.convert_fx(qat)
+    assert torch.equal(qat(x), integer(x))
+    assert qat(x).shape == (2, 2, 8, 8)
+
+
+class RankBranch(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        rank = {"dim": lambda: x.dim(), "len": lambda: len(x.shape), "ndim": lambda: x.ndim}
+        if rank[self.how]() == 4:
+            x = x + 1
+        return x
+
+
+@pytest.mark.parametrize("how", ["dim", "len", "ndim"])
+def test_a_condition_on_ranks_advises_example_inputs(how):
+    with pytest.raises(FxqTraceError, match=re.escape(_SIZE_ADVICE)):
+        fxq.symbolic_trace(RankBranch(how))
+
+
+def test_a_condition_on_data_still_advises_fx_wrap():
+    with pytest.raises(FxqTraceError) as info:
+        fxq.symbolic_trace(SizeAndDataBranch())
+    message = str(info.value)
+    assert "if x.sum() > x.size(0):" in message
+    assert "This code depends on tensor values" in message
+    assert "Wrap the function or method containing this line with @fxq.fx_wrap()" in message
+    assert "example_inputs" not in message
+    # and example inputs do not decide it: a graph is never specialised on data
+    with pytest.raises(FxqTraceError, match="depends on tensor values"):
+        fxq.symbolic_trace(SizeAndDataBranch(), example_inputs=(torch.randn(2, 3),))
+
+
+class TwoInputs(nn.Module):
+    def forward(self, x, scale=None, shift=None):
+        if shift is not None:
+            x = x + shift
+        return x * scale if scale is not None else x
+
+
+def test_a_call_without_a_traced_input_names_it():
+    x = torch.randn(2, 3)
+    for example in ((x, x), {"x": x, "scale": x}):
+        gm = fxq.symbolic_trace(TwoInputs(), example_inputs=example)
+        assert torch.equal(gm(x, x), x * x)
+        with pytest.raises(
+            TypeError,
+            match=r"^TwoInputs was traced with the inputs 'x', 'scale' and is called without "
+            r"'scale': call it with every input it was traced with, or trace it",
+        ):
+            gm(x)
+    # traced without example inputs, the arguments with defaults stay optional graph inputs
+    # (an @fx_wrap() function may take None), as in torch.fx
+    gm = fxq.symbolic_trace(TwoInputs(), concrete_args={"shift": None})
+    assert torch.equal(gm(x, x), x * x)
