@@ -174,8 +174,21 @@ class QuantizedModule(nn.Module):
         if value is None:
             if len(cache) >= _CACHE_SIZE:
                 cache.pop(next(iter(cache)))
-            value = cache[full] = build()
+            value = cache[full] = _untraced(build)
         return value
+
+
+def _untraced(build: Callable[[], _T]) -> _T:
+    """``build()`` outside a ``torch.jit.trace``: what a cache builds on the first call is a
+    constant of the trace, as on every later call (``check_trace`` compares two calls)."""
+    state = torch._C._get_tracing_state()
+    if state is None:
+        return build()
+    torch._C._set_tracing_state(None)
+    try:
+        return build()
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 class _FoldConstants(TorchFunctionMode):
