@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("fxq.fx",),  # the passes
     ("fxq.calibration", "fxq.debug", "fxq.deploy", "fxq.summary", "fxq.functional", "fxq.utils"),
     ("fxq",),
+    ("fxq.cli", "fxq.__main__"),  # the command line: uses everything above
 )
 
 
