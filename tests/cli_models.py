@@ -55,3 +55,11 @@ def unexportable(width: int = 4) -> nn.Module:
             return torch.special.erfinv(0.5 * torch.tanh(self.conv(x)))
 
     return Unexportable().eval()
+
+
+def handoff_net() -> nn.Module:
+    """``tests.helpers.HandoffNet`` with seeded weights, in eval mode (int16 pays on it)."""
+    from tests.helpers import HandoffNet
+
+    torch.manual_seed(0)
+    return HandoffNet().eval()

@@ -400,3 +400,14 @@ def test_toml_config(tmp_path):
     with pytest.raises(CliError) as error:
         load_config(path)
     assert str(error.value) == f"{path}: batch_size: Input should be a valid integer, got 'four'"
+
+
+def test_int16_budget_runs_mixed_precision(tmp_path, npy_data):
+    args = ["tests.cli_models:handoff_net", "--calib", npy_data, "--batch-size", "4", "--json"]
+    int8 = fxq_cli("quantize", *args, "--iters", "2")
+    mixed = fxq_cli("quantize", *args, "--iters", "2", "--int16-budget", "0.5")
+    assert int8.returncode == 0 and mixed.returncode == 0, int8.stderr + mixed.stderr
+    int8, mixed = json.loads(int8.stdout), json.loads(mixed.stdout)
+    assert int8["int16"] == [] and mixed["int16"] != []
+    assert set(mixed["seconds"]) >= {"mixed precision", "ptq (int16)"}
+    assert mixed["metrics"]["sqnr_db"] > int8["metrics"]["sqnr_db"]
