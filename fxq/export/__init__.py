@@ -2,7 +2,8 @@
 
 * ``to_graph(quantized, example_inputs) -> IntegerGraph``: fxq's integer IR;
   ``IntegerGraph.run`` is the numpy reference runtime (no torch), ``.save`` writes
-  one file (JSON + ``.npy`` in a zip) that ``load`` reads without torch or pickle.
+  one file (JSON + ``.npy`` in a zip) that ``load`` reads without torch or pickle, checking
+  it first (``IntegerGraphFormatError`` for a damaged or crafted file).
 * ``to_onnx(quantized, example_inputs, path, mode="integer")``: standard ONNX that
   onnxruntime runs bit for bit like the integer model.
 
@@ -19,9 +20,27 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from fxq.export.graph import IntegerGraph, Node, TensorInfo, load
+from fxq.export.graph import (
+    DEFAULT_MAX_BYTES,
+    GraphInputError,
+    GraphRunError,
+    IntegerGraph,
+    IntegerGraphFormatError,
+    Node,
+    TensorInfo,
+    load,
+)
 
-__all__ = ["load", "IntegerGraph", "Node", "TensorInfo"]
+__all__ = [
+    "load",
+    "IntegerGraph",
+    "Node",
+    "TensorInfo",
+    "IntegerGraphFormatError",
+    "GraphInputError",
+    "GraphRunError",
+    "DEFAULT_MAX_BYTES",
+]
 
 if importlib.util.find_spec("torch") is not None:
     from fxq.export.build import ExportError, to_graph

@@ -196,6 +196,15 @@ class _Exporter(Interpreter):
             if isinstance(leaf, (Tensor, QTensor)):
                 self.outputs.append(self.name_of(leaf))
 
+    def _moves_float(self, n: Node, leaves: list[Any]) -> bool:
+        """Whether ``n`` only moves the values of its one float tensor (a ``flatten``,
+        ``reshape`` or ``permute`` after a dequantize): exported as integers are, by the
+        positions it moves them to (IEEE values are moved, never computed)."""
+        if sum(isinstance(v, Tensor) for v in leaves) != 1:
+            return False
+        row, _ = registry.row_for(n, self.modules)
+        return row.kind is Kind.PASSTHROUGH and rule_for_row(row) is _movement
+
     def _call(self, n: Node, args: tuple, kwargs: dict, result: Any) -> None:
         module = self.modules.get(n.target) if n.op == "call_module" else None
         if module is not None:
@@ -228,6 +237,9 @@ class _Exporter(Interpreter):
             rule(self, n, module, args, kwargs, result)
             return
         if any(isinstance(v, Tensor) for v in leaves):
+            if self._moves_float(n, leaves):
+                _movement(self, n, module, args, kwargs, result)
+                return
             target = type(module) if module is not None else n.target
             fn = FLOAT_RULES.get(target)
             if fn is None and isinstance(target, str):

@@ -24,10 +24,28 @@ import numpy as np
 
 try:  # package import (fxq.export.graph)
     from .runtime import DTYPES, KERNELS
+    from .validate import DEFAULT_MAX_BYTES, IntegerGraphFormatError, check_graph, read_members
 except ImportError:  # pragma: no cover - loaded as a standalone file
     from runtime import DTYPES, KERNELS  # type: ignore[no-redef]
+    from validate import (  # type: ignore[no-redef]
+        DEFAULT_MAX_BYTES,
+        IntegerGraphFormatError,
+        check_graph,
+        read_members,
+    )
 
-__all__ = ["FORMAT", "VERSION", "TensorInfo", "Node", "IntegerGraph", "load"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "DEFAULT_MAX_BYTES",
+    "TensorInfo",
+    "Node",
+    "IntegerGraph",
+    "GraphInputError",
+    "GraphRunError",
+    "IntegerGraphFormatError",
+    "load",
+]
 
 #: the format name and schema version written into every file
 FORMAT = "fxq.integer_graph"
@@ -86,6 +104,11 @@ class GraphRunError(RuntimeError):
     """A node failed while running (the message names the node and its op)."""
 
 
+class GraphInputError(ValueError):
+    """``IntegerGraph.run`` was given an input of the wrong rank, shape or dtype, or a NaN to
+    quantize (the message names the input, what the graph expects and what it got)."""
+
+
 @dataclass
 class IntegerGraph:
     """fxq's exported integer model.
@@ -117,14 +140,27 @@ class IntegerGraph:
             one array per graph output (float32 for dequantized outputs, the integer
             dtype for quantized ones).
 
+        Every input is checked first: its rank, its shape (each size as exported; a symbolic
+        size such as ``"N"`` takes any value, the same in every input that has it) and its
+        dtype (a float input takes any real dtype, an integer input any integer dtype), as
+        onnxruntime checks them. ``±Inf`` saturates to the integer range when quantized, as in
+        the integer model; a NaN to quantize is refused (``docs/integer_graph.md``, 3).
+
         Raises:
             ValueError: for a wrong number of inputs.
+            GraphInputError: an input of the wrong rank, shape or dtype, or a NaN reaching a
+                ``quantize`` node (naming the input, what was expected and what it got).
             GraphRunError: when a node fails (naming the node, its op and source line).
         """
         if len(inputs) != len(self.inputs):
             raise ValueError(f"the graph takes {len(self.inputs)} input(s), got {len(inputs)}")
         env: dict[str, np.ndarray] = {n: np.asarray(v) for n, v in zip(self.inputs, inputs)}
+        self._check_inputs(env)
         for node in self.nodes:
+            if node.op == "quantize":
+                _refuse_nan(
+                    node, node.inputs[0], env[node.inputs[0]], node.inputs[0] in self.inputs
+                )
             try:
                 outs = KERNELS[node.op](node, [env[i] for i in node.inputs])
             except Exception as e:
@@ -135,6 +171,45 @@ class IntegerGraph:
             for name, value in zip(node.outputs, outs):
                 env[name] = np.asarray(value, dtype=DTYPES[self.tensors[name].dtype])
         return [env[o] for o in self.outputs]
+
+    def _check_inputs(self, env: dict[str, np.ndarray]) -> None:
+        sizes: dict[str, tuple[str, int]] = {}  # symbol -> (first input with it, its size)
+        for name in self.inputs:
+            x, info = env[name], self.tensors[name]
+            want = info.dtype
+            kinds = {"float32": "fiu", "float64": "fiu", "bool": "b"}.get(want, "iu")
+            if x.dtype.kind not in kinds:
+                what = {"fiu": "a real", "b": "a bool", "iu": "an integer"}[kinds]
+                raise GraphInputError(
+                    f"input {name!r}: got dtype {x.dtype}, expected {want} ({what} dtype); "
+                    f"convert it, e.g. x.astype(np.{want})"
+                )
+            shape = "x".join(str(s) for s in info.shape)
+            if x.ndim != len(info.shape):
+                raise GraphInputError(
+                    f"input {name!r}: got rank {x.ndim} (shape {list(x.shape)}), expected rank "
+                    f"{len(info.shape)} (shape {shape})"
+                )
+            for axis, (want_d, got_d) in enumerate(zip(info.shape, x.shape)):
+                if isinstance(want_d, str):
+                    first, size = sizes.setdefault(want_d, (name, got_d))
+                    if size != got_d:
+                        raise GraphInputError(
+                            f"input {name!r}: dimension {axis} ({want_d!r}) is {got_d}, but "
+                            f"{want_d!r} is {size} in input {first!r}; give every input the "
+                            "same size there"
+                        )
+                elif want_d != got_d:
+                    fixed = (
+                        "; the graph was exported with a fixed batch size (dynamic_batch "
+                        "false): export it again with the batch size you run"
+                        if axis == 0 and not self.dynamic_batch
+                        else "; this size is fixed at export"
+                    )
+                    raise GraphInputError(
+                        f"input {name!r}: got shape {list(x.shape)}, expected {shape} "
+                        f"(dimension {axis} is {got_d}, expected {want_d}){fixed}"
+                    )
 
     # -- inspection -------------------------------------------------------------------------
     def print_tabular(self) -> str:
@@ -212,38 +287,63 @@ class IntegerGraph:
                     z.writestr(f"params/{n.name}/{k}.npy", buf.getvalue())
 
 
-def load(path: str | Path) -> IntegerGraph:
-    """Read a graph written by ``IntegerGraph.save``.
+def load(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> IntegerGraph:
+    """Read a graph written by ``IntegerGraph.save``, checking everything before using it.
+
+    The file may come from anywhere: the declared size of every zip member is checked
+    against ``max_bytes`` before anything is decompressed, every ``.npy`` header against its
+    member's size before its data is read (never with pickle), then ``graph.json`` against
+    the schema (keys, types, format version) and every node's attributes and arrays against
+    its op (dtypes, ranks, table sizes, shifts and multipliers within the march's range, axes
+    within the rank; ``fxq.export.validate``).
+
+    Args:
+        path: the ``.fxq`` file.
+        max_bytes: the most bytes to decompress from the file, all members together
+            (default ``DEFAULT_MAX_BYTES``, 1 GiB); pass more for a larger model you trust.
 
     Raises:
-        ValueError: the file is not an fxq integer graph, or its version is newer
-            than this fxq reads.
+        IntegerGraphFormatError: (a ``ValueError``) the file is not an fxq integer graph, is
+            damaged, larger than ``max_bytes``, or its version is newer than this fxq reads;
+            the message names the file and the member or node.
+        OSError: the file cannot be opened (e.g. ``FileNotFoundError``).
     """
-    with zipfile.ZipFile(path) as z:
-        meta = json.loads(z.read("graph.json"))
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: not an fxq integer graph (format {meta.get('format')!r})")
-        if meta["version"] > VERSION:
-            raise ValueError(
-                f"{path}: integer graph version {meta['version']} is newer than this fxq reads "
-                f"({VERSION}); upgrade fxq"
-            )
-        nodes = []
-        for n in meta["nodes"]:
-            params = {
-                k: np.load(io.BytesIO(z.read(p)), allow_pickle=False)
-                for k, p in n["params"].items()
-            }
-            nodes.append(
-                Node(n["name"], n["op"], n["inputs"], n["outputs"], n["attrs"], params, n["source"])
-            )
+    meta, arrays = read_members(path, max_bytes)
+    check_graph(str(path), meta, arrays, FORMAT, VERSION)
+    nodes = [
+        Node(
+            n["name"],
+            n["op"],
+            list(n["inputs"]),
+            list(n["outputs"]),
+            n["attrs"],
+            {k: arrays[p] for k, p in n["params"].items()},
+            n["source"],
+        )
+        for n in meta["nodes"]
+    ]
     tensors = {
-        k: TensorInfo(v["dtype"], v["shape"], v["scale"], v.get("offset", 0))
+        k: TensorInfo(v["dtype"], list(v["shape"]), v.get("scale"), v.get("offset", 0))
         for k, v in meta["tensors"].items()
     }
     return IntegerGraph(
         nodes, tensors, meta["inputs"], meta["outputs"], meta["march"], meta["dynamic_batch"]
     )
+
+
+def _refuse_nan(node: Node, name: str, x: np.ndarray, is_input: bool) -> None:
+    """NaN has no integer: refuse it where it would be quantized (``docs/integer_graph.md``, 3)."""
+    if x.dtype.kind != "f":
+        return
+    nan = np.isnan(x)
+    if nan.any():
+        where = tuple(int(i) for i in np.argwhere(nan)[0])
+        what = "input" if is_input else "float tensor"
+        raise GraphInputError(
+            f"{what} {name!r} holds {int(nan.sum())} NaN value(s) (the first at index {where}), "
+            f"which node {node.name!r} (quantize) cannot quantize: an integer has no NaN; replace "
+            "them before running (e.g. np.nan_to_num(x, nan=0.0)). +-Inf saturates"
+        )
 
 
 def _short(v: Any) -> str:

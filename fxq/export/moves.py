@@ -140,9 +140,11 @@ def _call_float(ex: _Exporter, n: Node, module, args, kwargs) -> Any:
 
 
 def _movement(ex: _Exporter, n: Node, module, args, kwargs, result) -> None:
-    """Export an op that only moves integers by running it on source indices."""
+    """Export an op that only moves values (integers, or the float values of a float
+    region) by running it on source indices."""
     leaves, spec = tree_flatten((args, kwargs))
-    pos = next(i for i, v in enumerate(leaves) if isinstance(v, QTensor))
+    moved_type = QTensor if any(isinstance(v, QTensor) for v in leaves) else Tensor
+    pos = next(i for i, v in enumerate(leaves) if isinstance(v, moved_type))
     src = leaves[pos]
     numel = src.numel()
     index = torch.arange(1, numel + 1, dtype=torch.float64).reshape(src.shape)
@@ -156,7 +158,7 @@ def _movement(ex: _Exporter, n: Node, module, args, kwargs, result) -> None:
     res_leaves = tree_flatten(result)[0]
     moved_leaves = tree_flatten(moved)[0]
     in_name = ex.name_of(src)
-    outputs = [(r, o) for r, o in zip(res_leaves, moved_leaves) if isinstance(r, QTensor)]
+    outputs = [(r, o) for r, o in zip(res_leaves, moved_leaves) if isinstance(r, moved_type)]
     for j, (r, o) in enumerate(outputs):
         if id(r) in ex.names:
             continue

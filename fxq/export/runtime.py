@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KERNELS", "shift_round", "quantize", "DTYPES"]
+__all__ = ["KERNELS", "shift_round", "quantize", "DTYPES", "FLOAT_FNS"]
 
 #: IR dtype name -> numpy dtype
 DTYPES: dict[str, Any] = {
@@ -66,7 +66,8 @@ def _round_float(v: np.ndarray, rounding: str) -> np.ndarray:
     """``half_up``: floor(v + 1/2) of the exact value of ``v``; ``half_even``: ties to even."""
     if rounding == "half_up":
         low = np.floor(v)
-        return low + ((v - low) >= 0.5)
+        with np.errstate(invalid="ignore"):  # +-inf - +-inf: the sum stays +-inf
+            return low + ((v - low) >= 0.5)
     if rounding == "half_even":
         return np.round(v)
     raise ValueError(f"unknown rounding {rounding!r}")
@@ -327,8 +328,12 @@ def _k_float(node, inputs):
         xs = [xs[0], s] if not node.attrs.get("scalar_first") else [s, xs[0]]
     if fn == "neg":
         return [np.negative(xs[0])]
-    ops = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
-    return [ops[fn](xs[0], xs[1]).astype(np.float32)]
+    return [_FLOAT_BINARY[fn](xs[0], xs[1]).astype(np.float32)]
+
+
+_FLOAT_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
+#: the ``fn`` values a ``float`` node may have
+FLOAT_FNS = ("neg", *_FLOAT_BINARY)
 
 
 # -- tables ------------------------------------------------------------------------------------

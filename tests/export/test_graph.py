@@ -179,6 +179,41 @@ def test_unsupported_float_op_names_node_op_and_source_line(bayes):
         fxq.export.to_graph(integer, torch.randn(2, 3, 4, 4))
 
 
+def test_float_tail_that_moves_values_exports(bayes):
+    """The vendor-typical ``return self.dequant(self.classifier(x)).flatten(1)``: float ops
+    that only move values (flatten, reshape, permute, indexing) export as the integer
+    moves do, to the numpy runtime and to ONNX, bit for bit."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.quant, self.dequant = fxq.QuantStub(), fxq.DeQuantStub()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.classifier = nn.Conv2d(8, 4, 1)
+
+        def forward(self, x):
+            x = self.classifier(torch.relu(self.conv(self.quant(x))))
+            y = self.dequant(x).flatten(1)
+            return y, y.reshape(-1, 4, 64).permute(0, 2, 1)[:, 1:]
+
+    qat = fxq.prepare_qat_fx(Net().eval(), {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    qat(torch.randn(2, 3, 8, 8))
+    integer = fxq.convert_fx(qat)
+    graph = fxq.export.to_graph(integer, torch.randn(2, 3, 8, 8))
+    assert [n.op for n in graph.nodes if n.op not in ("quantize", "conv")] == [
+        "dequantize",
+        "reshape",
+        "reshape",
+        "transpose",
+        "gather",
+    ]
+    x = torch.randn(3, 3, 8, 8)  # another batch size: the moves are per sample
+    expected = outputs(integer, (x,))
+    assert_equal_outputs(expected, graph.run(x.numpy()))
+    assert_equal_outputs(expected, run_onnx(graph_to_onnx(graph), (x,)))
+
+
 @pytest.mark.parametrize("march", ["bernoulli2", "bayes-e"])
 def test_other_marches(march):
     fxq.set_march(march)

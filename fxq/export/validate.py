@@ -1,0 +1,958 @@
+"""Reading ``.fxq`` files safely (``docs/integer_graph.md``, 1): sizes, ``.npy`` headers, schema.
+
+``load`` in ``fxq.export.graph`` reads a file through ``read_members`` (member sizes checked
+against a limit before anything is decompressed, ``.npy`` headers parsed here with
+``ast.literal_eval`` and checked before their data is read, never pickle) and checks the result
+with ``check_graph`` (the JSON schema, every node's attributes and arrays against its op). Every
+failure is an ``IntegerGraphFormatError`` naming the file and the member or node.
+
+This module imports numpy and the standard library only (no torch).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "IntegerGraphFormatError",
+    "DEFAULT_MAX_BYTES",
+    "MARCH_LIMITS",
+    "read_members",
+    "check_graph",
+]
+
+#: the most bytes ``load`` decompresses from one file (all members together) unless told otherwise
+DEFAULT_MAX_BYTES = 1 << 30
+
+#: march -> (multiplier bits, largest right shift): ``fxq.march.MARCH_SPECS`` (a test keeps them
+#: equal); a negative shift (a left shift, residual inputs) goes down to ``-MAX_LEFT_SHIFT``
+MARCH_LIMITS: dict[str, tuple[int, int]] = {
+    "bernoulli2": (8, 24),
+    "bayes": (16, 31),
+    "bayes-e": (16, 31),
+}
+MAX_LEFT_SHIFT = 31
+
+_QUANT = ("int8", "int16", "int32")
+_ROUNDINGS = ("half_up", "half_even")
+_ARRAY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "float32", "float64")
+_MAX_RANK = 8
+
+
+class IntegerGraphFormatError(ValueError):
+    """A ``.fxq`` file is damaged, crafted, or written by another fxq version: the message names
+    the file, the member or node, what is wrong and what to do."""
+
+
+# -- members: zip entries and .npy arrays -------------------------------------------------------
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    EOFError,
+    zlib.error,
+    struct.error,
+    NotImplementedError,
+    RuntimeError,  # an encrypted member
+    ValueError,
+    OverflowError,
+    UnicodeDecodeError,
+    OSError,
+)
+
+
+def read_members(path: Any, max_bytes: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``graph.json`` (parsed) and every ``.npy`` member of the zip at ``path`` (as arrays).
+
+    The declared uncompressed size of every member is summed and checked against ``max_bytes``
+    before any member is read; a member's data is never longer than it declares.
+
+    Raises:
+        IntegerGraphFormatError: not a zip, a member too large, damaged, not JSON or not a
+            plain ``.npy`` array.
+    """
+    where = str(path)
+    with open(path, "rb") as f:  # a missing file is the OSError it is
+        try:
+            with zipfile.ZipFile(f) as z:
+                infos = z.infolist()
+                _check_sizes(where, infos, max_bytes)
+                meta = _read_json(where, z)
+                arrays = {
+                    i.filename: _read_npy(where, i.filename, _read(z, i))
+                    for i in infos
+                    if i.filename != "graph.json"
+                }
+        except IntegerGraphFormatError:
+            raise
+        except _ZIP_ERRORS as e:
+            raise IntegerGraphFormatError(
+                f"{where}: not a readable fxq integer graph (a zip of graph.json and .npy "
+                f"files): {type(e).__name__}: {e}; the file is damaged: export it again"
+            ) from None
+    return meta, arrays
+
+
+def _check_sizes(where: str, infos: list[zipfile.ZipInfo], max_bytes: int) -> None:
+    names = [i.filename for i in infos]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise IntegerGraphFormatError(f"{where}: members {dup} appear more than once")
+    total = 0
+    for i in infos:
+        total += i.file_size
+        if total > max_bytes:
+            raise IntegerGraphFormatError(
+                f"{where}: member {i.filename!r} declares {i.file_size} bytes, which takes the "
+                f"file's contents above the limit of {max_bytes} bytes; if you trust the file, "
+                "pass a larger max_bytes to fxq.export.load"
+            )
+    if "graph.json" not in names:
+        raise IntegerGraphFormatError(f"{where}: no member 'graph.json'; not an fxq integer graph")
+
+
+def _read(z: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    with z.open(info) as m:
+        data = m.read(info.file_size + 1)
+    if len(data) != info.file_size:
+        raise zipfile.BadZipFile(f"member {info.filename!r} is not the size it declares")
+    return data
+
+
+def _read_json(where: str, z: zipfile.ZipFile) -> Any:
+    data = _read(z, z.getinfo("graph.json"))
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, huge ints
+        raise IntegerGraphFormatError(
+            f"{where}: member 'graph.json' is not valid JSON ({type(e).__name__}: {e}); the file "
+            "is damaged: export it again"
+        ) from None
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _read_npy(where: str, member: str, data: bytes) -> np.ndarray:
+    """A plain numeric ``.npy`` array; the header is checked against the member's size before
+    the data is touched (no pickle, no object arrays)."""
+
+    def bad(reason: str) -> IntegerGraphFormatError:
+        return IntegerGraphFormatError(
+            f"{where}: member {member!r} is not a plain .npy array: {reason}; the file is damaged "
+            "or was not written by fxq: export it again"
+        )
+
+    if not member.endswith(".npy") or not member.startswith("params/"):
+        raise IntegerGraphFormatError(
+            f"{where}: unexpected member {member!r} (an integer graph holds graph.json and "
+            "params/<node>/<param>.npy only)"
+        )
+    if data[:6] != _NPY_MAGIC or len(data) < 10:
+        raise bad("no .npy magic")
+    major = data[6]
+    if major == 1:
+        (hlen,), start = struct.unpack("<H", data[8:10]), 10
+    elif major in (2, 3) and len(data) >= 12:
+        (hlen,), start = struct.unpack("<I", data[8:12]), 12
+    else:
+        raise bad(f"unknown .npy version {major}")
+    if hlen > 4096 or start + hlen > len(data):
+        raise bad(f"a header of {hlen} bytes")
+    try:
+        header = ast.literal_eval(data[start : start + hlen].decode("latin1"))
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        raise bad("an unreadable header") from None
+    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+        raise bad("a header without exactly descr, fortran_order, shape")
+    descr, order, shape = header["descr"], header["fortran_order"], header["shape"]
+    if not isinstance(descr, str) or not isinstance(order, bool):
+        raise bad(f"descr {descr!r}, fortran_order {order!r}")
+    if not isinstance(shape, tuple) or not all(_is_int(s) and s >= 0 for s in shape):
+        raise bad(f"shape {shape!r}")
+    if len(shape) > _MAX_RANK:
+        raise bad(f"rank {len(shape)} (at most {_MAX_RANK})")
+    try:
+        dtype = np.dtype(descr)
+    except (TypeError, ValueError):
+        raise bad(f"dtype {descr!r}") from None
+    native = dtype.newbyteorder("=") if dtype.byteorder in "<>" else dtype
+    if native.name not in _ARRAY_DTYPES:
+        raise bad(f"dtype {descr!r} (arrays are {', '.join(_ARRAY_DTYPES)})")
+    count = math.prod(shape)
+    body = len(data) - start - hlen
+    if count * dtype.itemsize != body:
+        raise bad(
+            f"shape {list(shape)} of {dtype.name} needs {count * dtype.itemsize} bytes, the "
+            f"member holds {body}"
+        )
+    flat = np.frombuffer(data, dtype=dtype, count=count, offset=start + hlen)
+    return flat.reshape(shape, order="F" if order else "C").astype(native, order="C")
+
+
+# -- the JSON schema and the ops ------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_float(v: Any) -> bool:
+    return (isinstance(v, float) or _is_int(v)) and math.isfinite(v)
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(e) for e in v)
+
+
+def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _one_of(*choices: Any) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, str) and v in choices
+
+
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (_is_int, "an integer"),
+    "int?": (_opt(_is_int), "an integer or null"),
+    "float": (_is_float, "a finite number"),
+    "float?": (_opt(_is_float), "a finite number or null"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "ints": (_ints, "a list of integers"),
+    "ints?": (_opt(_ints), "a list of integers or null"),
+    "qdtype": (_one_of(*_QUANT), f"one of {list(_QUANT)}"),
+    "outdtype": (_one_of(*_QUANT, "float32"), f"one of {[*_QUANT, 'float32']}"),
+    "rounding": (_one_of(*_ROUNDINGS), f"one of {list(_ROUNDINGS)}"),
+    "any": (lambda v: True, "any value"),
+}
+
+
+@dataclass(frozen=True)
+class _Param:
+    dtypes: tuple[str, ...]
+    ranks: tuple[int, ...] | None = None  # None: any rank up to _MAX_RANK
+    required: bool = True
+
+
+_I = ("int8", "int16", "int32", "int64")
+_SHIFT = _Param(_I)
+_OPT_SHIFT = _Param(_I, required=False)
+
+
+@dataclass(frozen=True)
+class _OpSpec:
+    """What a file may hold for one op: input counts, attribute kinds, array dtypes and ranks,
+    and a ``check(ctx)`` of the relations between them."""
+
+    inputs: tuple[int, ...]
+    attrs: dict[str, str]
+    params: dict[str, _Param]
+    check: Callable[[Any], None] | None = None
+    outputs: int = 1
+    extra_params: str = ""  # a prefix of parameters counted by an attribute (matrix_0, ...)
+
+
+class _Ctx:
+    """One node being checked: its attributes, arrays, input shapes, and the error to raise."""
+
+    def __init__(self, where: str, node: dict, params: dict, in_shapes: list, march: str):
+        self.where, self.node, self.attrs, self.params = where, node, node["attrs"], params
+        self.in_shapes = in_shapes  # declared shapes of the inputs (ints and symbols)
+        bits, hi = MARCH_LIMITS.get(march, MARCH_LIMITS["bayes"])
+        self.max_multiplier, self.max_shift = (1 << (bits - 1)) - 1, hi
+        self.march = march or "bayes"
+
+    def fail(self, reason: str) -> IntegerGraphFormatError:
+        n = self.node
+        return IntegerGraphFormatError(
+            f"{self.where}: node {n['name']!r} (op {n['op']!r}): {reason}; the file is damaged or "
+            "was written by another fxq: export it again"
+        )
+
+    def rank(self, i: int = 0) -> int:
+        return len(self.in_shapes[i])
+
+    def axis(self, name: str, value: Any, rank: int | None = None) -> None:
+        rank = self.rank() if rank is None else rank
+        if not _is_int(value) or not -rank <= value < max(rank, 1):
+            raise self.fail(f"{name} {value!r} is not an axis of a rank-{rank} input")
+
+    def shift(self, name: str, values: Any) -> None:
+        v = np.asarray(values)
+        if v.size and (v.min() < -MAX_LEFT_SHIFT or v.max() > self.max_shift):
+            raise self.fail(
+                f"{name} holds {int(v.min())}..{int(v.max())}, outside march {self.march}'s "
+                f"shifts {-MAX_LEFT_SHIFT}..{self.max_shift}"
+            )
+
+    def multiplier(self, name: str, values: Any) -> None:
+        v = np.asarray(values)
+        if v.size and np.abs(v.astype(np.int64)).max() > self.max_multiplier:
+            raise self.fail(
+                f"{name} holds {int(np.abs(v.astype(np.int64)).max())} in magnitude, wider than "
+                f"march {self.march}'s multipliers (at most {self.max_multiplier})"
+            )
+
+    def size(self, name: str, expected: int) -> None:
+        p = self.params.get(name)
+        if p is not None and p.size != expected:
+            raise self.fail(f"param {name!r} has {p.size} entries, expected {expected}")
+
+
+def _check_ranges(c: _Ctx) -> None:
+    """Shifts and multipliers of every op, wherever they are stored."""
+    for k, v in c.attrs.items():
+        vals = v if isinstance(v, list) else [v]
+        if not all(_is_int(e) for e in vals if e is not None):
+            continue
+        vals = [e for e in vals if e is not None]
+        if k == "shift" or k.endswith("_shift"):
+            c.shift(f"attribute {k!r}", vals)
+        elif k in ("multiplier", "multipliers") or k.endswith("_multiplier"):
+            c.multiplier(f"attribute {k!r}", vals)
+    for k, p in c.params.items():
+        if k == "shift" or "shift_" in k or k.endswith("_shift"):
+            c.shift(f"param {k!r}", p)
+        elif k == "multiplier" or "multiplier_" in k or k.endswith("_multiplier"):
+            c.multiplier(f"param {k!r}", p)
+
+
+def _per_channel(c: _Ctx, n: int, names: tuple[str, ...]) -> None:
+    for k in names:
+        p = c.params.get(k)
+        if p is not None and p.size not in (1, n):
+            raise c.fail(f"param {k!r} has {p.size} entries for {n} channels")
+
+
+#: the largest window, stride, padding or pooled size a file may declare
+MAX_GEOMETRY = 1 << 16
+
+
+def _geometry(c: _Ctx, names: tuple[str, ...]) -> None:
+    for k in names:
+        v = c.attrs.get(k)
+        flat = [e for p in v for e in (p if isinstance(p, list) else [p])] if v else []
+        if any(abs(e) > MAX_GEOMETRY for e in flat):
+            raise c.fail(f"{k} {v} holds sizes above {MAX_GEOMETRY}")
+
+
+def _check_conv(c: _Ctx) -> None:
+    a, w = c.attrs, c.params["weight"]
+    d = a["dim"]
+    if not 1 <= d <= 3 or w.ndim != d + 2:
+        raise c.fail(f"dim {d} with a rank-{w.ndim} weight (conv weights are [O, C/g, *k])")
+    for k in ("stride", "dilation"):
+        if len(a[k]) != d or min(a[k], default=1) < 1:
+            raise c.fail(f"{k} {a[k]} is not {d} positive integers")
+    g = a["groups"]
+    if g < 1 or w.shape[0] % g:
+        raise c.fail(f"groups {g} does not divide the {w.shape[0]} output channels")
+    if a["transposed"]:
+        for k in ("padding", "output_padding"):
+            if not _ints(a.get(k)) or len(a[k]) != d:
+                raise c.fail(f"{k} {a.get(k)!r} is not {d} integers")
+    else:
+        pads = a.get("pads")
+        if (
+            not isinstance(pads, list)
+            or len(pads) != d
+            or not all(_ints(p) and len(p) == 2 for p in pads)
+        ):
+            raise c.fail(f"pads {pads!r} is not {d} pairs of integers")
+        if a.get("pad_mode") not in ("zeros", "reflect", "replicate", "circular"):
+            raise c.fail(f"pad_mode {a.get('pad_mode')!r} is not zeros/reflect/replicate/circular")
+        if not _is_int(a.get("pad_value", 0)):
+            raise c.fail(f"pad_value {a.get('pad_value')!r} is not an integer")
+    if c.rank() != d + 2:
+        raise c.fail(f"a rank-{c.rank()} input for a {d}-d conv")
+    _geometry(c, ("stride", "dilation", "pads", "padding", "output_padding"))
+    channels = c.in_shapes[0][1]
+    if _is_int(channels) and channels != w.shape[1] * g:
+        raise c.fail(f"{channels} input channels, the weight takes {w.shape[1] * g}")
+    _finish_weighted(c, w.shape[0])
+
+
+def _finish_weighted(c: _Ctx, n: int) -> None:
+    if c.attrs["out_dtype"] == "float32":
+        if "accumulator_scale" not in c.params:
+            raise c.fail("a float32 output without param 'accumulator_scale'")
+    elif "multiplier" not in c.params or "shift" not in c.params:
+        raise c.fail("no params 'multiplier' and 'shift'")
+    if ("residual_multiplier" in c.params) != ("residual_shift" in c.params):
+        raise c.fail("one of residual_multiplier / residual_shift without the other")
+    names = ("bias", "multiplier", "shift", "residual_multiplier", "residual_shift")
+    _per_channel(c, n, (*names, "accumulator_scale", "weight_scale"))
+
+
+def _check_linear(c: _Ctx) -> None:
+    w = c.params["weight"]
+    k = c.in_shapes[0][-1] if c.rank() else None
+    if c.rank() == 0 or (_is_int(k) and k != w.shape[1]):
+        raise c.fail(f"an input of shape {c.in_shapes[0]} for a weight of shape {list(w.shape)}")
+    _finish_weighted(c, w.shape[0])
+
+
+def _check_affine(c: _Ctx) -> None:
+    if c.rank() < 2:
+        raise c.fail(f"a rank-{c.rank()} input (channel_affine needs channels on axis 1)")
+    _finish_weighted(c, c.params["weight"].size)
+
+
+def _check_add(c: _Ctx) -> None:
+    if len(c.attrs["multipliers"]) != len(c.node["inputs"]):
+        raise c.fail(
+            f"{len(c.attrs['multipliers'])} multipliers for {len(c.node['inputs'])} inputs"
+        )
+
+
+def _check_mul(c: _Ctx) -> None:
+    if len(c.node["inputs"]) == 1 and c.attrs.get("sign") not in (1, -1):
+        raise c.fail(f"sign {c.attrs.get('sign')!r} (one input needs sign 1 or -1)")
+
+
+def _check_where(c: _Ctx) -> None:
+    k = c.attrs["constants"]
+    if not isinstance(k, list) or len(k) != 2 or not all(e is None or _is_int(e) for e in k):
+        raise c.fail(f"constants {k!r} is not two entries of null or an integer")
+    if len(c.node["inputs"]) != sum(e is None for e in k):
+        raise c.fail(f"{len(c.node['inputs'])} inputs for constants {k}")
+
+
+def _check_lut(c: _Ctx) -> None:
+    c.size("table", 256)
+
+
+def _check_segment_lut(c: _Ctx) -> None:
+    a = c.attrs
+    for k, hi in (("dense_bits", 10), ("sparse_bits", 16)):
+        if not 0 <= a[k] <= hi:
+            raise c.fail(f"{k} {a[k]} outside 0..{hi}")
+    c.size("dense", 65)
+    c.size("sparse", 65)
+
+
+def _check_axis_matmul(c: _Ctx) -> None:
+    for i, axis in enumerate(c.attrs["axes"]):
+        c.axis(f"axes[{i}]", axis)
+        m = c.params.get(f"matrix_{i}")
+        if m is None or m.ndim != 2:
+            raise c.fail(f"no 2-d param 'matrix_{i}' for axes[{i}]")
+        size = c.in_shapes[0][axis]
+        if _is_int(size) and size != m.shape[0]:
+            raise c.fail(f"matrix_{i} has {m.shape[0]} rows for an axis of {size}")
+    extra = [k for k in c.params if k.startswith("matrix_")]
+    if len(extra) != len(c.attrs["axes"]):
+        raise c.fail(f"{len(extra)} matrices for {len(c.attrs['axes'])} axes")
+
+
+def _check_grid_sample(c: _Ctx) -> None:
+    a = c.attrs
+    if a["mode"] not in ("bilinear", "nearest") or a["padding_mode"] not in ("zeros", "border"):
+        raise c.fail(f"mode {a['mode']!r} / padding_mode {a['padding_mode']!r}")
+    if not 1 <= a["fraction_bits"] <= 16:
+        raise c.fail(f"fraction_bits {a['fraction_bits']} outside 1..16")
+    if c.rank() != 4 or (len(c.node["inputs"]) == 1 and "grid" not in c.params):
+        raise c.fail("grid_sample takes a rank-4 input and a grid (an input or param 'grid')")
+    for k in ("multiplier_x", "shift_x", "multiplier_y", "shift_y"):
+        c.size(k, 1)
+
+
+def _check_pool(c: _Ctx) -> None:
+    a = c.attrs
+    d = len(a["kernel"])
+    if d == 0 or d > c.rank() or any(len(a[k]) != d for k in ("stride", "padding", "dilation")):
+        raise c.fail("kernel, stride, padding and dilation are not one entry per pooled axis")
+    if min(a["kernel"] + a["stride"] + a["dilation"]) < 1 or min(a["padding"]) < 0:
+        raise c.fail("kernel, stride and dilation must be positive, padding non-negative")
+    _geometry(c, ("kernel", "stride", "padding", "dilation"))
+
+
+def _check_adaptive(c: _Ctx) -> None:
+    size = c.attrs["output_size"]
+    if not 1 <= len(size) <= c.rank() or min(size) < 1:
+        raise c.fail(f"output_size {size} for a rank-{c.rank()} input")
+    _geometry(c, ("output_size",))
+
+
+def _check_reshape(c: _Ctx) -> None:
+    shape = c.attrs["shape"]
+    if len(shape) > _MAX_RANK or min(shape, default=0) < -1 or shape.count(-1) > 1:
+        raise c.fail(f"shape {shape} (sizes >= 0, at most one -1)")
+
+
+def _check_transpose(c: _Ctx) -> None:
+    if sorted(c.attrs["perm"]) != list(range(c.rank())):
+        raise c.fail(f"perm {c.attrs['perm']} is not a permutation of {c.rank()} axes")
+
+
+def _check_gather(c: _Ctx) -> None:
+    shape, idx = c.attrs["shape"], c.params["index"]
+    if min(shape, default=0) < 0 or math.prod(shape) != idx.size:
+        raise c.fail(f"shape {shape} for {idx.size} indices")
+    src = c.in_shapes[0][1:] if c.attrs["per_sample"] else c.in_shapes[0]
+    if (
+        idx.size
+        and all(_is_int(s) for s in src)
+        and (idx.min() < -1 or idx.max() >= math.prod(src))
+    ):
+        raise c.fail(f"indices outside -1..{math.prod(src) - 1}")
+
+
+def _check_concat(c: _Ctx) -> None:
+    rank = c.rank()
+    if any(len(s) != rank for s in c.in_shapes):
+        raise c.fail("inputs of different ranks")
+    c.axis("axis", c.attrs["axis"])
+
+
+def _check_float(c: _Ctx) -> None:
+    from_runtime = _runtime_float_fns()
+    if c.attrs["fn"] not in from_runtime:
+        raise c.fail(f"fn {c.attrs['fn']!r} is not one of {list(from_runtime)}")
+
+
+def _rsqrt(c: _Ctx) -> None:
+    a = c.attrs
+    if not 3 <= a["index_bits"] <= 16 or not 0 <= a["fraction_bits"] <= 40:
+        raise c.fail(f"index_bits {a['index_bits']}, fraction_bits {a['fraction_bits']}")
+    if a["z_dtype"] not in ("int8", "int16") or not 0 <= a["q_bits"] <= 31 or a["eps_term"] < 0:
+        raise c.fail(f"z_dtype {a['z_dtype']!r}, q_bits {a['q_bits']}, eps_term {a['eps_term']}")
+    c.size("rsqrt_table", 3 * (1 << (a["index_bits"] - 2)) + 1)
+
+
+def _check_normalize(c: _Ctx) -> None:
+    _rsqrt(c)
+    a = c.attrs
+    if a["n"] < 1 or (a["groups"] is not None and a["groups"] < 1):
+        raise c.fail(f"n {a['n']}, groups {a['groups']}")
+
+
+def _check_l2(c: _Ctx) -> None:
+    _rsqrt(c)
+    for i, axis in enumerate(c.attrs["axes"]):
+        c.axis(f"axes[{i}]", axis)
+
+
+def _check_softmax(c: _Ctx) -> None:
+    a = c.attrs
+    c.axis("axis", a["axis"])
+    if not 1 <= a["exp_fraction_bits"] <= 16:
+        raise c.fail(f"exp_fraction_bits {a['exp_fraction_bits']} outside 1..16")
+    c.size("exp2_table", 1 << a["exp_fraction_bits"])
+    if a["causal"] and c.rank() < 2:
+        raise c.fail("a causal softmax of a rank-1 input")
+    if a["log"]:
+        for k in ("log_multiplier", "log_shift", "log_index_bits", "ln2", "log_offset"):
+            if not _is_int(a.get(k)):
+                raise c.fail(f"log-softmax attribute {k!r} is {a.get(k)!r}, not an integer")
+        if not 2 <= a["log_index_bits"] <= 16 or "log_table" not in c.params:
+            raise c.fail(f"log_index_bits {a['log_index_bits']} or no param 'log_table'")
+        c.size("log_table", (1 << (a["log_index_bits"] - 1)) + 1)
+
+
+def _check_divide(c: _Ctx) -> None:
+    want = 2 if c.attrs["numerator"] is None else 1
+    if len(c.node["inputs"]) != want:
+        raise c.fail(f"{len(c.node['inputs'])} inputs with numerator {c.attrs['numerator']!r}")
+
+
+def _fn(*names: str) -> Callable[[_Ctx], None]:
+    def check(c: _Ctx) -> None:
+        if c.attrs["fn"] not in names:
+            raise c.fail(f"fn {c.attrs['fn']!r} is not one of {list(names)}")
+
+    return check
+
+
+def _check_prelu(c: _Ctx) -> None:
+    c.axis("axis", c.attrs["axis"])
+    size = c.params["neg_multiplier"].size
+    if any(c.params[k].size != size for k in ("neg_shift", "neg_sign")):
+        raise c.fail("neg_multiplier, neg_shift and neg_sign differ in size")
+
+
+def _check_reduce(c: _Ctx) -> None:
+    _fn("amax", "amin")(c)
+    for i, axis in enumerate(c.attrs["axes"]):
+        c.axis(f"axes[{i}]", axis)
+
+
+def _check_arg(c: _Ctx) -> None:
+    _fn("argmax", "argmin")(c)
+    if c.attrs["axis"] is not None:
+        c.axis("axis", c.attrs["axis"])
+
+
+_W = ("out_dtype", "rounding", "lo", "hi")
+_WEIGHTED = {"out_dtype": "outdtype", "rounding": "rounding", "lo": "int?", "hi": "int?"}
+_WPARAMS = {
+    "weight": _Param(("int8",)),
+    "bias": _Param(("int32", "int64"), (1,), False),
+    "weight_scale": _Param(("float32", "float64"), None, False),
+    "multiplier": _Param(_I, None, False),
+    "shift": _Param(_I, None, False),
+    "residual_multiplier": _Param(_I, None, False),
+    "residual_shift": _Param(_I, None, False),
+    "accumulator_scale": _Param(("float32", "float64"), None, False),
+}
+_RSQRT_ATTRS = {
+    "eps_term": "int",
+    "q_bits": "int",
+    "index_bits": "int",
+    "fraction_bits": "int",
+    "z_dtype": "str",
+    "dtype": "qdtype",
+    "rounding": "rounding",
+}
+_QR = {"dtype": "qdtype", "rounding": "rounding"}
+
+#: op -> what a file may hold for it (``docs/integer_graph.md``, 2)
+OP_SPECS: dict[str, _OpSpec] = {
+    "quantize": _OpSpec((1,), {"scale": "float", **_QR}, {}),
+    "dequantize": _OpSpec((1,), {"scale": "float"}, {}),
+    "requantize": _OpSpec(
+        (1,), {**_QR, "lo": "int?", "hi": "int?"}, {"multiplier": _SHIFT, "shift": _SHIFT}
+    ),
+    "conv": _OpSpec(
+        (1, 2),
+        {
+            **_WEIGHTED,
+            "dim": "int",
+            "transposed": "bool",
+            "stride": "ints",
+            "dilation": "ints",
+            "groups": "int",
+            "float_max": "float?",
+        },
+        _WPARAMS,
+        _check_conv,
+    ),
+    "linear": _OpSpec(
+        (1, 2),
+        {**_WEIGHTED, "float_max": "float?"},
+        {**_WPARAMS, "weight": _Param(("int8",), (2,))},
+        _check_linear,
+    ),
+    "channel_affine": _OpSpec(
+        (1,), _WEIGHTED, {**_WPARAMS, "weight": _Param(("int8",), (1,))}, _check_affine
+    ),
+    "add": _OpSpec(
+        (1, 2, 3, 4, 5, 6, 7, 8),
+        {"multipliers": "ints", "shift": "int", "constant": "int?", **_QR},
+        {},
+        _check_add,
+    ),
+    "mul": _OpSpec(
+        (1, 2), {"multiplier": "int", "shift": "int", "sign": "int?", **_QR}, {}, _check_mul
+    ),
+    "where": _OpSpec(
+        (0, 1, 2),
+        {"constants": "any", "dtype": "qdtype"},
+        {"condition": _Param(("bool",))},
+        _check_where,
+    ),
+    "matmul": _OpSpec((2,), {"multiplier": "int", "shift": "int", **_QR}, {}),
+    "clip": _OpSpec((1,), {"lo": "int?", "hi": "int?"}, {}),
+    "lut": _OpSpec((1,), {}, {"table": _Param(("int8", "int16"), (1,))}, _check_lut),
+    "segment_lut": _OpSpec(
+        (1,),
+        {"dense_bits": "int", "sparse_bits": "int", **_QR},
+        {"dense": _Param(_I, (1,)), "sparse": _Param(_I, (1,))},
+        _check_segment_lut,
+    ),
+    "axis_matmul": _OpSpec((1,), {"axes": "ints"}, {}, _check_axis_matmul, extra_params="matrix_"),
+    "grid_sample": _OpSpec(
+        (1, 2),
+        {"mode": "str", "padding_mode": "str", "fraction_bits": "int", "rounding": "rounding"},
+        {
+            "multiplier_x": _SHIFT,
+            "shift_x": _SHIFT,
+            "multiplier_y": _SHIFT,
+            "shift_y": _SHIFT,
+            "grid": _Param(_I, (4,), False),
+        },
+        _check_grid_sample,
+    ),
+    "max_pool": _OpSpec(
+        (1,),
+        {
+            "kernel": "ints",
+            "stride": "ints",
+            "padding": "ints",
+            "dilation": "ints",
+            "ceil_mode": "bool",
+        },
+        {},
+        _check_pool,
+    ),
+    "adaptive_max_pool": _OpSpec((1,), {"output_size": "ints"}, {}, _check_adaptive),
+    "reshape": _OpSpec((1,), {"shape": "ints"}, {}, _check_reshape),
+    "transpose": _OpSpec((1,), {"perm": "ints"}, {}, _check_transpose),
+    "gather": _OpSpec(
+        (1,), {"shape": "ints", "per_sample": "bool"}, {"index": _Param(_I, (1,))}, _check_gather
+    ),
+    "concat": _OpSpec(tuple(range(1, 65)), {"axis": "int"}, {}, _check_concat),
+    "float": _OpSpec(
+        (1, 2), {"fn": "str", "scalar": "float?", "scalar_first": "any"}, {}, _check_float
+    ),
+    "normalize": _OpSpec(
+        (1,),
+        {**_RSQRT_ATTRS, "n": "int", "groups": "int?"},
+        {
+            "rsqrt_table": _Param(_I, (1,)),
+            "weight": _Param(("int8",)),
+            "bias": _Param(("int32", "int64")),
+            "weight_scale": _Param(("float32", "float64"), None, False),
+            "multiplier": _SHIFT,
+            "shift": _SHIFT,
+        },
+        _check_normalize,
+    ),
+    "l2_normalize": _OpSpec(
+        (1,),
+        {**_RSQRT_ATTRS, "axes": "ints"},
+        {"rsqrt_table": _Param(_I, (1,)), "multiplier": _SHIFT, "shift": _SHIFT},
+        _check_l2,
+    ),
+    "softmax": _OpSpec(
+        (1,),
+        {
+            "axis": "int",
+            "log": "bool",
+            "causal": "bool",
+            "exp_multiplier": "int",
+            "exp_shift": "int",
+            "exp_fraction_bits": "int",
+            "out_multiplier": "int",
+            "out_shift": "int",
+            **_QR,
+        },
+        {
+            "exp2_table": _Param(_I, (1,)),
+            "log_table": _Param(_I, (1,), False),
+            "keep": _Param(("bool",), None, False),
+        },
+        _check_softmax,
+    ),
+    "divide": _OpSpec(
+        (1, 2), {"multiplier": "int", "shift": "int", "numerator": "int?", **_QR}, {}, _check_divide
+    ),
+    "extremum": _OpSpec((2,), {"fn": "str"}, {}, _fn("maximum", "minimum")),
+    "embedding": _OpSpec((1,), {"dtype": "qdtype"}, {"table": _Param(("int8", "int16"), (2,))}),
+    "prelu": _OpSpec(
+        (1,),
+        {"axis": "int", **_QR},
+        {k: _SHIFT for k in ("multiplier", "shift", "neg_multiplier", "neg_shift", "neg_sign")},
+        _check_prelu,
+    ),
+    "reduce_extreme": _OpSpec(
+        (1,), {"fn": "str", "axes": "ints", "keepdim": "bool"}, {}, _check_reduce
+    ),
+    "arg_extreme": _OpSpec((1,), {"fn": "str", "axis": "int?", "keepdim": "bool"}, {}, _check_arg),
+}
+
+#: ops whose output dtype is their ``dtype`` (or ``out_dtype``) attribute
+_OUT_DTYPE = ("dtype", "out_dtype")
+
+
+def _runtime_float_fns() -> tuple[str, ...]:
+    try:
+        from .runtime import FLOAT_FNS
+    except ImportError:  # pragma: no cover - loaded as a standalone file
+        from runtime import FLOAT_FNS  # type: ignore[no-redef]
+    return FLOAT_FNS
+
+
+# -- the graph ------------------------------------------------------------------------------------
+_TOP = {
+    "format": str,
+    "version": int,
+    "march": str,
+    "dynamic_batch": bool,
+    "inputs": list,
+    "outputs": list,
+    "tensors": dict,
+    "nodes": list,
+}
+_TENSOR_DTYPES = ("int8", "int16", "int32", "int64", "float32", "float64", "bool")
+
+
+def check_graph(
+    where: str, meta: Any, arrays: dict[str, np.ndarray], format_name: str, version: int
+) -> None:
+    """Check a parsed ``graph.json`` and its arrays (``docs/integer_graph.md``, 1 and 2).
+
+    Raises:
+        IntegerGraphFormatError: naming ``where`` and the key, tensor, node or member at fault.
+    """
+
+    def fail(reason: str) -> IntegerGraphFormatError:
+        return IntegerGraphFormatError(
+            f"{where}: graph.json: {reason}; the file is damaged or was written by another fxq: "
+            "export it again"
+        )
+
+    if not isinstance(meta, dict):
+        raise fail(f"the top level is {type(meta).__name__}, not an object")
+    if meta.get("format") != format_name:
+        raise IntegerGraphFormatError(
+            f"{where}: not an fxq integer graph (format {meta.get('format')!r}, expected "
+            f"{format_name!r})"
+        )
+    v = meta.get("version")
+    if not _is_int(v) or v < 1:
+        raise fail(f"version {v!r} is not a positive integer")
+    if v > version:
+        raise IntegerGraphFormatError(
+            f"{where}: integer graph version {v} is newer than this fxq reads ({version}); "
+            "upgrade fxq"
+        )
+    for k, t in _TOP.items():
+        if k not in meta:
+            raise fail(f"no key {k!r}")
+        if not isinstance(meta[k], t) or (t is int and isinstance(meta[k], bool)):
+            raise fail(f"{k!r} is {type(meta[k]).__name__}, expected {t.__name__}")
+    if meta["march"] not in (*MARCH_LIMITS, ""):
+        raise fail(f"unknown march {meta['march']!r} (known: {', '.join(MARCH_LIMITS)})")
+    tensors = meta["tensors"]
+    for name, t in tensors.items():
+        _check_tensor(fail, name, t)
+    for k in ("inputs", "outputs"):
+        for name in meta[k]:
+            if not isinstance(name, str) or name not in tensors:
+                raise fail(f"{k} names {name!r}, which is not in 'tensors'")
+    known = set(meta["inputs"])
+    seen: set[str] = set()
+    used: set[str] = set()
+    for i, node in enumerate(meta["nodes"]):
+        _check_node(where, fail, i, node, tensors, known, seen, arrays, meta["march"], used)
+    for name in meta["outputs"]:
+        if name not in known:
+            raise fail(f"output {name!r} is produced by no node")
+    unused = sorted(set(arrays) - used)
+    if unused:
+        raise IntegerGraphFormatError(
+            f"{where}: member {unused[0]!r} is named by no node ({len(unused)} such member(s)); "
+            "the file is damaged or was written by another fxq: export it again"
+        )
+
+
+def _check_tensor(fail: Callable[[str], Exception], name: str, t: Any) -> None:
+    if not isinstance(t, dict) or not {"dtype", "shape"} <= set(t):
+        raise fail(f"tensor {name!r} is not an object with 'dtype' and 'shape'")
+    if t["dtype"] not in _TENSOR_DTYPES:
+        raise fail(f"tensor {name!r} has dtype {t['dtype']!r} (one of {list(_TENSOR_DTYPES)})")
+    shape = t["shape"]
+    if (
+        not isinstance(shape, list)
+        or len(shape) > _MAX_RANK
+        or not all((_is_int(s) and s >= 0) or (isinstance(s, str) and s) for s in shape)
+    ):
+        raise fail(f"tensor {name!r} has shape {shape!r} (sizes >= 0 or symbols such as 'N')")
+    scale = t.get("scale")
+    if scale is not None and not (_is_float(scale) and scale > 0):
+        raise fail(f"tensor {name!r} has scale {scale!r} (a finite number > 0, or null)")
+    if not _is_int(t.get("offset", 0)):
+        raise fail(f"tensor {name!r} has offset {t.get('offset')!r} (an integer)")
+
+
+def _check_node(
+    where: str,
+    fail: Callable[[str], Exception],
+    index: int,
+    node: Any,
+    tensors: dict,
+    known: set[str],
+    seen: set[str],
+    arrays: dict[str, np.ndarray],
+    march: str,
+    used: set[str],
+) -> None:
+    fields = {
+        "name": str,
+        "op": str,
+        "inputs": list,
+        "outputs": list,
+        "attrs": dict,
+        "params": dict,
+        "source": str,
+    }
+    if not isinstance(node, dict):
+        raise fail(f"nodes[{index}] is {type(node).__name__}, not an object")
+    for k, t in fields.items():
+        if not isinstance(node.get(k), t):
+            raise fail(
+                f"nodes[{index}] ({node.get('name')!r}): {k!r} is {node.get(k)!r}, "
+                f"expected {t.__name__}"
+            )
+    name, op = node["name"], node["op"]
+    if name in seen:
+        raise fail(f"node name {name!r} appears twice")
+    seen.add(name)
+    spec = OP_SPECS.get(op)
+    if spec is None:
+        raise fail(
+            f"node {name!r} has op {op!r}, which this fxq does not run (ops: "
+            f"{', '.join(sorted(OP_SPECS))}); upgrade fxq"
+        )
+    for t in node["inputs"]:
+        if not isinstance(t, str) or t not in known:
+            raise fail(f"node {name!r} reads {t!r}, which no earlier node or graph input makes")
+    for t in node["outputs"]:
+        if not isinstance(t, str) or t not in tensors or t in known:
+            raise fail(f"node {name!r} writes {t!r}: not in 'tensors', or written twice")
+        known.add(t)
+    c = _Ctx(where, node, {}, [tensors[t]["shape"] for t in node["inputs"]], march)
+    if len(node["inputs"]) not in spec.inputs or len(node["outputs"]) != spec.outputs:
+        raise c.fail(f"{len(node['inputs'])} inputs and {len(node['outputs'])} outputs")
+    for k, kind in spec.attrs.items():
+        check, what = _KINDS[kind]
+        if k not in node["attrs"] and not kind.endswith("?") and kind != "any":
+            raise c.fail(f"no attribute {k!r}")
+        if k in node["attrs"] and not check(node["attrs"][k]):
+            raise c.fail(f"attribute {k!r} is {node['attrs'][k]!r}, expected {what}")
+    c.params = _node_params(c, spec, node, arrays, used)
+    for k in _OUT_DTYPE:
+        want = node["attrs"].get(k) if k in spec.attrs else None
+        got = tensors[node["outputs"][0]]["dtype"]
+        if isinstance(want, str) and got != want:
+            raise c.fail(f"output {node['outputs'][0]!r} is {got}, the op makes {want}")
+    _check_ranges(c)
+    if spec.check is not None:
+        spec.check(c)
+
+
+def _node_params(
+    c: _Ctx, spec: _OpSpec, node: dict, arrays: dict[str, np.ndarray], used: set[str]
+) -> dict[str, np.ndarray]:
+    params = {}
+    for k, member in node["params"].items():
+        p = spec.params.get(k)
+        if p is None and not (spec.extra_params and k.startswith(spec.extra_params)):
+            raise c.fail(f"unknown param {k!r} (params: {', '.join(spec.params)})")
+        if not isinstance(member, str) or member not in arrays:
+            raise c.fail(f"param {k!r} names member {member!r}, which the file does not hold")
+        a = arrays[member]
+        used.add(member)
+        dtypes = _I if p is None else p.dtypes
+        if a.dtype.name not in dtypes or (p is not None and p.ranks and a.ndim not in p.ranks):
+            raise IntegerGraphFormatError(
+                f"{c.where}: member {member!r} (node {node['name']!r}, op {node['op']!r}, param "
+                f"{k!r}) is {a.dtype.name} of shape {list(a.shape)}, expected "
+                f"{'/'.join(dtypes)}{'' if p is None or not p.ranks else f' of rank {p.ranks}'}; "
+                "the file is damaged or was written by another fxq: export it again"
+            )
+        params[k] = a
+    for k, p in spec.params.items():
+        if p.required and k not in params:
+            raise c.fail(f"no param {k!r}")
+    return params
