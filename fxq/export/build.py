@@ -23,6 +23,7 @@ source line.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -218,8 +219,11 @@ class _Exporter(Interpreter):
                     "trace through the code (remove @fxq.fx_wrap) to export it"
                 )
         leaves = tree_flatten((args, kwargs))[0]
-        if not any(isinstance(v, (Tensor, QTensor)) for v in tree_flatten(result)[0]):
+        tensors = [v for v in tree_flatten(result)[0] if isinstance(v, (Tensor, QTensor))]
+        if not tensors:
             return  # shapes and other Python values: baked into the graph
+        if {id(v) for v in tensors} <= {id(v) for v in leaves}:
+            return  # a container of values the graph has (a namedtuple or dataclass output)
         if any(isinstance(v, QTensor) for v in leaves):
             row, _ = registry.row_for(n, self.modules)
             if row.kind is not Kind.PASSTHROUGH:
@@ -282,9 +286,27 @@ def rule_for_row(row: registry.OpRow) -> Any:
 
 
 # -- entry point ---------------------------------------------------------------------------------
+def _positional(quantized: GraphModule, inputs: Mapping[str, Any]) -> tuple:
+    """Keyword example inputs in the order of the graph's inputs (keyword-only ones included)."""
+    names = [n.target for n in quantized.graph.nodes if n.op == "placeholder"]
+    unknown = [k for k in inputs if k not in names]
+    if unknown:
+        raise ExportError(
+            f"fxq.export: example_inputs names {unknown}, which the converted graph does not "
+            f"take (its inputs: {', '.join(names)})"
+        )
+    missing = [k for k in names if k not in inputs]
+    if missing:
+        raise ExportError(
+            f"fxq.export: example_inputs lacks the graph input(s) {missing}; pass every input "
+            f"the model was traced with ({', '.join(names)})"
+        )
+    return tuple(inputs[k] for k in names)
+
+
 def to_graph(
     quantized: GraphModule,
-    example_inputs: tuple | Tensor,
+    example_inputs: tuple | Tensor | Mapping[str, Tensor],
     outputs: list[str | Node] | None = None,
 ) -> IntegerGraph:
     """Export a converted fxq model to an ``IntegerGraph``.
@@ -297,7 +319,8 @@ def to_graph(
 
     Args:
         quantized: the model returned by ``fxq.convert_fx`` (float32, eval mode).
-        example_inputs: a tensor or a tuple of tensors.
+        example_inputs: a tensor, a tuple of tensors, or a dict of them by input name
+            (keyword and keyword-only inputs).
         outputs: FX nodes (or their names) of ``quantized.graph`` whose values are the
             graph's outputs, in this order; what comes after them is not exported
             (e.g. a detector's ``@fxq.fx_wrap`` post-processing, which runs on the host).
@@ -319,6 +342,8 @@ def to_graph(
         )
     if isinstance(example_inputs, Tensor):
         example_inputs = (example_inputs,)
+    elif isinstance(example_inputs, Mapping):
+        example_inputs = _positional(quantized, example_inputs)
     march = {m.march for m in quantized.modules() if hasattr(m, "march")}
     if len(march) > 1:
         raise ExportError(f"fxq.export: the model mixes marches {sorted(map(str, march))}")

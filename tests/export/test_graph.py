@@ -3,6 +3,7 @@ on every registry op, the op zoo, torchvision models, on every march."""
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -212,6 +213,45 @@ def test_float_tail_that_moves_values_exports(bayes):
     expected = outputs(integer, (x,))
     assert_equal_outputs(expected, graph.run(x.numpy()))
     assert_equal_outputs(expected, run_onnx(graph_to_onnx(graph), (x,)))
+
+
+Features = collections.namedtuple("Features", ["logits", "features"])
+
+
+def test_namedtuple_output_and_keyword_only_inputs_export(bayes):
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.head = nn.Conv2d(8, 4, 1)
+
+        def forward(self, x, *, bias):
+            features = torch.relu(self.conv(x)) + bias
+            return Features(self.head(features), features)
+
+    x, bias = torch.randn(2, 3, 8, 8), torch.randn(2, 8, 8, 8)
+    inputs = {"x": x, "bias": bias}
+    qat = fxq.prepare_qat_fx(
+        Net().eval(), {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig}, example_inputs=inputs
+    )
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    qat(**inputs)
+    integer = fxq.convert_fx(qat)
+    graph = fxq.export.to_graph(integer, inputs)  # keyword example inputs, by name
+    assert graph.inputs == ["x", "bias"]
+    x, bias = torch.randn(3, 3, 8, 8), torch.randn(3, 8, 8, 8)
+    with torch.no_grad():
+        expected = integer(x, bias=bias)
+    assert isinstance(expected, Features)
+    expected = [t.numpy() for t in expected]
+    assert_equal_outputs(expected, graph.run(x.numpy(), bias.numpy()))
+    assert_equal_outputs(expected, run_onnx(graph_to_onnx(graph), (x, bias)))
+    with pytest.raises(
+        fxq.export.ExportError,
+        match=r"example_inputs lacks the graph input\(s\) \['bias'\]; pass every input the "
+        r"model was traced with \(x, bias\)",
+    ):
+        fxq.export.to_graph(integer, {"x": x})
 
 
 @pytest.mark.parametrize("march", ["bernoulli2", "bayes-e"])
