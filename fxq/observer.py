@@ -359,6 +359,12 @@ class ObserverBase(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing, unexpected, errors
         )
+        # the statistics are the loaded ones: no NaN / Inf seen since (the flag is not saved,
+        # and after ``to_empty`` it holds whatever the memory held)
+        if not self.non_finite.is_meta:
+            with torch.no_grad():
+                self.non_finite.zero_()
+        self._non_finite, self._unchecked = None, 0
 
     def extra_repr(self) -> str:
         axis = "" if self.ch_axis is None else f"ch_axis={self.ch_axis}, "

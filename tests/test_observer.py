@@ -287,3 +287,15 @@ def test_qat_steps_make_no_host_sync_off_the_cpu(monkeypatch, bayes):
         step()
     assert len(ops.names) > 1000  # the steps were recorded
     assert ops.names.count("_local_scalar_dense") == 0
+
+
+def test_loading_a_state_clears_the_unsaved_non_finite_flag():
+    """``non_finite`` is not saved; after ``to_empty`` it holds whatever the memory held, so
+    a load (the statistics are the loaded ones) clears it rather than raise on garbage."""
+    saved = MovingAverageMinMaxObserver()
+    saved(torch.randn(8))
+    fresh = MovingAverageMinMaxObserver()
+    fresh.non_finite.fill_(float("nan"))  # what uninitialized memory can hold
+    fresh.load_state_dict(saved.state_dict())
+    fresh.check_non_finite()  # does not raise
+    assert torch.equal(fresh.min_val, saved.min_val) and float(fresh.non_finite) == 0.0
