@@ -553,18 +553,13 @@ def _avg_pool(b: _Builder, node: Any, inputs: list[Value], attrs: dict[str, Any]
     return b.call(fn, inputs[0], count_include_pad=bool(attrs.get("count_include_pad", 0)), **args)
 
 
-@_converts("GlobalAveragePool")
-def _global_avg_pool(b: _Builder, node: Any, inputs: list[Value], attrs: dict[str, Any]) -> Value:
+@_converts("GlobalAveragePool", "GlobalMaxPool")
+def _global_pool(b: _Builder, node: Any, inputs: list[Value], attrs: dict[str, Any]) -> Value:
     rank = b.rank(node.input[0]) or 4
-    fn = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}[rank]
-    return b.call(fn, inputs[0], 1)
-
-
-@_converts("GlobalMaxPool")
-def _global_max_pool(b: _Builder, node: Any, inputs: list[Value], attrs: dict[str, Any]) -> Value:
-    rank = b.rank(node.input[0]) or 4
-    fn = {3: F.adaptive_max_pool1d, 4: F.adaptive_max_pool2d, 5: F.adaptive_max_pool3d}[rank]
-    return b.call(fn, inputs[0], 1)
+    if rank not in (3, 4, 5):
+        raise OnnxImportError(f"ONNX node {node.name!r} ({node.op_type}): rank {rank} input")
+    kind = "avg" if node.op_type == "GlobalAveragePool" else "max"
+    return b.call(getattr(F, f"adaptive_{kind}_pool{rank - 2}d"), inputs[0], 1)
 
 
 def _axes(b: _Builder, node: Any, attrs: dict[str, Any], index: int) -> list[int] | None:
