@@ -220,6 +220,20 @@ def _short(v: Any) -> str:
     return repr(v)
 
 
+_BY_BITS = {d.bits: d for d in (qint8, qint16, qint32)}
+
+
+def _unavailable(dtype: QDType, spec: Any) -> str:
+    """Why ``dtype`` is not available on ``spec``'s march ("" when it is): weights' and
+    high-precision outputs' dtypes always are, activation dtypes as the march says."""
+    if dtype in (qint32, spec.weight_dtype) or spec.supports_activation(dtype):
+        return ""
+    return (
+        f"{dtype.name} is not available on march {spec.march.value} "
+        f"(it runs: {spec.allowed_dtype_names()})"
+    )
+
+
 def _finalize_before_saving(module: FakeQuantize, prefix: str, keep_vars: bool) -> None:
     module.finalize()  # a state_dict holds the scale the statistics give
 
@@ -227,7 +241,7 @@ def _finalize_before_saving(module: FakeQuantize, prefix: str, keep_vars: bool) 
 def _save_grid(module: FakeQuantize, state_dict, prefix: str, local_metadata) -> None:
     # the grid's dtype and offset, always (8 and 0 included): a loader that fills the keys of
     # a fresh model's state dict (torch.distributed.checkpoint) must find them there
-    state_dict[prefix + "bits"] = torch.tensor(module.dtype.bits)
+    state_dict[prefix + "bits"] = torch.tensor(module.bits)
     state_dict[prefix + "offset"] = torch.tensor(module.offset)
 
 
@@ -282,13 +296,9 @@ class FakeQuantize(nn.Module):
         spec = get_march_spec(march)
         self.march = spec.march
         self.dtype = as_qdtype(dtype)
-        if self.dtype not in (qint32, spec.weight_dtype) and not spec.supports_activation(
-            self.dtype
-        ):
-            raise ValueError(
-                f"dtype {self.dtype.name} is not available on march {spec.march.value} "
-                f"(it runs: {spec.allowed_dtype_names()})"
-            )
+        problem = _unavailable(self.dtype, spec)
+        if problem:
+            raise ValueError(f"dtype {problem}")
         self.ch_axis = ch_axis
         if scale is not None:
             if spec.scale_constraint is ScaleConstraint.POWER_OF_TWO and float(
@@ -393,21 +403,9 @@ class FakeQuantize(nn.Module):
             f"got {offset}"
         )
 
-    def _dtype_problem(self, bits: int) -> str:
-        """Why a saved dtype of ``bits`` cannot be this fake quant's ("" when it can)."""
-        dtype = {d.bits: d for d in (qint8, qint16, qint32)}.get(bits)
-        spec = self.spec
-        if dtype is None:
-            return f"a quantized dtype of {bits} bits does not exist (8, 16 or 32)"
-        if dtype not in (qint32, spec.weight_dtype) and not spec.supports_activation(dtype):
-            return (
-                f"the saved dtype {dtype.name} is not available on march {spec.march.value} "
-                f"(it runs: {spec.allowed_dtype_names()}); load with the march it was saved with"
-            )
-        return ""
-
-    def _adopt_dtype(self, dtype: QDType) -> None:
-        """Take ``dtype`` (a loaded state's): the grid, and the levels the observer counts."""
+    def set_dtype(self, dtype: QDType) -> None:
+        """Quantize onto ``dtype``'s grid from now on (the scale is kept: recalibrate, or
+        load the scale that goes with it); the observer counts its levels."""
         self.dtype = dtype
         self.activation_post_process.qmax = self.levels_above_zero
 
@@ -599,11 +597,18 @@ class FakeQuantize(nn.Module):
     ):
         saved_bits = state_dict.pop(prefix + "bits", None)
         if saved_bits is not None and int(saved_bits) != self.dtype.bits:
-            problem = self._dtype_problem(int(saved_bits))
-            if problem:
-                errors.append(f"{prefix}bits: {problem}")
+            saved = _BY_BITS.get(int(saved_bits))
+            if saved is None:
+                errors.append(
+                    f"{prefix}bits: a quantized dtype of {int(saved_bits)} bits does not exist "
+                    "(8, 16 or 32)"
+                )
+            elif problem := _unavailable(saved, self.spec):
+                errors.append(
+                    f"{prefix}bits: the saved dtype {problem}; load with the march it was saved with"
+                )
             else:
-                self._adopt_dtype(as_qdtype(f"qint{int(saved_bits)}"))
+                self.set_dtype(saved)
         # a state dict from before offsets were always saved: no key means symmetric
         saved_offset = state_dict.pop(prefix + "offset", None)
         offset = 0 if saved_offset is None else int(saved_offset)

@@ -207,8 +207,7 @@ def widen_outputs(model: nn.Module, output: str = "auto") -> list[tuple[str, str
         if output == "auto" and isinstance(module, WeightedQAT) and spec.high_precision_output:
             fq.dtype = qint32
         elif spec.supports_activation(qint16):
-            fq.dtype = qint16
-            fq.activation_post_process.qmax = qint16.qmax
+            fq.set_dtype(qint16)
         else:
             continue
         changed.append((name, fq.dtype.name))

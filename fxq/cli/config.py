@@ -38,6 +38,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fxq.cli.errors import CliError
+from fxq.utils.sample_data import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = [
     "CliError",
@@ -52,9 +53,6 @@ __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
 ]
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 #: the short forms of a qconfig
 QCONFIG_NAMES = ("int8", "int16", "int32", "float")

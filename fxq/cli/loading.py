@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fxq.cli.errors import CliError
+from fxq.utils.sample_data import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = ["import_object", "load_model", "load_data", "IMAGE_SUFFIXES", "parse_json_kwargs"]
 
@@ -180,8 +181,8 @@ def load_data(
     spec: str,
     batch_size: int = 8,
     image_size: int = 224,
-    mean: Sequence[float] = (0.485, 0.456, 0.406),
-    std: Sequence[float] = (0.229, 0.224, 0.225),
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
     num_batches: int | None = None,
 ) -> list[Any]:
     """Calibration batches from ``spec``.

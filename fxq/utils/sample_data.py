@@ -18,7 +18,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PHOTOS", "photo_crops", "pretrained_mobilenet_v2", "imagenet_normalize"]
+__all__ = [
+    "PHOTOS",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "photo_crops",
+    "pretrained_mobilenet_v2",
+    "imagenet_normalize",
+]
 
 # scikit-image photographs that ship inside the wheel (no pooch download)
 PHOTOS = (
