@@ -88,6 +88,8 @@ class _Builder:
             if i.name not in initializers and i.name not in self.shapes
         )
         self._names: set[str] = set()
+        #: id -> (the constant, kept alive so that the id stays its own; its get_attr node)
+        self._constants: dict[int, tuple[Tensor, fx.Node]] = {}
         self.opset = next(
             (o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13
         )
@@ -149,17 +151,19 @@ class _Builder:
         return list(value.shape) if isinstance(value, Tensor) else None
 
     def operand(self, value: Value) -> Any:
-        """A constant as a graph argument: a Python number for a one-element tensor, a
-        buffer of the root module otherwise."""
+        """A constant as a graph argument: a Python number for a zero-dimensional tensor, a
+        buffer of the root module otherwise (one per tensor, however many ops read it)."""
         if isinstance(value, (list, tuple)):
             return type(value)(self.operand(v) for v in value)
         if not isinstance(value, Tensor):
             return value
         if value.numel() == 1 and value.dim() == 0:
             return value.item()
-        name = self.unique_name("constant")
-        self.root.register_buffer(name, value)
-        return self.graph.get_attr(name)
+        if id(value) not in self._constants:
+            name = self.unique_name("constant")
+            self.root.register_buffer(name, value)
+            self._constants[id(value)] = (value, self.graph.get_attr(name))
+        return self._constants[id(value)][1]
 
     def module(self, path: str, module: nn.Module, x: Value) -> fx.Node:
         """Add ``module`` at ``path`` (creating the containers on the way) and call it."""
