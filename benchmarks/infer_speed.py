@@ -4,6 +4,8 @@ torch.ao's int8 model beside it, measured in the same run on the same inputs.
     python benchmarks/infer_speed.py                 # resnet18, mobilenet_v2; batch 8, 224x224
     python benchmarks/infer_speed.py --models resnet18 --iters 20
     python benchmarks/infer_speed.py --device cuda --batch 64   # on a GPU (no torch.ao: CPU only)
+    python benchmarks/infer_speed.py --device cuda --batch 64 --profile   # + kernels per forward
+    python benchmarks/infer_speed.py --device cuda --batch 64 --graph     # + CUDA graph replays
 
 The fxq model is bit-exact with its QAT model; torch.ao uses the x86 default
 PTQ qconfig mapping (fbgemm / onednn kernels, rounding of its own).
@@ -70,6 +72,28 @@ def measure(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def kernel_profile(model: torch.nn.Module, x: torch.Tensor, top: int = 0) -> tuple[int, float]:
+    """Device kernels per forward and their total time (ms); prints the ``top`` costliest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        model(x)
+        torch.cuda.synchronize(x.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(x)
+            torch.cuda.synchronize(x.device)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time for e in kernels) / 1e3
+    if top:
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            by_name.setdefault(e.name[:90], []).append(e.device_time / 1e3)
+        costly = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+        for name, times in costly:
+            print(f"  {sum(times):7.2f} ms  {len(times):4d}x  {name}")
+    return len(kernels), total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["resnet18", "mobilenet_v2"])
@@ -79,6 +103,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
         "--device", default="cpu", help="cpu or cuda (torch.ao's int8 runs on the CPU only)"
+    )
+    parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="on CUDA: also both models replayed as CUDA graphs (fxq.utils.cuda_graph)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="on CUDA: kernels per forward and their time, and fxq's costliest kernels",
     )
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -97,6 +131,11 @@ def main() -> None:
                 expected = integer(x[:4])
         variants = {k: m.to(device) for k, m in variants.items()}
         x = x.to(device)
+        if args.graph and device.type == "cuda":
+            from fxq.utils.cuda_graph import graphed
+
+            variants["float graph"] = graphed(variants["float"], x)
+            variants["fxq graph"] = graphed(variants["fxq"], x)
         t = measure(variants, x, args.iters, args.warmup)
         row = [
             name,
@@ -104,12 +143,24 @@ def main() -> None:
             f"{t['fxq'] * 1e3:.1f}",
             f"{t['fxq'] / t['float']:.2f}x",
         ]
+        if "fxq graph" in t:
+            row[2] += f" (graph {t['fxq graph'] * 1e3:.1f})"
+            row[3] += (
+                f" (graphs: {t['fxq graph'] / t['float graph']:.2f}x;"
+                f" fxq graph / float eager {t['fxq graph'] / t['float']:.2f}x)"
+            )
+            row[1] += f" (graph {t['float graph'] * 1e3:.1f})"
         if "torch.ao" in t:
             row += [f"{t['torch.ao'] * 1e3:.1f}", f"{t['torch.ao'] / t['float']:.2f}x"]
         else:
             with torch.no_grad():
                 exact = torch.equal(integer(x[:4]).cpu(), expected)
             row += [f"bit-exact with the CPU: {exact}", ""]
+        if args.profile and device.type == "cuda":
+            print(f"{name}: fxq's costliest kernels per forward")
+            for variant in ("float", "fxq"):
+                count, ms = kernel_profile(variants[variant], x, top=8 if variant == "fxq" else 0)
+                row.append(f"{variant}: {count} kernels, {ms:.1f} ms")
         rows.append(row)
     print(
         f"inference on {args.device}, batch {args.batch}, {args.size}x{args.size}, "
@@ -126,6 +177,7 @@ def main() -> None:
                 "fxq/float",
                 "torch.ao int8 ms",
                 "torch.ao/float",
+                *(["float kernels", "fxq kernels"] if args.profile else []),
             ],
         )
     )

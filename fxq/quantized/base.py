@@ -272,7 +272,12 @@ def check_input(
 def same_scale(x: QTensor, scale: Tensor) -> bool:
     """Whether per-tensor ``x`` has exactly ``scale`` (the fast path of every module)."""
     s = x.scale
-    return s is scale or torch.equal(s, scale if scale.device == s.device else scale.to(s.device))
+    if s is scale:
+        return True
+    if s.device.type == "cpu":
+        return torch.equal(s, scale if scale.device == s.device else scale.to(s.device))
+    # off the CPU torch.equal waits for the device: remembered while neither scale changes
+    return qf.memo_by_identity("same_scale", (s, scale), lambda: torch.equal(s, scale.to(s.device)))
 
 
 def warn_rescaled(

@@ -109,7 +109,9 @@ class BatchNorm(QuantizedModule):
             bias, multiplier, shift = self.bias, self.multiplier, self.shift
         else:
             warn_rescaled(self, 0, self.input_scale, x.scale)
-            bias, multiplier, shift = self.derived((float(x.scale),), lambda: self._derive(x.scale))
+            bias, multiplier, shift = self.derived(
+                (qf.host_float(x.scale),), lambda: self._derive(x.scale)
+            )
         shape = [1] * x.dim()
         shape[1] = -1
         acc = x.values().to(torch.float64) * self.weight.to(torch.float64).reshape(shape)

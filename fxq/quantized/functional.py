@@ -18,16 +18,22 @@ Conventions:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from fxq.dtypes import QDType
 from fxq.march.spec import MarchSpec, Rounding, ScaleConstraint
+
+_T = TypeVar("_T")
 
 __all__ = [
     "broadcast_scale",
@@ -265,6 +271,63 @@ def ldexp(x: Tensor, exponent: Tensor) -> Tensor:
     return x * pow2(exponent.to(x.device))
 
 
+#: results of ``memo_by_identity``, oldest first
+_MEMO: OrderedDict[tuple, tuple] = OrderedDict()
+_MEMO_SIZE = 1024
+
+
+def memo_by_identity(tag: str, tensors: Sequence[Tensor], build: Callable[[], _T]) -> _T:
+    """``build()``, remembered while the same ``tensors`` (the objects themselves) keep
+    their contents (their version counters).
+
+    For values an integer module recomputes on every call from its own buffers, where
+    recomputing costs kernel launches or a host sync on a GPU (``requant_factor``,
+    ``base.same_scale``). The entry holds the tensors, so an id cannot be reused while it
+    is remembered. Graph captures, tensor subclasses (fake tensors) and tensors without a
+    version counter (made in inference mode) are not remembered.
+    """
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._get_tracing_state() is not None
+        or any(type(t) is not Tensor for t in tensors)
+    ):
+        return build()
+    try:
+        key = (tag,) + tuple((id(t), t._version) for t in tensors)
+    except RuntimeError:  # inference tensors track no version
+        return build()
+    hit = _MEMO.get(key)
+    if hit is not None:
+        _MEMO.move_to_end(key)
+        return hit[1]
+    value = build()
+    _MEMO[key] = (tuple(tensors), value)
+    if len(_MEMO) > _MEMO_SIZE:
+        _MEMO.popitem(last=False)
+    return value
+
+
+def host_float(t: Tensor) -> float:
+    """``float(t)`` of a one-element tensor. Off the CPU, reading a value waits for the
+    device, so it is remembered while ``t`` keeps its contents (``memo_by_identity``)."""
+    if t.device.type == "cpu":
+        return float(t)
+    return memo_by_identity("float", (t,), lambda: float(t))
+
+
+def requant_factor(multiplier: Tensor, shift: Tensor, device: torch.device) -> Tensor:
+    """``multiplier * 2**-shift`` as exact float64 on ``device`` (``ldexp``).
+
+    Off the CPU ``ldexp`` is some 30 small kernels (``pow2``), so the factor is
+    remembered for the same multiplier and shift tensors (``memo_by_identity``).
+    """
+    if device.type == "cpu":
+        return ldexp(multiplier.to(device), -shift)
+    return memo_by_identity(
+        f"factor:{device}", (multiplier, shift), lambda: ldexp(multiplier.to(device), -shift)
+    )
+
+
 class MultiplierRangeError(ValueError):
     """A requantization factor cannot be represented by the march's multiplier."""
 
@@ -478,16 +541,20 @@ def accumulate(
     """
     if q.device.type == "cuda" and torch.backends.cudnn.enabled:
         # cuDNN may pick Winograd or FFT algorithms, which are not exact on integers; without
-        # it torch runs im2col + GEMM, exact under the same bounds
-        with torch.backends.cudnn.flags(enabled=False):
+        # it torch runs im2col + GEMM (``conv_as_gemm``), exact under the same bounds
+        with torch.backends.cudnn.flags(enabled=False), _tensor_core_gemms(plan):
             return accumulate(op, q, weight, bias, plan, channel_axis)
     dt = plan.dtype
     w = weight.to(dt)
     if plan.limbs == 1:
         # on CUDA a kernel may add the bias through a GEMM that TF32 would round (transposed
-        # convolutions do): there it is added in float64 below
-        if bias is not None and plan.bias_in_kernel and q.device.type == "cpu":
-            return op(q.to(dt), w, bias.to(dt))
+        # convolutions do): there it is added after the kernel
+        if bias is not None and plan.bias_in_kernel:
+            if q.device.type == "cpu":
+                return op(q.to(dt), w, bias.to(dt))
+            # added here, exact in ``dt`` as in the kernel, in one pass
+            out = op(q.to(dt), w, None)
+            return out.add_(broadcast_scale(bias.to(dt), out.dim(), channel_axis))
         out = op(q.to(dt), w, None)
         if bias is None:
             return out
@@ -505,6 +572,86 @@ def accumulate(
     if bias is not None:
         total = total + broadcast_scale(bias.to(torch.float64), total.dim(), channel_axis)
     return total
+
+
+@contextlib.contextmanager
+def _tensor_core_gemms(plan: AccumulationPlan) -> Iterator[None]:
+    """cuBLAS float32 GEMMs on TF32 tensor cores for a float32 plan.
+
+    Exact: a float32 plan's operands are integers of at most 256 in magnitude (limbs of
+    at most 8 bits, int8 weights), which TF32's 11 significant bits hold, so every
+    product is exact, and the tensor cores accumulate in float32, where the plan proves
+    every partial sum an integer below ``2**24``. Several times faster than float32 FMA
+    GEMMs. Float64 plans are left as they are.
+    """
+    matmul = torch.backends.cuda.matmul
+    if plan.dtype is not torch.float32 or matmul.allow_tf32:
+        yield
+        return
+    matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = False
+
+
+#: elements of one im2col block of ``conv_as_gemm`` (a batch is split above it): 1 GiB
+_GEMM_BLOCK_ELEMENTS = 1 << 28
+
+
+def conv_as_gemm(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: Sequence[int],
+    pads: Sequence[Sequence[int]],
+    dilation: Sequence[int],
+    groups: int,
+) -> Tensor:
+    """A batched convolution of exact integers as one im2col copy and one matrix product.
+
+    The result is ``F.conv{1,2,3}d``'s, bit for bit whenever ``accumulate``'s plan holds
+    (every product and partial sum exact, so any summation order gives the same). On
+    CUDA with cuDNN off (``accumulate``: its Winograd / FFT algorithms are not exact)
+    torch convolves one image at a time, one im2col and one GEMM each; here the whole
+    batch is one strided copy and one batched GEMM (fewer kernels by the batch size).
+
+    Args:
+        x: ``[N, C, *spatial]``; weight: ``[O, C / groups, *kernel]``; bias: ``[O]`` or None.
+        stride, dilation: per spatial axis.
+        pads: ``[before, after]`` zero padding per spatial axis (first axis first).
+        groups: the convolution's groups.
+    """
+    d = weight.dim() - 2
+    flat = [p for pair in reversed(pads) for p in pair]
+    if any(flat):
+        x = F.pad(x, flat)
+    x = x.contiguous()
+    n, c = x.shape[:2]
+    o = weight.shape[0]
+    kernel = weight.shape[2:]
+    out = [(x.shape[2 + i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(d)]
+    sx = x.stride()
+    k_size = c // groups * math.prod(kernel)
+    length = math.prod(out)
+    strides = (
+        sx[0],
+        sx[1],
+        *(sx[2 + i] * dilation[i] for i in range(d)),
+        *(sx[2 + i] * stride[i] for i in range(d)),
+    )
+    step = max(1, _GEMM_BLOCK_ELEMENTS // max(1, c * math.prod(kernel) * length))
+    w = weight.reshape(groups, o // groups, k_size)
+    parts = []
+    for first in range(0, n, step):
+        block = x[first : first + step]
+        cols = block.as_strided((block.shape[0], c, *kernel, *out), strides)
+        cols = cols.reshape(block.shape[0], groups, k_size, length)
+        parts.append(torch.matmul(w, cols).reshape(block.shape[0], o, *out))
+    y = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if bias is not None:
+        y = y + broadcast_scale(bias.to(y.dtype), y.dim(), 1)
+    return y
 
 
 # =============================================================================
@@ -544,7 +691,7 @@ def requantize_exact(
     Returns:
         an integer tensor of ``dtype.storage``.
     """
-    r = ldexp(multiplier.to(acc.device), -shift)
+    r = requant_factor(multiplier, shift, acc.device)
     lo = dtype.qmin if lo is None else max(lo, dtype.qmin)
     hi = dtype.qmax if hi is None else min(hi, dtype.qmax)
     if use_native and acc.is_floating_point():
@@ -585,8 +732,8 @@ def requantize_residual(
     if use_native and acc.is_floating_point():
         from fxq.quantized import native
 
-        r = ldexp(multiplier.to(acc.device), -shift)
-        rr = ldexp(residual_multiplier.to(acc.device), -residual_shift)
+        r = requant_factor(multiplier, shift, acc.device)
+        rr = requant_factor(residual_multiplier, residual_shift, acc.device)
         out = native.requantize_add(
             acc, residual, rr, r, channel_axis, lo, hi, rounding is Rounding.HALF_EVEN
         )
@@ -612,7 +759,7 @@ def rescale_term(
     channel_axis: int | None = None,
 ) -> Tensor:
     """``shift_round(q * m, shift)`` as an exact float64 tensor (``|q * m| < 2**53``)."""
-    r = ldexp(multiplier.to(q.device), -shift)
+    r = requant_factor(multiplier, shift, q.device)
     r = broadcast_scale(r, q.dim(), channel_axis)
     return round_float(q.to(torch.float64) * r, rounding, inplace=True, exact=False)
 

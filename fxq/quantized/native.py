@@ -255,7 +255,11 @@ def requantize(
         return torch.ops.fxq.requantize(
             acc, r, channel_axis, int(lo), int(hi), bool(half_even), out_dtype
         )
-    if capture or not _eager_cpu(acc, r):
+    if capture:
+        return None
+    if _eager_cuda(acc, r):
+        return _cuda_kernels().requantize(acc, r, channel_axis, lo, hi, half_even, out_dtype)
+    if not _eager_cpu(acc, r):
         return None
     lib = _library()
     if lib is None:
@@ -289,12 +293,37 @@ def requantize_add(
         return torch.ops.fxq.requantize_add(
             acc, residual, rr, r, channel_axis, int(lo), int(hi), bool(half_even)
         )
-    if capture or not _eager_cpu(acc, residual, r, rr):
+    if capture:
+        return None
+    if _eager_cuda(acc, residual, r, rr):
+        return _cuda_kernels().requantize_add(acc, residual, rr, r, channel_axis, lo, hi, half_even)
+    if not _eager_cpu(acc, residual, r, rr):
         return None
     lib = _library()
     if lib is None:
         return None
     return _run_requantize_add(lib, func, acc, residual, rr, r, channel_axis, lo, hi, half_even)
+
+
+def _cuda_kernels():
+    """The Triton kernels of ``_requant_triton``, or None: Triton cannot be imported, or it
+    is switched off (``FXQ_TRITON=0``, ``fake_quant_ops.torch_ops_only``)."""
+    from fxq.quantized import fake_quant_ops
+
+    if fake_quant_ops._TORCH_OPS_ONLY or os.environ.get("FXQ_TRITON") == "0":
+        return None
+    try:
+        from fxq.quantized import _requant_triton
+    except ImportError:
+        return None
+    return _requant_triton
+
+
+def _eager_cuda(*tensors: Tensor) -> bool:
+    """Plain CUDA tensors with data (the accumulator's first), and Triton to run on them."""
+    if tensors[0].device.type != "cuda":
+        return False
+    return all(type(t) is Tensor for t in tensors) and _cuda_kernels() is not None
 
 
 def _eager_cpu(*tensors: Tensor) -> bool:

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from fxq.dtypes import QDType, as_qdtype
 from fxq.qtensor import QTensor
+from fxq.quantized import functional as qf
 from fxq.quantized.base import QuantizedModule, check_input, warn_rescaled
 
 __all__ = ["FunctionalQuantized"]
@@ -65,7 +66,7 @@ class FunctionalQuantized(QuantizedModule):
         Raises:
             TypeError / ValueError: an input is not a per-tensor QTensor.
         """
-        values = tuple(float(check_input(self, t, i).scale) for i, t in enumerate(inputs))
+        values = tuple(qf.host_float(check_input(self, t, i).scale) for i, t in enumerate(inputs))
         if self.__dict__.get("_warned_rescaled"):
             return values
         expected = self.derived(("input_scales",), lambda: tuple(self.input_scales.tolist()))

@@ -36,11 +36,15 @@ def _requant_by_count(
     input's values (under ``torch.export`` it is a constant; see ``fxq.quantized.base``).
     """
     (s_x,) = module.scale_values(x)
-    distinct, inverse = torch.unique(counts.to(torch.float64).cpu(), return_inverse=True)
-    factors = module.derived(
-        (s_x, tuple(distinct.tolist())), lambda: _count_factors(module, x.scale, distinct)
-    )
-    r = factors[inverse].to(sums.device)
+    counts = counts.to(torch.float64).cpu()  # on the host already where it is made
+
+    def factors() -> Tensor:
+        distinct, inverse = torch.unique(counts, return_inverse=True)
+        return _count_factors(module, x.scale, distinct)[inverse].to(sums.device)
+
+    # one factor per output element, kept on the device (no copy to it per call)
+    key = ("counts", s_x, str(sums.device), tuple(counts.shape), counts.numpy().tobytes())
+    r = module.derived(key, factors)
     v = qf.round_float(sums.to(torch.float64) * r, module.rounding, inplace=True, exact=False)
     dt = module.out_dtype
     return module.wrap(v.clamp_(dt.qmin, dt.qmax).to(dt.storage))
@@ -121,7 +125,7 @@ class AvgPool(FunctionalQuantized):
                 params["padding"] = (0, params["padding"][1])
         fn = _AVG[data.dim() - 2]
         summed = dict(params, divisor_override=1)
-        ones = torch.ones((1, 1, *data.shape[2:]), dtype=torch.float64, device=data.device)
+        ones = torch.ones((1, 1, *data.shape[2:]), dtype=torch.float64)  # shapes only: host
         counts = torch.round(fn(ones, **summed) / fn(ones, **params))  # torch's divisor per output
         sums = fn(data.to(torch.float64), **summed)
         if one_d:
@@ -141,20 +145,25 @@ def window_sums_adaptive(
     sums' shape, or (``expand=False``) a shape that broadcasts against it.
     """
     sums = x.to(torch.float64)
-    counts = torch.ones((), dtype=torch.float64, device=x.device)
+    counts = torch.ones((), dtype=torch.float64)  # shapes only: on the host
     dims = len(output_size)
     for d, o in enumerate(output_size):
         axis = x.dim() - dims + d
         n = sums.shape[axis]
         o = n if o is None else o
-        starts = torch.tensor([(i * n) // o for i in range(o)], device=x.device)
-        ends = torch.tensor([-((-(i + 1) * n) // o) for i in range(o)], device=x.device)
-        c = torch.cumsum(sums, axis)
-        c = torch.cat([torch.zeros_like(c.narrow(axis, 0, 1)), c], axis)
-        sums = c.index_select(axis, ends) - c.index_select(axis, starts)
+        starts = [(i * n) // o for i in range(o)]
+        ends = [-((-(i + 1) * n) // o) for i in range(o)]
+        if o == 1:  # the global average (exact: integers, any order)
+            sums = sums.sum(axis, keepdim=True)
+        elif o != n:
+            c = torch.cumsum(sums, axis)
+            c = torch.cat([torch.zeros_like(c.narrow(axis, 0, 1)), c], axis)
+            first, last = (torch.tensor(v, device=x.device) for v in (starts, ends))
+            sums = c.index_select(axis, last) - c.index_select(axis, first)
         shape = [1] * x.dim()
         shape[axis] = o
-        counts = counts * (ends - starts).to(torch.float64).reshape(shape)
+        sizes = [e - s for s, e in zip(starts, ends)]
+        counts = counts * torch.tensor(sizes, dtype=torch.float64).reshape(shape)
     return sums, counts.expand_as(sums) if expand else counts
 
 

@@ -10,7 +10,7 @@ from fxq.dtypes import QDType, as_qdtype
 from fxq.march import March
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
-from fxq.quantized.base import QuantizedModule, check_input, multiplier_for
+from fxq.quantized.base import QuantizedModule, check_input, multiplier_for, same_scale
 
 __all__ = ["Quantize", "DeQuantize", "Requantize", "UnusedQuantize"]
 
@@ -103,10 +103,10 @@ class Requantize(QuantizedModule):
     def forward(self, x: QTensor) -> QTensor:
         check_input(self, x)
         dtype = as_qdtype(self.dtype_name)
-        if torch.equal(x.scale, self.scale) and x.qdtype is dtype:
+        if x.qdtype is dtype and same_scale(x, self.scale):
             return x
         m, n = self.derived(
-            (float(x.scale),),
+            (qf.host_float(x.scale),),
             lambda: multiplier_for(
                 self, qf.scale_ratio(x.scale, self.scale), {"input": x.scale, "output": self.scale}
             ),

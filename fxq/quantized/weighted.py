@@ -488,8 +488,16 @@ class _Conv(_Weighted):
             )
         if self.padding_mode != "zeros":
             x = F.pad(x, self.reversed_padding, mode=self.padding_mode)
-            return _CONV[self._DIM](x, w, b, self.stride, 0, self.dilation, self.groups)
-        padding = 0 if self.input_offset else self.padding  # padded in _input_values
+            padding = 0
+        else:
+            padding = 0 if self.input_offset else self.padding  # padded in _input_values
+        depthwise = self.groups > 1 and w.shape[1] == 1  # torch's CUDA kernel: direct, exact
+        if x.device.type == "cuda" and x.dim() == self._DIM + 2 and not depthwise:
+            d = self._DIM
+            pads = [[0, 0]] * d if padding == 0 else self.zero_padding()
+            return qf.conv_as_gemm(
+                x, w, b, _tuple(self.stride, d), pads, _tuple(self.dilation, d), self.groups
+            )
         return _CONV[self._DIM](x, w, b, self.stride, padding, self.dilation, self.groups)
 
     def _check_offset_input(self) -> None:

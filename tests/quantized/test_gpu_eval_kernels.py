@@ -1,0 +1,229 @@
+"""The integer model's GPU path: Triton requantization, convolution as one GEMM, memos.
+
+* The Triton requantization kernels (``fxq.quantized._requant_triton``), run by Triton's
+  interpreter on the CPU, equal fxq's torch definitions bit for bit: per tensor and per channel,
+  with and without a fused residual, half-up and half-even with planted ties, every
+  output dtype (and on CUDA when a GPU is present).
+* ``conv_as_gemm`` equals torch's convolution bit for bit on exact integers: 1, 2 and
+  3 spatial dims, strides, dilations, asymmetric padding, groups, a batch split.
+* ``memo_by_identity`` recomputes when a remembered tensor changes in place, and does not
+  remember tensors without a version counter.
+* On CUDA the integer model of a CNN equals the CPU's and makes no host sync.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxq
+from fxq.dtypes import as_qdtype
+from fxq.march import Rounding
+from fxq.quantized import functional as qf
+from fxq.quantized import native
+
+ROOT = Path(__file__).resolve().parents[2]
+_QINT8 = as_qdtype("qint8")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def compare_requantize(device: str) -> int:
+    """The Triton kernels on ``device`` against fxq's torch definitions; the number compared."""
+    from fxq.quantized import _requant_triton as triton_kernels
+
+    torch.manual_seed(0)
+    compared = 0
+    multiplier = torch.randint(1, 2**15, (5,), dtype=torch.int64)
+    shift = torch.randint(9, 24, (5,), dtype=torch.int64)
+    multiplier[0], shift[0] = 1, 9  # with the ties below: exact halves
+    layouts = {  # name: (multiplier, shift, channel axis)
+        "per channel": (multiplier, shift, 1),
+        "per tensor": (multiplier[:1], shift[:1], None),
+        "one channel factor": (multiplier[:1], shift[:1], 1),
+    }
+    for (acc_dtype, out_dtype), half_even in itertools.product(native._FUNCS, (False, True)):
+        rounding = Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
+        qdtype = as_qdtype("qint16" if out_dtype is torch.int16 else "qint8")
+        acc = torch.randint(-(2**20), 2**20, (3, 5, 7, 11)).to(acc_dtype)
+        acc.view(-1)[:200] = (torch.arange(200) * 2**9 + 2**8).to(acc_dtype)
+        for name, (m, n, axis) in layouts.items():
+            expected = qf.requantize_exact(
+                acc, m, n, qdtype, rounding, axis, use_native=False,
+                as_float=out_dtype is torch.float32,
+            )  # fmt: skip
+            r = torch.ldexp(m.double(), -n.double())
+            got = triton_kernels.requantize(
+                acc.to(device), r, axis, qdtype.qmin, qdtype.qmax, half_even, out_dtype
+            )
+            assert torch.equal(got.cpu(), expected), (acc_dtype, out_dtype, name, half_even)
+            compared += 1
+        residual = torch.randint(-128, 128, acc.shape).float()
+        for (m, n, _), (rm, rn, _) in itertools.product(
+            (layouts["per channel"], layouts["per tensor"]), repeat=2
+        ):
+            rn = rn - 12  # the residual's factor: 2**12 larger
+            expected = qf.requantize_residual(
+                acc, residual, rm, rn, m, n, _QINT8, rounding, 1, use_native=False
+            )
+            got = triton_kernels.requantize_add(
+                acc.to(device), residual.to(device),
+                torch.ldexp(rm.double(), -rn.double()), torch.ldexp(m.double(), -n.double()),
+                1, -128, 127, half_even,
+            )  # fmt: skip
+            assert torch.equal(got.cpu(), expected), (acc_dtype, m.numel(), rm.numel())
+            compared += 1
+    return compared
+
+
+#: per accumulator / output dtype pair and rounding: 3 factor layouts, and 4 factor pairs
+#: with a residual (every accumulator dtype has a residual kernel)
+_COMPARED = 2 * (3 + 4) * len(native._FUNCS)
+
+_INTERPRETED = """
+from tests.quantized.test_gpu_eval_kernels import compare_requantize
+print(compare_requantize("cpu"))
+"""
+
+
+def test_the_triton_requantization_equals_fxq_arithmetic_interpreted():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_INTERPRETED)],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout.strip()) == _COMPARED
+
+
+@needs_cuda
+def test_the_triton_requantization_equals_fxq_arithmetic_on_cuda():
+    assert compare_requantize("cuda") == _COMPARED
+
+
+_CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize(
+    "stride, dilation, pads, groups",
+    [(1, 1, (0, 0), 1), (2, 1, (1, 1), 1), (1, 2, (2, 2), 2), (2, 1, (1, 0), 4), (3, 2, (0, 2), 1)],
+)
+@pytest.mark.parametrize("block", [1 << 28, 500])
+def test_conv_as_gemm_equals_torch_on_integers(
+    dims, stride, dilation, pads, groups, block, monkeypatch
+):
+    monkeypatch.setattr(qf, "_GEMM_BLOCK_ELEMENTS", block)  # 500: one image per block
+    torch.manual_seed(dims)
+    kernel = (3, 2, 1)[:dims] if dims == 3 else (3,) * dims
+    x = torch.randint(-128, 128, (5, 8) + (9,) * dims).float()
+    w = torch.randint(-128, 128, (12, 8 // groups) + kernel).float()
+    b = torch.randint(-1000, 1000, (12,)).float()
+    padded = F.pad(x, [p for _ in range(dims) for p in pads])
+    expected = _CONVS[dims](padded, w, b, stride, 0, dilation, groups)
+    got = qf.conv_as_gemm(x, w, b, (stride,) * dims, [pads] * dims, (dilation,) * dims, groups)
+    assert torch.equal(got, expected)
+
+
+@needs_cuda
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_as_gemm_on_cuda_equals_torch_on_the_cpu(groups):
+    """On CUDA (TF32 GEMMs under ``accumulate``'s plan) as torch's convolution on the CPU."""
+    torch.manual_seed(0)
+    x = torch.randint(-128, 128, (64, 32, 28, 28)).float()
+    w = torch.randint(-128, 128, (64, 32 // groups, 3, 3)).float()
+    expected = F.conv2d(x, w, None, 1, 1, 1, groups)
+    plan = qf.plan_accumulation(8, int(w.abs().sum((1, 2, 3)).max()))
+    with qf._tensor_core_gemms(plan):
+        got = qf.conv_as_gemm(x.cuda(), w.cuda(), None, (1, 1), [[1, 1]] * 2, (1, 1), groups)
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_memo_by_identity_sees_in_place_changes():
+    calls = []
+
+    def build():
+        calls.append(1)
+        return float(t.sum())
+
+    t = torch.ones(3)
+    assert qf.memo_by_identity("test", (t,), build) == 3.0
+    assert qf.memo_by_identity("test", (t,), build) == 3.0
+    assert len(calls) == 1
+    t.mul_(2)  # a new version: built again
+    assert qf.memo_by_identity("test", (t,), build) == 6.0
+    assert len(calls) == 2
+    with torch.inference_mode():
+        u = torch.ones(2)
+    for _ in range(2):  # no version counter: never remembered
+        qf.memo_by_identity("test", (u,), lambda: calls.append(1))
+    assert len(calls) == 4
+
+
+def _integer_cnn(device: str):
+    from tests.helpers import ResidualNet
+
+    fxq.set_march("bayes")
+    torch.manual_seed(0)
+    qat = fxq.prepare_qat_fx(ResidualNet(), {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            qat(torch.randn(8, 3, 12, 12))
+    return fxq.convert_fx(qat.eval()).to(device)
+
+
+@needs_cuda
+def test_the_integer_model_on_cuda_equals_the_cpu_and_makes_no_host_sync():
+    model = _integer_cnn("cuda")
+    x = torch.randn(8, 3, 12, 12)
+    with torch.no_grad():
+        expected = model.cpu()(x)
+        model.cuda()
+        x = x.cuda()
+        model(x)  # the first call fills the memos
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = model(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_graphed_refuses_inputs_off_cuda():
+    from fxq.utils.cuda_graph import graphed
+
+    with pytest.raises(ValueError, match="example inputs must be CUDA tensors"):
+        graphed(torch.nn.Linear(2, 2), torch.randn(1, 2))
+
+
+@needs_cuda
+def test_a_graphed_integer_model_equals_eager_and_refuses_a_changed_model():
+    from fxq.utils.cuda_graph import graphed
+
+    model = _integer_cnn("cuda")
+    x = torch.randn(8, 3, 12, 12, device="cuda")
+    fast = graphed(model, x)
+    with torch.no_grad():
+        for seed in range(2):
+            y = torch.randn(8, 3, 12, 12, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(fast(y.cuda()), model(y.cuda()))
+        smaller = torch.randn(3, 3, 12, 12, device="cuda")  # another shape: eager
+        assert torch.equal(fast(smaller), model(smaller))
+        next(model.buffers()).add_(0)  # an in-place change: a new version
+        with pytest.raises(RuntimeError, match="changed after its CUDA graph was captured"):
+            fast(x)
