@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,12 +17,17 @@ import fxq
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_in_fresh_process(code: str) -> str:
-    """Run Python ``code`` in a new interpreter (from the repository root); return its stdout."""
+def run_in_fresh_process(code: str, **environment: str) -> str:
+    """Run Python ``code`` in a new interpreter (from the repository root, with these
+    environment variables added); return its stdout."""
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, cwd=str(ROOT)
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+        env={**os.environ, **environment},
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip()
 
 

@@ -15,12 +15,12 @@ half-even. Launches use ``enable_fp_fusion=False`` all the same.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from fxq.quantized import native
 
 __all__ = ["requantize", "requantize_add"]
 
@@ -77,26 +77,11 @@ def _requantize_kernel(
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=valid)
 
 
-def _layout(acc: Tensor, channel_axis: int | None) -> tuple[int, int]:
-    """The channel count and the inner block of ``acc`` (1, 1 without a channel axis)."""
-    if channel_axis is None:
-        return 1, 1
-    axis = channel_axis % acc.dim()
-    return acc.shape[axis], math.prod(acc.shape[axis + 1 :])
-
-
-def _factors(r: Tensor, acc: Tensor, channels: int) -> Tensor:
-    """``r`` as contiguous float64 on ``acc``'s device, one per channel (``channels``
-    copies of a single factor)."""
-    r = r.to(device=acc.device, dtype=torch.float64).reshape(-1)
-    return r.expand(channels).contiguous() if r.numel() == 1 else r.contiguous()
-
-
-def _launch(acc, residual, r, rr, out, layout, lo, hi, half_even) -> None:
+def _launch(acc, residual, r, rr, out, blocks, lo, hi, half_even) -> None:
     n = acc.numel()
     if n == 0:
         return
-    channels, inner = layout
+    _, channels, inner = blocks
     _requantize_kernel[(triton.cdiv(n, _BLOCK),)](
         acc,
         acc if residual is None else residual,
@@ -127,9 +112,9 @@ def requantize(
 ) -> Tensor:
     """``clamp(round(acc * r), lo, hi)`` as ``out_dtype`` (``native.requantize``)."""
     acc = acc.contiguous()
-    layout = _layout(acc, channel_axis if r.numel() > 1 else None)
+    r, blocks = native._layout(acc, r.to(acc.device), channel_axis)
     out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
-    _launch(acc, None, _factors(r, acc, layout[0]), None, out, layout, lo, hi, half_even)
+    _launch(acc, None, r, None, out, blocks, lo, hi, half_even)
     return out
 
 
@@ -146,9 +131,8 @@ def requantize_add(
     """``clamp(round(sat32(acc + round(residual * rr)) * r), lo, hi)`` as float32
     (``native.requantize_add``)."""
     acc, residual = acc.contiguous(), residual.contiguous()
-    per_channel = r.numel() > 1 or rr.numel() > 1
-    layout = _layout(acc, channel_axis if per_channel else None)
-    r, rr = _factors(r, acc, layout[0]), _factors(rr, acc, layout[0])
+    r, blocks = native._layout(acc, r.to(acc.device), channel_axis)
+    rr, _ = native._layout(acc, rr.to(acc.device), channel_axis)
     out = torch.empty(acc.shape, dtype=torch.float32, device=acc.device)
-    _launch(acc, residual, r, rr, out, layout, lo, hi, half_even)
+    _launch(acc, residual, r, rr, out, blocks, lo, hi, half_even)
     return out

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -28,7 +24,7 @@ from fxq.observer import (
 )
 from fxq.quantized import fake_quant_ops
 from fxq.quantized.fake_quant_ops import Statistics
-from tests.helpers import ROOT
+from tests.helpers import run_in_fresh_process
 
 #: (observer, its keyword arguments, input shape, statistics mode)
 CASES = {
@@ -141,16 +137,7 @@ def test_the_triton_kernels_equal_the_modules_interpreted():
     """The Triton kernels, run by Triton's interpreter on the CPU, against the modules (the
     reference runs in ``torch_ops_only`` blocks)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_INTERPRETED)],
-        capture_output=True,
-        text=True,
-        cwd=str(ROOT),
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "equal"
+    assert run_in_fresh_process(_INTERPRETED, TRITON_INTERPRET="1") == "equal"
 
 
 def compare_training(device, steps: int = 3) -> None:

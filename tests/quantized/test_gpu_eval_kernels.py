@@ -14,12 +14,7 @@
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +25,8 @@ from fxq.dtypes import as_qdtype
 from fxq.march import Rounding
 from fxq.quantized import functional as qf
 from fxq.quantized import native
+from tests.helpers import run_in_fresh_process
 
-ROOT = Path(__file__).resolve().parents[2]
 _QINT8 = as_qdtype("qint8")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -96,16 +91,7 @@ print(compare_requantize("cpu"))
 
 def test_the_triton_requantization_equals_fxq_arithmetic_interpreted():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_INTERPRETED)],
-        capture_output=True,
-        text=True,
-        cwd=str(ROOT),
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert int(result.stdout.strip()) == _COMPARED
+    assert int(run_in_fresh_process(_INTERPRETED, TRITON_INTERPRET="1")) == _COMPARED
 
 
 @needs_cuda
