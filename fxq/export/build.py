@@ -23,6 +23,7 @@ source line.
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +44,7 @@ from fxq.export.moves import (
     _movement,
     value_rule,
 )
+from fxq.export.plain import CAST_METHODS, TORCH_DTYPES, cast_rule, materialize, plain_rule
 from fxq.export.rules import RULES, _dtype
 from fxq.fx.tracer import SELF, call_wrapped_method
 from fxq.qtensor import QTensor
@@ -67,6 +69,7 @@ class _Exporter(Interpreter):
         self.nodes: list[IRNode] = []
         self.tensors: dict[str, TensorInfo] = {}
         self.names: dict[int, str] = {}
+        self.constants: dict[int, Node] = {}  # values no graph input feeds -> their FX node
         self.batched: dict[str, bool] = {}
         self.keep: list[Any] = []  # keeps mapped objects alive (their ids stay unique)
         self.inputs: list[str] = []
@@ -90,6 +93,8 @@ class _Exporter(Interpreter):
 
     def name_of(self, obj: Any) -> str:
         name = self.names.get(id(obj))
+        if name is None and id(obj) in self.constants:
+            return materialize(self, obj, self.constants[id(obj)])
         if name is None:
             raise self.error(
                 f"its input ({type(obj).__name__}) was not produced by an exported op (a value "
@@ -101,9 +106,12 @@ class _Exporter(Interpreter):
         if isinstance(obj, QTensor):
             info = TensorInfo(_dtype(obj), list(obj.shape), float(obj.scale), obj.offset)
         elif isinstance(obj, Tensor):
-            dtype = {torch.float32: "float32", torch.int64: "int64"}.get(obj.dtype)
+            dtype = TORCH_DTYPES.get(obj.dtype)
             if dtype is None:
-                raise self.error(f"tensors of {obj.dtype} are not exported (float32 only)")
+                raise self.error(
+                    f"tensors of {obj.dtype} are not exported (float32, and int32 / int64 / bool "
+                    "for ids and masks)"
+                )
             info = TensorInfo(dtype, list(obj.shape), None)
         else:
             raise self.error(f"cannot export a value of type {type(obj).__name__}")
@@ -175,6 +183,8 @@ class _Exporter(Interpreter):
             raise ExportError(f"fxq.export: no node named {missing} in the converted graph")
         if n.op == "placeholder":
             self._placeholder(n, result)
+        elif n.op == "get_attr":
+            self._constant(n, result)
         elif n.op == "output":
             self._output(args)
         elif n.op in ("call_module", "call_function", "call_method"):
@@ -186,10 +196,21 @@ class _Exporter(Interpreter):
             return  # a Python value: baked in
         if self.batch is None:
             self.batch = value.shape[0] if value.dim() else None
-        t = value.to(torch.float32) if value.is_floating_point() else value
-        if t is not value:
-            raise self.error("graph inputs must be float32 tensors")
+        if value.dtype not in TORCH_DTYPES:
+            raise self.error(
+                f"graph input of dtype {value.dtype}: inputs are float32 (images, features), "
+                "int64 / int32 (token ids, integer masks) or bool (masks); convert the example "
+                "input"
+            )
         self.inputs.append(self.register(value, n.name, True))
+
+    def _constant(self, n: Node, result: Any) -> None:
+        """Record the tensors of ``result`` as constants made by ``n`` (no graph input feeds
+        them); one becomes a ``constant`` node when an exported op reads it."""
+        for v in tree_flatten(result)[0]:
+            if isinstance(v, (Tensor, QTensor)) and id(v) not in self.names:
+                self.constants[id(v)] = n
+                self.keep.append(v)
 
     def _output(self, args: tuple) -> None:
         leaves, _ = tree_flatten(args[0])
@@ -197,17 +218,28 @@ class _Exporter(Interpreter):
             if isinstance(leaf, (Tensor, QTensor)):
                 self.outputs.append(self.name_of(leaf))
 
-    def _moves_float(self, n: Node, leaves: list[Any]) -> bool:
-        """Whether ``n`` only moves the values of its one float tensor (a ``flatten``,
-        ``reshape`` or ``permute`` after a dequantize): exported as integers are, by the
-        positions it moves them to (IEEE values are moved, never computed)."""
-        if sum(isinstance(v, Tensor) for v in leaves) != 1:
+    def _moves_plain(self, n: Node, leaves: list[Any], result: Any) -> bool:
+        """Whether ``n`` only moves the values of a plain tensor (a ``flatten`` after a
+        dequantize, a mask's ``[:, None, None, :]`` or ``expand``, ``input_ids.view(-1, L)``):
+        exported as integers are, by the positions it moves them to (values are moved, never
+        computed). The other tensors it reads must be constants (indices)."""
+        if any(isinstance(v, QTensor) for v in leaves):
             return False
+        if n.op == "call_method" and n.target in CAST_METHODS:
+            src = next(v for v in leaves if isinstance(v, Tensor))
+            if not isinstance(result, Tensor) or result.dtype != src.dtype:
+                return False  # a cast
         row, _ = registry.row_for(n, self.modules)
         return row.kind is Kind.PASSTHROUGH and rule_for_row(row) is _movement
 
     def _call(self, n: Node, args: tuple, kwargs: dict, result: Any) -> None:
         module = self.modules.get(n.target) if n.op == "call_module" else None
+        leaves = tree_flatten((args, kwargs))[0]
+        tensors = [v for v in tree_flatten(result)[0] if isinstance(v, (Tensor, QTensor))]
+        graph = [v for v in leaves if isinstance(v, (Tensor, QTensor)) and id(v) in self.names]
+        if tensors and not graph:  # computed from constants only (buffers, sizes): a constant
+            self._constant(n, result)
+            return
         if module is not None:
             rule = RULES.get(type(module))
             if rule is not None:
@@ -218,13 +250,22 @@ class _Exporter(Interpreter):
                     "a quantized op called from opaque code (Standalone) has no graph position; "
                     "trace through the code (remove @fxq.fx_wrap) to export it"
                 )
-        leaves = tree_flatten((args, kwargs))[0]
-        tensors = [v for v in tree_flatten(result)[0] if isinstance(v, (Tensor, QTensor))]
+        if graph and n.op == "call_function" and n.target is operator.setitem:
+            raise self.error(
+                "item assignment (x[i] = v) writes graph values into a tensor in place, which is "
+                "not exported; build the tensor with torch.where / torch.cat instead"
+            )
         if not tensors:
             return  # shapes and other Python values: baked into the graph
-        if {id(v) for v in tensors} <= {id(v) for v in leaves}:
-            return  # a container of values the graph has (a namedtuple or dataclass output)
-        if any(isinstance(v, QTensor) for v in leaves):
+        # a container of values the graph has (a namedtuple or dataclass output), or one taken
+        # out of it; an in-place op on a tensor (``x.add_(1)``) returns it too, and is computed
+        tensor_types = (Tensor, QTensor)
+        structural = not isinstance(result, tensor_types) or not (
+            args and isinstance(args[0], tensor_types)
+        )
+        if structural and {id(v) for v in tensors} <= {id(v) for v in leaves}:
+            return
+        if any(isinstance(v, QTensor) for v in graph):
             row, _ = registry.row_for(n, self.modules)
             if row.kind is not Kind.PASSTHROUGH:
                 raise self.error(
@@ -240,27 +281,44 @@ class _Exporter(Interpreter):
                 )
             rule(self, n, module, args, kwargs, result)
             return
-        if any(isinstance(v, Tensor) for v in leaves):
-            if self._moves_float(n, leaves):
-                _movement(self, n, module, args, kwargs, result)
+        self._call_plain(n, module, args, kwargs, result, leaves)
+
+    def _call_plain(self, n: Node, module, args, kwargs, result, leaves: list[Any]) -> None:
+        """An op on plain tensors (float regions; ids and masks from graph inputs)."""
+        if n.op == "call_function" and n.target is call_wrapped_method:
+            raise self.error(
+                f"@fxq.fx_wrap method {n.args[1]!r} is opaque Python (host code); export the "
+                "network before it: to_graph(model, x, outputs=[<the nodes it takes>])"
+            )
+        if self._moves_plain(n, leaves, result):
+            _movement(self, n, module, args, kwargs, result)
+            return
+        if any(isinstance(v, QTensor) for v in leaves):
+            raise self.error(
+                "a plain op reads a constant quantized tensor by a graph value; compute it in "
+                "the integer part (an nn.Embedding for a table lookup)"
+            )
+        target = type(module) if module is not None else n.target
+        if isinstance(result, Tensor):
+            if n.op == "call_method" and n.target in CAST_METHODS:
+                cast_rule(self, n, module, args, kwargs, result)
                 return
-            target = type(module) if module is not None else n.target
             fn = FLOAT_RULES.get(target)
             if fn is None and isinstance(target, str):
                 fn = FLOAT_RULES.get(target.rstrip("_"))
-            if n.op == "call_function" and n.target is call_wrapped_method:
-                raise self.error(
-                    f"@fxq.fx_wrap method {n.args[1]!r} is opaque Python (host code); export the "
-                    "network before it: to_graph(model, x, outputs=[<the nodes it takes>])"
-                )
-            if fn is None or not isinstance(result, Tensor):
-                raise self.error(
-                    "float op without an export rule (exported float ops: neg, add, sub, mul, "
-                    "div, bit-exact in IEEE float32); keep it out of the exported part, or give "
-                    "it a qconfig so that it is quantized"
-                )
-            _float_op(self, fn, args, kwargs, result)
-        # anything else computes Python values (shapes), which are baked into the graph
+            if fn is not None:
+                _float_op(self, fn, args, kwargs, result)
+                return
+            rule = plain_rule(target)
+            if rule is not None:
+                rule(self, n, module, args, kwargs, result)
+                return
+        raise self.error(
+            "float op without an export rule (exported float ops: neg, add, sub, mul, div; on "
+            "ids and masks also casts, comparisons, logical and / or / xor / not, where, "
+            "masked_fill; and ops that move values); keep it out of the exported part, or give "
+            "it a qconfig so that it is quantized"
+        )
 
 
 def rule_for_row(row: registry.OpRow) -> Any:
@@ -287,21 +345,26 @@ def rule_for_row(row: registry.OpRow) -> Any:
 
 # -- entry point ---------------------------------------------------------------------------------
 def _positional(quantized: GraphModule, inputs: Mapping[str, Any]) -> tuple:
-    """Keyword example inputs in the order of the graph's inputs (keyword-only ones included)."""
-    names = [n.target for n in quantized.graph.nodes if n.op == "placeholder"]
+    """Keyword example inputs in the order of the graph's inputs (keyword-only ones included;
+    an input not given takes its default, when the traced graph has one)."""
+    placeholders = [n for n in quantized.graph.nodes if n.op == "placeholder"]
+    names = [n.target for n in placeholders]
+    # an input traced at its default value (``concrete_args``, e.g. a Hugging Face model's
+    # ``token_type_ids=None``) keeps it when not given, as calling the model does
+    defaults = {n.target: n.args[0] for n in placeholders if n.args}
     unknown = [k for k in inputs if k not in names]
     if unknown:
         raise ExportError(
             f"fxq.export: example_inputs names {unknown}, which the converted graph does not "
             f"take (its inputs: {', '.join(names)})"
         )
-    missing = [k for k in names if k not in inputs]
+    missing = [k for k in names if k not in inputs and k not in defaults]
     if missing:
         raise ExportError(
             f"fxq.export: example_inputs lacks the graph input(s) {missing}; pass every input "
             f"the model was traced with ({', '.join(names)})"
         )
-    return tuple(inputs[k] for k in names)
+    return tuple(inputs[k] if k in inputs else defaults[k] for k in names)
 
 
 def to_graph(

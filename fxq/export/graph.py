@@ -47,9 +47,14 @@ __all__ = [
     "load",
 ]
 
-#: the format name and schema version written into every file
+#: the format name, and the newest schema version this fxq reads and writes; a graph is written
+#: with the lowest version that holds it (``IntegerGraph.format_version``), so that a graph
+#: without version-2 features still loads in an fxq that reads version 1 only
 FORMAT = "fxq.integer_graph"
-VERSION = 1
+VERSION = 2
+
+#: ops that version 2 added (``docs/integer_graph.md``, 1): plain tensors from graph inputs
+VERSION_2_OPS = frozenset({"constant", "cast", "compare", "logical"})
 
 
 @dataclass
@@ -57,7 +62,7 @@ class TensorInfo:
     """A tensor of the graph.
 
     Attributes:
-        dtype: ``"int8"``, ``"int16"``, ``"int32"``, ``"int64"`` or ``"float32"``.
+        dtype: ``"int8"``, ``"int16"``, ``"int32"``, ``"int64"``, ``"float32"`` or ``"bool"``.
         shape: sizes; ``"N"`` is the batch dimension (any size at run time).
         scale: the quantization scale (value = (integer + offset) * scale), None for floats.
         offset: not 0 on an unsigned range stored shifted (``QTensor.offset``); the
@@ -133,8 +138,11 @@ class IntegerGraph:
         """Execute the graph with the numpy reference kernels.
 
         Args:
-            inputs: one numpy array per graph input (float32 images, or any real
-                dtype: they are quantized as ``fxq.quantized.functional.quantize`` does).
+            inputs: one numpy array per graph input: for a float input float32 images, or any
+                real dtype (they are quantized as ``fxq.quantized.functional.quantize`` does);
+                for an integer input (token ids, an integer mask) any integer dtype whose
+                values the input's dtype holds (converted to it); for a bool input (a mask) a
+                bool array.
 
         Returns:
             one array per graph output (float32 for dequantized outputs, the integer
@@ -142,8 +150,8 @@ class IntegerGraph:
 
         Every input is checked first: its rank, its shape (each size as exported; a symbolic
         size such as ``"N"`` takes any value, the same in every input that has it) and its
-        dtype (a float input takes any real dtype, an integer input any integer dtype), as
-        onnxruntime checks them. ``±Inf`` saturates to the integer range when quantized, as in
+        dtype (a float input takes any real dtype, an integer input any integer dtype with
+        values in its range, a bool input bool only), as onnxruntime checks them. ``±Inf`` saturates to the integer range when quantized, as in
         the integer model; a NaN to quantize is refused (``docs/integer_graph.md``, 3).
 
         Raises:
@@ -184,6 +192,8 @@ class IntegerGraph:
                     f"input {name!r}: got dtype {x.dtype}, expected {want} ({what} dtype); "
                     f"convert it, e.g. x.astype(np.{want})"
                 )
+            if want in ("int32", "int64") and x.dtype != DTYPES[want]:
+                env[name] = x = _integer_input(name, x, want)
             shape = "x".join(str(s) for s in info.shape)
             if x.ndim != len(info.shape):
                 raise GraphInputError(
@@ -251,11 +261,24 @@ class IntegerGraph:
         return f"{t.dtype}[{shape}]{scale}"
 
     # -- files ---------------------------------------------------------------------------------
+    def format_version(self) -> int:
+        """The lowest format version that holds this graph: 2 when it has a bool tensor, an op
+        of ``VERSION_2_OPS``, integer ``float`` arithmetic, a ``where`` whose condition is an
+        input, or a ``softmax`` whose keep-mask is an input; 1 otherwise."""
+        v2 = any(t.dtype == "bool" for t in self.tensors.values()) or any(
+            n.op in VERSION_2_OPS
+            or (n.op == "float" and n.attrs.get("dtype", "float32") != "float32")
+            or (n.op == "where" and "condition" not in n.params)
+            or (n.op == "softmax" and len(n.inputs) > 1)
+            for n in self.nodes
+        )
+        return 2 if v2 else 1
+
     def to_json(self) -> dict[str, Any]:
         """The graph without its arrays (parameters are named ``params/<node>/<param>.npy``)."""
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": self.format_version(),
             "march": self.march,
             "dynamic_batch": self.dynamic_batch,
             "inputs": list(self.inputs),
@@ -283,7 +306,8 @@ class IntegerGraph:
             for n in self.nodes:
                 for k, v in n.params.items():
                     buf = io.BytesIO()
-                    np.save(buf, np.ascontiguousarray(v), allow_pickle=False)
+                    # (ascontiguousarray makes a 0-d array 1-d: its shape is kept)
+                    np.save(buf, np.ascontiguousarray(v).reshape(v.shape), allow_pickle=False)
                     z.writestr(f"params/{n.name}/{k}.npy", buf.getvalue())
 
 
@@ -329,6 +353,17 @@ def load(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> IntegerGrap
     return IntegerGraph(
         nodes, tensors, meta["inputs"], meta["outputs"], meta["march"], meta["dynamic_batch"]
     )
+
+
+def _integer_input(name: str, x: np.ndarray, want: str) -> np.ndarray:
+    """An integer input converted to the dtype it was exported with, when its values fit."""
+    info = np.iinfo(DTYPES[want])
+    if x.size and (x.min() < info.min or x.max() > info.max):
+        raise GraphInputError(
+            f"input {name!r}: got dtype {x.dtype} with values {x.min()}..{x.max()}, outside "
+            f"{want} (the dtype it was exported with)"
+        )
+    return x.astype(DTYPES[want])
 
 
 def _refuse_nan(node: Node, name: str, x: np.ndarray, is_input: bool) -> None:

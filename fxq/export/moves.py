@@ -16,6 +16,7 @@ from torch.fx import Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxq import registry
+from fxq.export.plain import TORCH_DTYPES, number_attr
 from fxq.export.rules import _dtype, _Exporter, _ints, _np  # noqa: F401
 from fxq.qtensor import QTensor
 
@@ -143,9 +144,19 @@ def _movement(ex: _Exporter, n: Node, module, args, kwargs, result) -> None:
     """Export an op that only moves values (integers, or the float values of a float
     region) by running it on source indices."""
     leaves, spec = tree_flatten((args, kwargs))
-    moved_type = QTensor if any(isinstance(v, QTensor) for v in leaves) else Tensor
-    pos = next(i for i, v in enumerate(leaves) if isinstance(v, moved_type))
+    graph = [
+        i for i, v in enumerate(leaves) if isinstance(v, (Tensor, QTensor)) and id(v) in ex.names
+    ]
+    if not graph:  # a constant (named when it is materialized)
+        graph = [i for i, v in enumerate(leaves) if isinstance(v, (Tensor, QTensor))]
+    pos = graph[0]
     src = leaves[pos]
+    moved_type = QTensor if isinstance(src, QTensor) else Tensor
+    if len(graph) > 1 and _method_name(n) not in _SHAPE_ONLY:
+        raise ex.error(
+            "it moves values by another tensor of the graph (an index computed from the inputs); "
+            "fxq exports moves by constant indices only"
+        )
     numel = src.numel()
     index = torch.arange(1, numel + 1, dtype=torch.float64).reshape(src.shape)
     swapped = [
@@ -164,6 +175,14 @@ def _movement(ex: _Exporter, n: Node, module, args, kwargs, result) -> None:
             continue
         suffix = "" if len(outputs) == 1 else f"_{j}"
         _emit_movement(ex, n, in_name, src, r, o.to(torch.float64) - 1, suffix)
+
+
+#: movement ops whose second tensor gives a shape only
+_SHAPE_ONLY = frozenset({"view_as", "reshape_as", "expand_as"})
+
+
+def _method_name(n: Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
 
 
 def _emit_movement(
@@ -269,18 +288,26 @@ FLOAT_RULES: dict[Any, str] = {
 
 
 def _float_op(ex: _Exporter, fn: str, args, kwargs, result: Tensor) -> None:
+    """Elementwise arithmetic of plain tensors (float32, or int32 / int64 ids and masks) and
+    numbers, in the result's dtype as torch computes it (operands converted to it first)."""
     if kwargs:
         raise ex.error("float ops with keyword arguments are not exported")
-    if result.dtype is not torch.float32:
-        raise ex.error(f"float ops are exported in float32 only (got {result.dtype})")
+    dtype = TORCH_DTYPES.get(result.dtype)
+    if dtype not in ("float32", "int32", "int64"):
+        raise ex.error(
+            f"float ops are exported in float32 (or int32 / int64 arithmetic) only (got "
+            f"{result.dtype})"
+        )
     tensors = [a for a in args if isinstance(a, Tensor)]
     scalars = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
     if len(tensors) + len(scalars) != len(args):
         raise ex.error("float op arguments must be tensors or numbers")
     attrs: dict[str, Any] = {"fn": fn}
+    if dtype != "float32":
+        attrs["dtype"] = dtype
     if scalars:
-        attrs["scalar"] = float(scalars[0])
+        attrs["scalar"] = number_attr(ex, scalars[0], dtype)
         attrs["scalar_first"] = not isinstance(args[0], Tensor)
-        if float(np.float32(scalars[0])) != float(scalars[0]):
-            raise ex.error(f"the scalar {scalars[0]} is not a float32 number (torch rounds it)")
-    ex.emit("float", [ex.name_of(t) for t in tensors], [result], attrs)
+    names = [ex.name_of(t) for t in tensors]
+    batched = any(ex.batched.get(name, False) for name in names)
+    ex.emit("float", names, [result], attrs, batched=batched)

@@ -53,6 +53,7 @@ class IntegerWriter:
             "int64": TensorProto.INT64,
             "float32": TensorProto.FLOAT,
             "float64": TensorProto.DOUBLE,
+            "bool": TensorProto.BOOL,
         }
 
     # -- helpers ---------------------------------------------------------------------------
@@ -110,6 +111,15 @@ class IntegerWriter:
             "Clip",
             [x, self.const(-(2.0**31), np.float64), self.const(2.0**31 - 1, np.float64)],
         )
+
+    def convert(self, ir_name: str, dtype: str) -> str:
+        """The IR tensor ``ir_name`` converted to ``dtype`` (a ``Cast`` unless it has it), for
+        the plain-tensor ops (``cast``, ``compare``, integer ``float``): its stored dtype is
+        its own in both ONNX modes."""
+        name = self.name(ir_name)
+        if self.store(ir_name) == dtype:
+            return name
+        return self.op("Cast", [name], to=self.types[dtype])
 
     def as_double(self, ir_name: str) -> str:
         return self.cast(self.name(ir_name), "float64")
@@ -340,14 +350,21 @@ class IntegerWriter:
         r = float(np.ldexp(float(a["multiplier"]), -a["shift"]))
         self.requant(prod, r, a["dtype"], a["rounding"], None, None, outs[0])
 
+    def condition(self, node: Node) -> tuple[str, list[str]]:
+        """A ``where`` node's condition (its param, or its first input) and its other inputs."""
+        if "condition" in node.params:
+            return self.const(node.params["condition"], hint="condition"), list(node.inputs)
+        return self.name(node.inputs[0]), list(node.inputs[1:])
+
     def op_where(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
-        tensors = iter(node.inputs)
+        cond, inputs = self.condition(node)
+        tensors = iter(inputs)
         xs = [
             self.name(next(tensors)) if c is None else self.const(np.asarray(c, a["dtype"]))
             for c in a["constants"]
         ]
-        self.op("Where", [self.const(node.params["condition"], hint="condition"), *xs], outs[0])
+        self.op("Where", [cond, *xs], outs[0])
 
     def op_matmul(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
@@ -581,10 +598,13 @@ class IntegerWriter:
         if (idx < 0).any():
             t = self.graph.tensors[node.inputs[0]]
             size = int(np.prod([s for s in (t.shape[1:] if a["per_sample"] else t.shape)]))
-            padded = self.op(
-                "Pad", [self.as_float_name(flat), self.const(np.array([0, 0, 0, 1], np.int64))]
-            )
-            flat = self.cast(padded, self.store(node.inputs[0]))
+            pads = self.const(np.array([0, 0, 0, 1], np.int64))
+            if self.store(node.inputs[0]) in ("int32", "int64", "bool"):  # Pad takes them as is
+                flat = self.op("Pad", [flat, pads])
+            else:  # onnxruntime's Pad has no int16: exact float32 values
+                flat = self.cast(
+                    self.op("Pad", [self.as_float_name(flat), pads]), self.store(node.inputs[0])
+                )
             idx = np.where(idx < 0, size, idx)
         y = self.op("Gather", [flat, self.const(idx, hint="index")], axis=1)
         shape = [0, *a["shape"]] if a["per_sample"] else list(a["shape"])
@@ -598,15 +618,52 @@ class IntegerWriter:
 
     def op_float(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
-        xs = [self.name(i) for i in node.inputs]
+        dtype = a.get("dtype") or "float32"
+        xs = [self.convert(i, dtype) for i in node.inputs]
         if a["fn"] == "neg":
             self.op("Neg", xs, outs[0])
             return
         if a.get("scalar") is not None:
-            s = self.const(a["scalar"], np.float32)
+            s = self.const(a["scalar"], dtype)
             xs = [s, xs[0]] if a.get("scalar_first") else [xs[0], s]
         op_type = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div"}[a["fn"]]
         self.op(op_type, xs, outs[0])
+
+    # -- plain tensors: constants, casts, comparisons, logical ops -------------------------------
+    def op_constant(self, node: Node, outs: list[str]) -> None:
+        value = node.params["value"]
+        if self.store(node.outputs[0]) == "float32" and value.dtype != np.float32:  # QDQ
+            value = value.astype(np.float32) * np.float32(self.graph.tensors[node.outputs[0]].scale)
+        c = self.const(value, hint="constant")
+        if not node.attrs["batch"]:
+            self.op("Identity", [c], outs[0])
+            return
+        batch = self.op("Shape", [self.name(node.inputs[0])], start=0, end=1)
+        rest = self.const(np.array(value.shape[1:], np.int64), hint="shape")
+        self.op("Expand", [c, self.op("Concat", [batch, rest], axis=0)], outs[0])
+
+    def op_cast(self, node: Node, outs: list[str]) -> None:
+        self.op("Cast", [self.name(node.inputs[0])], outs[0], to=self.types[node.attrs["dtype"]])
+
+    def op_compare(self, node: Node, outs: list[str]) -> None:
+        a = node.attrs
+        dtype = a["compute_dtype"]
+        if dtype == "bool" and a["fn"] not in ("eq", "ne"):
+            dtype = "int64"  # ONNX orders numbers only: False < True as 0 < 1
+        xs = [self.convert(i, dtype) for i in node.inputs]
+        if a.get("scalar") is not None:
+            s = self.const(np.asarray(a["scalar"]).astype(dtype), hint="scalar")
+            xs = [s, xs[0]] if a.get("scalar_first") else [xs[0], s]
+        ops = {"eq": "Equal", "ne": "Equal", "lt": "Less", "le": "LessOrEqual"}
+        ops.update(gt="Greater", ge="GreaterOrEqual")
+        if a["fn"] == "ne":
+            self.op("Not", [self.op("Equal", xs)], outs[0])
+        else:
+            self.op(ops[a["fn"]], xs, outs[0])
+
+    def op_logical(self, node: Node, outs: list[str]) -> None:
+        op_type = {"and": "And", "or": "Or", "xor": "Xor", "not": "Not"}[node.attrs["fn"]]
+        self.op(op_type, [self.name(i) for i in node.inputs], outs[0])
 
     # -- normalization and softmax -------------------------------------------------------------
     def pow2_int(self, k: str) -> str:
@@ -738,20 +795,29 @@ class IntegerWriter:
         r_out = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
         self.requant(z, r_out, a["dtype"], a["rounding"], None, None, outs[0])
 
+    def keep_mask(self, node: Node) -> str | None:
+        """A softmax node's bool keep-mask: its ``keep`` param or second input, and with
+        ``causal`` the lower triangle; None when it keeps everything."""
+        p = node.params
+        mask = p.get("keep")  # a constant keep-mask (attention masks)
+        if node.attrs["causal"]:
+            shape = self.graph.tensors[node.inputs[0]].shape
+            tri = np.tril(np.ones((shape[-2], shape[-1]), dtype=bool))
+            mask = tri if mask is None else mask & tri
+        keep = None if mask is None else self.const(mask, hint="keep")
+        if len(node.inputs) > 1:  # computed in the graph (e.g. from an attention_mask input)
+            given = self.name(node.inputs[1])
+            keep = given if keep is None else self.op("And", [given, keep])
+        return keep
+
     def op_softmax(self, node: Node, outs: list[str]) -> None:
         a, p = node.attrs, node.params
         rounding = a["rounding"]
         axes = self.const([a["axis"]], np.int64)
         x = self.cast(self.name(node.inputs[0]), "int64")
-        keep = None
         zero = self.int_const(0)
-        mask = p.get("keep")  # a constant keep-mask (attention masks)
-        if a["causal"]:
-            shape = self.graph.tensors[node.inputs[0]].shape
-            tri = np.tril(np.ones((shape[-2], shape[-1]), dtype=bool))
-            mask = tri if mask is None else mask & tri
-        if mask is not None:
-            keep = self.const(mask, hint="keep")
+        keep = self.keep_mask(node)
+        if keep is not None:
             x = self.op("Where", [keep, x, self.int_const(np.iinfo(np.int64).min // 4)])
         u = self.op("Sub", [self.op("ReduceMax", [x, axes], keepdims=1), x])
         if keep is not None:

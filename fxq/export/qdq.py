@@ -28,8 +28,10 @@ class QDQWriter(IntegerWriter):
     opset = 21
 
     def store(self, ir_name: str) -> str:
-        # integer tensors that are not quantized values (token ids) keep their int64
-        return "int64" if self.graph.tensors[ir_name].dtype == "int64" else "float32"
+        # tensors that are not quantized values (token ids, masks) keep their dtype
+        t = self.graph.tensors[ir_name]
+        plain = t.dtype in ("int64", "bool") or (t.dtype == "int32" and t.scale is None)
+        return t.dtype if plain else "float32"
 
     def cast(self, x: str, dtype: str, out: str | None = None) -> str:
         if dtype != "float32":
@@ -228,12 +230,15 @@ class QDQWriter(IntegerWriter):
     def op_where(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
         scale = self.graph.tensors[node.outputs[0]].scale
-        tensors = iter(node.inputs)
+        if scale is None:  # plain tensors (a mask): as in the integer form
+            super().op_where(node, outs)
+            return
+        cond, inputs = self.condition(node)
+        tensors = iter(inputs)
         xs = [
             self.name(next(tensors)) if c is None else self.const(np.float32(c * scale))
             for c in a["constants"]
         ]
-        cond = self.const(node.params["condition"], hint="condition")
         self.qdq(self.op("Where", [cond, *xs]), node.outputs[0], outs[0])
 
     def op_matmul(self, node: Node, outs: list[str]) -> None:
@@ -368,17 +373,15 @@ class QDQWriter(IntegerWriter):
     def op_softmax(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
         x = self.name(node.inputs[0])
-        mask = node.params.get("keep")  # a constant keep-mask (attention masks)
-        if a["causal"]:
-            shape = self.graph.tensors[node.inputs[0]].shape
-            tri = np.tril(np.ones((shape[-2], shape[-1]), dtype=bool))
-            mask = tri if mask is None else mask & tri
-        if mask is not None:
+        keep = self.keep_mask(node)
+        if keep is not None:
             # an additive mask with a finite fill: a row with nothing kept is uniform here and
             # zeroed below, as in fxq (Add / Mul, not Where: onnxruntime 1.32's extended graph
             # optimizations fail on a Where in this position)
-            bias = np.where(mask, np.float32(0.0), np.float32(-1e30)).astype(np.float32)
-            x = self.op("Add", [x, self.const(bias, hint="mask")])
+            kept = self.op("Cast", [keep], to=self.types["float32"])
+            one = self.const(1.0, np.float32)
+            bias = self.op("Mul", [self.op("Sub", [kept, one]), self.const(1e30, np.float32)])
+            x = self.op("Add", [x, bias])
         # written out (Exp, ReduceSum, Div) so that onnxruntime does not fuse the pair into its
         # own 8-bit QLinearSoftmax, whose numerics differ from both
         axes = self.const([a["axis"]], np.int64)
@@ -389,8 +392,8 @@ class QDQWriter(IntegerWriter):
             y = self.op("Sub", [shifted, self.op("Log", [total])])
         else:
             y = self.op("Div", [exp, total])
-        if mask is not None and not a["log"]:
-            y = self.op("Mul", [y, self.const(mask.astype(np.float32), hint="keep")])
+        if keep is not None and not a["log"]:
+            y = self.op("Mul", [y, kept])
         self.qdq(y, node.outputs[0], outs[0])
 
     def op_divide(self, node: Node, outs: list[str]) -> None:

@@ -43,7 +43,7 @@ from fxq.quantized.base import multiplier_for
 #: the exporter (``fxq.export.build._Exporter``; not imported: build imports this module)
 _Exporter = Any
 
-__all__ = ["RULES"]
+__all__ = ["RULES", "depends_on_inputs", "graph_keep"]
 
 
 def _dtype(q: QTensor) -> str:
@@ -737,7 +737,7 @@ def _fx_argument(ex: _Exporter, value: Any) -> Any:
     return next((a for a, v in zip(nodes, values) if v is value), None)
 
 
-def _depends_on_inputs(arg: Any) -> bool:
+def depends_on_inputs(arg: Any) -> bool:
     """Whether an FX argument is computed from a graph input (placeholder)."""
     from torch.fx import Node
 
@@ -757,19 +757,22 @@ def _depends_on_inputs(arg: Any) -> bool:
 def constant_bool(ex: _Exporter, value: Tensor, what: str, batch_axis: bool) -> np.ndarray:
     """A bool tensor (an attention keep-mask, a ``where`` condition) as an IR parameter.
 
-    The IR holds no bool tensors: the value must be a constant of the model (a buffer, or
-    computed from constants only); it is baked in. When its first axis is the batch axis
-    (``batch_axis``) and longer than 1, it fixes the graph's batch size.
+    The value must be a constant of the model (a buffer, or computed from constants and
+    sizes only); it is baked in. When its first axis is the batch axis (``batch_axis``) and
+    longer than 1, it fixes the graph's batch size.
 
     Raises:
         ExportError: the value is computed from the graph's inputs.
     """
-    arg = _fx_argument(ex, value)
-    if id(value) in ex.names or _depends_on_inputs(arg):
+    computed = id(value) in ex.names or (
+        id(value) not in ex.constants and depends_on_inputs(_fx_argument(ex, value))
+    )
+    if computed:
         raise ex.error(
-            f"its {what} is computed from the graph's inputs; the integer graph takes bool masks "
-            "only as constants of the model (buffers, or tensors built from constants). Export "
-            "the part after the mask, or make the mask a buffer"
+            f"its {what} is computed from the graph's inputs, which this op exports only as a "
+            "constant of the model (buffers, or tensors built from constants and sizes); "
+            "F.scaled_dot_product_attention and torch.where take masks computed from the "
+            "inputs. Export the part after the mask, or make the mask a buffer"
         )
     keep = _np(value.to(torch.bool))
     if batch_axis and keep.shape[0] > 1:
@@ -790,11 +793,48 @@ def _placeholder(shape, scale: Tensor, dtype) -> QTensor:
     return QTensor(torch.zeros(tuple(shape), dtype=torch.float32), scale.reshape(1), dtype)
 
 
-def _emit_attention_core(ex, m, q, k, v, requants, soft, causal, result, inner, scale, suffix=""):
+def graph_keep(ex: _Exporter, mask: Any, what: str) -> str | None:
+    """The IR name of the bool keep-mask of an attention mask computed from the graph's inputs
+    (e.g. from ``attention_mask``), emitting its nodes; None for a constant mask.
+
+    As ``attention.keep_mask`` with ``attend=True``: a bool mask is the keep-mask; a float mask
+    keeps the entries that are not ``<= ADDITIVE_MASK_LIMIT`` (``compare`` then ``logical``); a
+    mask computed by quantized ops (``(1.0 - mask) * finfo.min`` quantized) is dequantized first.
+
+    Raises:
+        ExportError: a quantized mask with per-channel scales or an offset.
+    """
+    if id(mask) not in ex.names:
+        return None
+    name = ex.name_of(mask)
+    if isinstance(mask, QTensor):
+        if mask.scale.numel() != 1 or mask.offset:
+            raise ex.error(f"its {what} is quantized per channel or with an offset")
+        values = torch.zeros(tuple(mask.shape), dtype=torch.float32)
+        (name,) = ex.emit(
+            "dequantize", [name], [values], {"scale": float(mask.scale)}, suffix=f"_{what}"
+        )
+    elif mask.dtype is torch.bool:
+        return name
+    left = torch.zeros(tuple(mask.shape), dtype=torch.bool)
+    limit = attention.ADDITIVE_MASK_LIMIT
+    attrs = {"fn": "le", "compute_dtype": "float32", "scalar": float(limit)}
+    (left_name,) = ex.emit(
+        "compare", [name], [left], {**attrs, "scalar_first": False}, suffix=f"_{what}_left_out"
+    )
+    keep = torch.zeros(tuple(mask.shape), dtype=torch.bool)
+    (keep_name,) = ex.emit("logical", [left_name], [keep], {"fn": "not"}, suffix=f"_{what}_keep")
+    return keep_name
+
+
+def _emit_attention_core(
+    ex, m, q, k, v, requants, soft, causal, result, inner, scale, suffix="", keep=None
+):
     """IR nodes of ``attention.attention_core``: transpose, matmul, softmax, matmul.
 
     ``causal``: False, True, or a constant bool keep-mask (numpy) that broadcasts against the
-    scores (the softmax node's ``keep`` parameter)."""
+    scores (the softmax node's ``keep`` parameter); ``keep``: the IR name of a bool keep-mask
+    computed in the graph (the softmax node's second input), or None."""
     (m_s, k_s), (m_o, k_o) = requants
     rank = k.dim()
     perm = list(range(rank - 2)) + [rank - 1, rank - 2]
@@ -822,7 +862,8 @@ def _emit_attention_core(ex, m, q, k, v, requants, soft, causal, result, inner, 
         params["keep"] = causal
     else:
         attrs["causal"] = bool(causal)
-    (p_name,) = ex.emit("softmax", [s_name], [probs], attrs, params, suffix=f"{suffix}_probs")
+    inputs = [s_name] if keep is None else [s_name, keep]
+    (p_name,) = ex.emit("softmax", inputs, [probs], attrs, params, suffix=f"{suffix}_probs")
     ex.emit(
         "matmul",
         [p_name, ex.name_of(v)],
@@ -845,9 +886,10 @@ def _rule_sdpa(ex: _Exporter, m: attention.ScaledDotProductAttention, args, kwar
     m_s, k_s, soft, m_o, k_o = m.plan(q, k, v, scale)
     causal = bool(options["is_causal"])
     mask = options["attn_mask"]
-    if mask is not None:  # the keep-mask (with is_causal folded in) as a constant parameter
-        keep = attention.sdpa_keep(m.name, mask, causal, q.shape[-2], k.shape[-2], q.device)
-        causal = _keep_of(ex, keep, [(mask, "attn_mask", mask.dim() == q.dim())])
+    keep = None if mask is None else graph_keep(ex, mask, "attn_mask")
+    if mask is not None and keep is None:  # a constant: the keep-mask (with is_causal) as a param
+        constant = attention.sdpa_keep(m.name, mask, causal, q.shape[-2], k.shape[-2], q.device)
+        causal = _keep_of(ex, constant, [(mask, "attn_mask", mask.dim() == q.dim())])
     _emit_attention_core(
         ex,
         m,
@@ -860,6 +902,7 @@ def _rule_sdpa(ex: _Exporter, m: attention.ScaledDotProductAttention, args, kwar
         result,
         m.inner_dtype,
         scale,
+        keep=keep,
     )
 
 
@@ -996,7 +1039,8 @@ def _rule_pow(ex: _Exporter, m: power.Pow, args, kwargs, result) -> None:
 
 def _rule_where(ex: _Exporter, m: where.Where, args, kwargs, result) -> None:
     """Operands on the output grid (``requantize`` where their scale differs; numbers as
-    constants), then ``where`` with the constant condition as a parameter."""
+    constants), then ``where`` with the condition as a parameter (a constant of the model) or
+    its first input (computed from the graph's inputs)."""
     condition, a, b = where.where_operands(args, kwargs)
     inputs, constants = [], []
     for i, value in enumerate((a, b)):
@@ -1005,13 +1049,13 @@ def _rule_where(ex: _Exporter, m: where.Where, args, kwargs, result) -> None:
             continue
         constants.append(None)
         inputs.append(_on_output_grid(ex, m, value, m._derive, f"_operand{i}"))
-    ex.emit(
-        "where",
-        inputs,
-        [result],
-        {"dtype": _dtype(result), "constants": constants},
-        {"condition": constant_bool(ex, condition, "condition", condition.dim() == result.dim())},
-    )
+    if id(condition) in ex.names:  # computed from the graph's inputs: the first input
+        inputs.insert(0, ex.name_of(condition))
+        params = {}
+    else:
+        batch_axis = condition.dim() == result.dim()
+        params = {"condition": constant_bool(ex, condition, "condition", batch_axis)}
+    ex.emit("where", inputs, [result], {"dtype": _dtype(result), "constants": constants}, params)
 
 
 def _rule_div(ex: _Exporter, m: division.Div, args, kwargs, result) -> None:

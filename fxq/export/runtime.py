@@ -18,7 +18,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KERNELS", "shift_round", "quantize", "DTYPES", "FLOAT_FNS"]
+__all__ = [
+    "KERNELS",
+    "shift_round",
+    "quantize",
+    "DTYPES",
+    "FLOAT_FNS",
+    "COMPARE_FNS",
+    "LOGICAL_FNS",
+    "PLAIN_DTYPES",
+]
 
 #: IR dtype name -> numpy dtype
 DTYPES: dict[str, Any] = {
@@ -28,7 +37,12 @@ DTYPES: dict[str, Any] = {
     "int64": np.int64,
     "float32": np.float32,
     "float64": np.float64,
+    "bool": np.bool_,
 }
+
+#: dtypes of the tensors that are not quantized values: graph inputs (token ids, masks), casts,
+#: comparisons and the arithmetic of a float or integer region (``docs/integer_graph.md``, 2)
+PLAIN_DTYPES = ("bool", "int32", "int64", "float32")
 
 _RANGES = {"int8": (-128, 127), "int16": (-32768, 32767), "int32": (-(1 << 31), (1 << 31) - 1)}
 _F64_EXACT = 1 << 53
@@ -132,7 +146,8 @@ def _k_quantize(node, inputs):
 
 
 def _k_dequantize(node, inputs):
-    return [inputs[0].astype(np.float32) * np.float32(node.attrs["scale"])]
+    with np.errstate(over="ignore"):  # beyond float32's range: +-inf, as in torch
+        return [inputs[0].astype(np.float32) * np.float32(node.attrs["scale"])]
 
 
 def _k_requantize(node, inputs):
@@ -321,19 +336,85 @@ def _k_clip(node, inputs):
 
 
 def _k_float(node, inputs):
-    fn = node.attrs["fn"]
-    xs = [np.asarray(x, np.float32) for x in inputs]
-    if node.attrs.get("scalar") is not None:
-        s = np.float32(node.attrs["scalar"])
-        xs = [xs[0], s] if not node.attrs.get("scalar_first") else [s, xs[0]]
-    if fn == "neg":
-        return [np.negative(xs[0])]
-    return [_FLOAT_BINARY[fn](xs[0], xs[1]).astype(np.float32)]
+    """Elementwise arithmetic in ``dtype`` (float32 when absent, or an integer dtype): every
+    operand is first converted to ``dtype`` (as torch converts to the result dtype), then one
+    IEEE float32 operation (or exact int64/int32 arithmetic, wrapping as torch does)."""
+    a = node.attrs
+    fn, dt = a["fn"], DTYPES[a.get("dtype") or "float32"]
+    xs = [np.asarray(x).astype(dt) for x in inputs]
+    if a.get("scalar") is not None:
+        s = dt(a["scalar"])
+        xs = [xs[0], s] if not a.get("scalar_first") else [s, xs[0]]
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        if fn == "neg":
+            return [np.negative(xs[0]).astype(dt)]
+        return [_FLOAT_BINARY[fn](xs[0], xs[1]).astype(dt)]
 
 
 _FLOAT_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
 #: the ``fn`` values a ``float`` node may have
 FLOAT_FNS = ("neg", *_FLOAT_BINARY)
+
+
+# -- plain tensors: constants, casts, comparisons, logical ops ----------------------------------
+def _k_constant(node, inputs):
+    """The ``value`` parameter; with ``batch``, its one row repeated along axis 0 to the batch
+    size of the input (``N`` of a dynamic-batch graph)."""
+    value = node.params["value"]
+    if node.attrs["batch"]:
+        value = np.broadcast_to(value, (inputs[0].shape[0], *value.shape[1:]))
+    return [np.array(value)]
+
+
+def cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    """torch's ``x.to(dtype)``: to ``bool`` ``x != 0``; float to integer truncates toward zero
+    (NaN and values outside the integer range are undefined, in torch and in ONNX); integer to
+    float32 rounds to nearest even."""
+    x = np.asarray(x)
+    if dtype == "bool":
+        return x != 0
+    with np.errstate(invalid="ignore"):
+        return x.astype(DTYPES[dtype])
+
+
+def _k_cast(node, inputs):
+    return [cast(inputs[0], node.attrs["dtype"])]
+
+
+_COMPARE = {
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+}
+#: the ``fn`` values a ``compare`` node may have
+COMPARE_FNS = tuple(_COMPARE)
+
+
+def _k_compare(node, inputs):
+    """``a <fn> b`` with both operands first converted to ``compute_dtype`` (torch's common
+    dtype of the two), a ``scalar`` standing for a missing operand."""
+    a = node.attrs
+    dt = a["compute_dtype"]
+    xs = [cast(x, dt) for x in inputs]
+    if a.get("scalar") is not None:
+        s = cast(np.asarray(a["scalar"]), dt)
+        xs = [s, xs[0]] if a.get("scalar_first") else [xs[0], s]
+    return [_COMPARE[a["fn"]](xs[0], xs[1])]
+
+
+_LOGICAL = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}
+#: the ``fn`` values a ``logical`` node may have
+LOGICAL_FNS = ("not", *_LOGICAL)
+
+
+def _k_logical(node, inputs):
+    fn = node.attrs["fn"]
+    if fn == "not":
+        return [np.logical_not(inputs[0])]
+    return [_LOGICAL[fn](inputs[0], inputs[1])]
 
 
 # -- tables ------------------------------------------------------------------------------------
@@ -563,11 +644,13 @@ def _k_l2_normalize(node, inputs):
 
 def _k_softmax(node, inputs):
     """(Log-)softmax along ``axis`` (``docs/arithmetic.md``, 15); ``causal`` keeps ``j <= i``
-    over the last two axes, the ``keep`` parameter (a bool mask) the entries it marks."""
+    over the last two axes, the ``keep`` parameter or second input (a bool mask) the entries it
+    marks."""
     a, p = node.attrs, node.params
     axis, rounding = a["axis"], a["rounding"]
     x = inputs[0].astype(np.int64)
-    keep = p.get("keep")  # a constant keep-mask (attention masks), broadcast against x
+    # the keep-mask (attention masks), broadcast against x: a constant, or the second input
+    keep = inputs[1] if len(inputs) > 1 else p.get("keep")
     if a["causal"]:
         rows, cols = x.shape[-2], x.shape[-1]
         tri = np.tril(np.ones((rows, cols), dtype=bool))
@@ -605,12 +688,17 @@ def _k_softmax(node, inputs):
 
 
 def _k_where(node, inputs):
-    """``where(condition, a, b)`` of operands already on the output grid; a ``constants``
-    entry that is not None replaces that operand."""
+    """``where(condition, a, b)`` of operands already on the output grid (or plain tensors of
+    the output dtype); a ``constants`` entry that is not None replaces that operand. The
+    condition is the ``condition`` parameter (a constant) or, without it, the first input."""
     a = node.attrs
     tensors = iter(inputs)
-    a_, b_ = (next(tensors) if c is None else np.asarray(c) for c in a["constants"])
-    return [np.where(node.params["condition"], a_, b_).astype(DTYPES[a["dtype"]])]
+    condition = node.params.get("condition")
+    if condition is None:
+        condition = next(tensors)
+    dt = DTYPES[a["dtype"]]
+    a_, b_ = (next(tensors) if c is None else np.asarray(c, dt) for c in a["constants"])
+    return [np.where(condition, a_, b_).astype(dt)]
 
 
 def _k_divide(node, inputs):
@@ -703,6 +791,10 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "gather": _k_gather,
     "concat": _k_concat,
     "float": _k_float,
+    "constant": _k_constant,
+    "cast": _k_cast,
+    "compare": _k_compare,
+    "logical": _k_logical,
     "normalize": _k_normalize,
     "l2_normalize": _k_l2_normalize,
     "softmax": _k_softmax,

@@ -44,6 +44,7 @@ MARCH_LIMITS: dict[str, tuple[int, int]] = {
 MAX_LEFT_SHIFT = 31
 
 _QUANT = ("int8", "int16", "int32")
+_PLAIN = ("bool", "int32", "int64", "float32")  # not quantized values (runtime.PLAIN_DTYPES)
 _ROUNDINGS = ("half_up", "half_even")
 _ARRAY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "float32", "float64")
 _MAX_RANK = 8
@@ -230,6 +231,8 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ints": (_ints, "a list of integers"),
     "ints?": (_opt(_ints), "a list of integers or null"),
     "qdtype": (_one_of(*_QUANT), f"one of {list(_QUANT)}"),
+    "anydtype": (_one_of(*_QUANT, *_PLAIN), f"one of {[*_QUANT, *_PLAIN]}"),
+    "str?": (_opt(lambda v: isinstance(v, str)), "a string or null"),
     "outdtype": (_one_of(*_QUANT, "float32"), f"one of {[*_QUANT, 'float32']}"),
     "rounding": (_one_of(*_ROUNDINGS), f"one of {list(_ROUNDINGS)}"),
     "any": (lambda v: True, "any value"),
@@ -264,9 +267,19 @@ class _OpSpec:
 class _Ctx:
     """One node being checked: its attributes, arrays, input shapes, and the error to raise."""
 
-    def __init__(self, where: str, node: dict, params: dict, in_shapes: list, march: str):
+    def __init__(
+        self,
+        where: str,
+        node: dict,
+        params: dict,
+        inputs: list[dict],
+        march: str,
+        outputs: list[dict] | None = None,
+    ):
         self.where, self.node, self.attrs, self.params = where, node, node["attrs"], params
-        self.in_shapes = in_shapes  # declared shapes of the inputs (ints and symbols)
+        self.in_shapes = [t["shape"] for t in inputs]  # declared shapes (ints and symbols)
+        self.in_dtypes = [t["dtype"] for t in inputs]
+        self.outputs = outputs or []  # the declared output tensors
         bits, hi = MARCH_LIMITS.get(march, MARCH_LIMITS["bayes"])
         self.max_multiplier, self.max_shift = (1 << (bits - 1)) - 1, hi
         self.march = march or "bayes"
@@ -421,10 +434,17 @@ def _check_mul(c: _Ctx) -> None:
 
 def _check_where(c: _Ctx) -> None:
     k = c.attrs["constants"]
-    if not isinstance(k, list) or len(k) != 2 or not all(e is None or _is_int(e) for e in k):
-        raise c.fail(f"constants {k!r} is not two entries of null or an integer")
-    if len(c.node["inputs"]) != sum(e is None for e in k):
+    number = _is_float if c.attrs["dtype"] == "float32" else _is_int
+    if not isinstance(k, list) or len(k) != 2 or not all(e is None or number(e) for e in k):
+        raise c.fail(f"constants {k!r} is not two entries of null or a number of its dtype")
+    condition = "condition" not in c.params  # the condition is the first input
+    if len(c.node["inputs"]) != sum(e is None for e in k) + condition:
         raise c.fail(f"{len(c.node['inputs'])} inputs for constants {k}")
+    if condition and c.in_dtypes[0] != "bool":
+        raise c.fail(f"a condition input of dtype {c.in_dtypes[0]} (bool)")
+    operands = c.in_dtypes[1:] if condition else c.in_dtypes
+    if any(d != c.attrs["dtype"] for d in operands):
+        raise c.fail(f"operands of dtypes {operands} for dtype {c.attrs['dtype']}")
 
 
 def _check_lut(c: _Ctx) -> None:
@@ -515,9 +535,57 @@ def _check_concat(c: _Ctx) -> None:
 
 
 def _check_float(c: _Ctx) -> None:
-    from_runtime = _runtime_float_fns()
-    if c.attrs["fn"] not in from_runtime:
-        raise c.fail(f"fn {c.attrs['fn']!r} is not one of {list(from_runtime)}")
+    fns = _runtime_names("FLOAT_FNS")
+    if c.attrs["fn"] not in fns:
+        raise c.fail(f"fn {c.attrs['fn']!r} is not one of {list(fns)}")
+    dtype = c.attrs.get("dtype") or "float32"
+    if dtype not in ("float32", "int32", "int64"):
+        raise c.fail(f"dtype {dtype!r} (float32, int32 or int64)")
+    if dtype != "float32" and (c.attrs["fn"] == "div" or not _opt(_is_int)(c.attrs.get("scalar"))):
+        raise c.fail(f"{c.attrs['fn']} in {dtype} with scalar {c.attrs.get('scalar')!r}")
+    if len(c.node["inputs"]) + (c.attrs.get("scalar") is not None) != (
+        1 if c.attrs["fn"] == "neg" else 2
+    ):
+        raise c.fail(f"{len(c.node['inputs'])} inputs and a scalar for {c.attrs['fn']}")
+
+
+def _check_constant(c: _Ctx) -> None:
+    value, out = c.params["value"], c.outputs[0]
+    if value.dtype.name != out["dtype"]:
+        raise c.fail(f"a {value.dtype.name} value for a {out['dtype']} output")
+    batch = c.attrs["batch"]
+    if len(c.node["inputs"]) != batch:
+        raise c.fail(f"batch {batch} with {len(c.node['inputs'])} inputs (one when batch)")
+    shape = [1 if batch and i == 0 else d for i, d in enumerate(out["shape"])]
+    if len(shape) != value.ndim or any(_is_int(d) and d != v for d, v in zip(shape, value.shape)):
+        raise c.fail(f"a value of shape {list(value.shape)} for an output of shape {out['shape']}")
+
+
+def _check_cast(c: _Ctx) -> None:
+    if c.attrs["dtype"] not in _PLAIN or c.in_dtypes[0] not in (*_PLAIN, *_QUANT):
+        raise c.fail(f"a cast from {c.in_dtypes[0]} to {c.attrs['dtype']!r} (dtypes {_PLAIN})")
+
+
+def _check_compare(c: _Ctx) -> None:
+    a = c.attrs
+    if a["fn"] not in _runtime_names("COMPARE_FNS"):
+        raise c.fail(f"fn {a['fn']!r} is not one of {list(_runtime_names('COMPARE_FNS'))}")
+    if a["compute_dtype"] not in (*_PLAIN, *_QUANT, "float64"):
+        raise c.fail(f"compute_dtype {a['compute_dtype']!r}")
+    if len(c.node["inputs"]) + (a.get("scalar") is not None) != 2:
+        raise c.fail(f"{len(c.node['inputs'])} inputs and scalar {a.get('scalar')!r}")
+    if c.outputs[0]["dtype"] != "bool":
+        raise c.fail(f"a {c.outputs[0]['dtype']} output (comparisons make bool)")
+
+
+def _check_logical(c: _Ctx) -> None:
+    fn = c.attrs["fn"]
+    if fn not in _runtime_names("LOGICAL_FNS"):
+        raise c.fail(f"fn {fn!r} is not one of {list(_runtime_names('LOGICAL_FNS'))}")
+    if len(c.node["inputs"]) != (1 if fn == "not" else 2):
+        raise c.fail(f"{len(c.node['inputs'])} inputs for {fn}")
+    if any(d != "bool" for d in c.in_dtypes + [c.outputs[0]["dtype"]]):
+        raise c.fail("inputs or output not bool")
 
 
 def _rsqrt(c: _Ctx) -> None:
@@ -545,6 +613,8 @@ def _check_l2(c: _Ctx) -> None:
 def _check_softmax(c: _Ctx) -> None:
     a = c.attrs
     c.axis("axis", a["axis"])
+    if len(c.in_dtypes) > 1 and (c.in_dtypes[1] != "bool" or "keep" in c.params):
+        raise c.fail("a keep-mask input that is not bool, or with a keep param too")
     if not 1 <= a["exp_fraction_bits"] <= 16:
         raise c.fail(f"exp_fraction_bits {a['exp_fraction_bits']} outside 1..16")
     c.size("exp2_table", 1 << a["exp_fraction_bits"])
@@ -655,9 +725,9 @@ OP_SPECS: dict[str, _OpSpec] = {
         (1, 2), {"multiplier": "int", "shift": "int", "sign": "int?", **_QR}, {}, _check_mul
     ),
     "where": _OpSpec(
-        (0, 1, 2),
-        {"constants": "any", "dtype": "qdtype"},
-        {"condition": _Param(("bool",))},
+        (0, 1, 2, 3),
+        {"constants": "any", "dtype": "anydtype"},
+        {"condition": _Param(("bool",), None, False)},
         _check_where,
     ),
     "matmul": _OpSpec((2,), {"multiplier": "int", "shift": "int", **_QR}, {}),
@@ -702,8 +772,22 @@ OP_SPECS: dict[str, _OpSpec] = {
     ),
     "concat": _OpSpec(tuple(range(1, 65)), {"axis": "int"}, {}, _check_concat),
     "float": _OpSpec(
-        (1, 2), {"fn": "str", "scalar": "float?", "scalar_first": "any"}, {}, _check_float
+        (1, 2),
+        {"fn": "str", "scalar": "float?", "scalar_first": "any", "dtype": "str?"},
+        {},
+        _check_float,
     ),
+    "constant": _OpSpec(
+        (0, 1), {"batch": "bool"}, {"value": _Param(_ARRAY_DTYPES[:-1])}, _check_constant
+    ),
+    "cast": _OpSpec((1,), {"dtype": "str"}, {}, _check_cast),
+    "compare": _OpSpec(
+        (1, 2),
+        {"fn": "str", "compute_dtype": "str", "scalar": "float?", "scalar_first": "any"},
+        {},
+        _check_compare,
+    ),
+    "logical": _OpSpec((1, 2), {"fn": "str"}, {}, _check_logical),
     "normalize": _OpSpec(
         (1,),
         {**_RSQRT_ATTRS, "n": "int", "groups": "int?"},
@@ -724,7 +808,7 @@ OP_SPECS: dict[str, _OpSpec] = {
         _check_l2,
     ),
     "softmax": _OpSpec(
-        (1,),
+        (1, 2),
         {
             "axis": "int",
             "log": "bool",
@@ -764,12 +848,13 @@ OP_SPECS: dict[str, _OpSpec] = {
 _OUT_DTYPE = ("dtype", "out_dtype")
 
 
-def _runtime_float_fns() -> tuple[str, ...]:
+def _runtime_names(name: str) -> tuple[str, ...]:
+    """A tuple of names the runtime defines (``FLOAT_FNS``, ``COMPARE_FNS``, ...)."""
     try:
-        from .runtime import FLOAT_FNS
+        from . import runtime
     except ImportError:  # pragma: no cover - loaded as a standalone file
-        from runtime import FLOAT_FNS  # type: ignore[no-redef]
-    return FLOAT_FNS
+        import runtime  # type: ignore[no-redef]
+    return getattr(runtime, name)
 
 
 # -- the graph ------------------------------------------------------------------------------------
@@ -911,7 +996,14 @@ def _check_node(
         if not isinstance(t, str) or t not in tensors or t in known:
             raise fail(f"node {name!r} writes {t!r}: not in 'tensors', or written twice")
         known.add(t)
-    c = _Ctx(where, node, {}, [tensors[t]["shape"] for t in node["inputs"]], march)
+    c = _Ctx(
+        where,
+        node,
+        {},
+        [tensors[t] for t in node["inputs"]],
+        march,
+        [tensors[t] for t in node["outputs"]],
+    )
     if len(node["inputs"]) not in spec.inputs or len(node["outputs"]) != spec.outputs:
         raise c.fail(f"{len(node['inputs'])} inputs and {len(node['outputs'])} outputs")
     for k, kind in spec.attrs.items():

@@ -60,6 +60,40 @@ def saved(tmp_path_factory) -> tuple[bytes, np.ndarray, list[np.ndarray]]:
     return path.read_bytes(), x.numpy(), graph.run(x.numpy())
 
 
+class _Masked(nn.Module):
+    """A version-2 graph: an int64 mask input, a cast, a comparison, a logical op, ``where``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.dq = fxq.QuantStub(), fxq.DeQuantStub()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        y = self.dq(self.linear(self.q(x)))
+        return y.masked_fill(~(mask.bool() & (mask < 5))[:, :, None], 0.0)
+
+
+@pytest.fixture(scope="module")
+def saved_masks(tmp_path_factory) -> tuple[bytes, tuple, list[np.ndarray]]:
+    """``saved`` for a version-2 graph (its inputs: a float tensor and an int64 mask)."""
+    fxq.set_march("bayes")
+    x, mask = torch.randn(2, 3, 4), torch.tensor([[1, 1, 0], [1, 0, 0]])
+    qat = fxq.prepare_qat_fx(
+        _Masked().eval(), {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig}
+    )
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    with torch.no_grad():
+        qat(x, mask)
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = fxq.export.to_graph(fxq.convert_fx(qat), (x, mask))
+    assert graph.format_version() == 2
+    path = tmp_path_factory.mktemp("saved_masks") / "g.fxq"
+    graph.save(path)
+    return path.read_bytes(), (x.numpy(), mask.numpy()), graph.run(x.numpy(), mask.numpy())
+
+
 def _members(data: bytes) -> dict[str, bytes]:
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         return {n: z.read(n) for n in z.namelist()}
@@ -203,8 +237,8 @@ def test_a_header_too_long_for_numpy_is_refused_without_advising_allow_pickle(sa
         (lambda m: m.pop("tensors"), r"graph\.json: no key 'tensors'"),
         (lambda m: m.update(version="1"), r"graph\.json: version '1' is not a positive integer"),
         (
-            lambda m: m.update(version=2),
-            r"integer graph version 2 is newer than this fxq reads \(1\); upgrade fxq$",
+            lambda m: m.update(version=3),
+            r"integer graph version 3 is newer than this fxq reads \(2\); upgrade fxq$",
         ),
         (lambda m: m.update(format="onnx"), r"not an fxq integer graph \(format 'onnx'"),
         (lambda m: m["nodes"].__setitem__(0, 7), r"graph\.json: nodes\[0\] is int, not an object"),
@@ -387,8 +421,9 @@ def _damaged(draw, data: bytes) -> bytes:
     return _zip(members)
 
 
-def test_damaged_files_load_or_raise_only_the_format_error(saved, tmp_path_factory):
-    data, _, _ = saved
+@pytest.mark.parametrize("file", ["saved", "saved_masks"])
+def test_damaged_files_load_or_raise_only_the_format_error(file, request, tmp_path_factory):
+    data, _, _ = request.getfixturevalue(file)
     folder = tmp_path_factory.mktemp("fuzz")
     path = folder / "g.fxq"
     calls: list[str] = []
