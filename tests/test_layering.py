@@ -16,7 +16,11 @@ ROOT = pathlib.Path(fxq.__file__).parent
 #: bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("fxq.dtypes", "fxq.march", "fxq.utils.warning_summary"),  # the last imports no fxq
-    ("fxq.quantized.functional", "fxq.quantized.native"),  # pure integer math, no nn.Module
+    (  # pure integer math, no nn.Module
+        "fxq.quantized.functional",
+        "fxq.quantized.native",
+        "fxq.quantized._requant_triton",  # native's kernels on CUDA
+    ),
     (
         "fxq.qtensor",
         "fxq.observer",

@@ -20,8 +20,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fxq.quantized import native
-
 __all__ = ["requantize", "requantize_add"]
 
 _BLOCK = 1024
@@ -104,15 +102,15 @@ def _launch(acc, residual, r, rr, out, blocks, lo, hi, half_even) -> None:
 def requantize(
     acc: Tensor,
     r: Tensor,
-    channel_axis: int | None,
+    blocks: tuple[int, int, int],
     lo: int,
     hi: int,
     half_even: bool,
     out_dtype: torch.dtype,
 ) -> Tensor:
-    """``clamp(round(acc * r), lo, hi)`` as ``out_dtype`` (``native.requantize``)."""
-    acc = acc.contiguous()
-    r, blocks = native._layout(acc, r.to(acc.device), channel_axis)
+    """``clamp(round(acc * r), lo, hi)`` as ``out_dtype`` (``native.requantize``): ``acc``
+    contiguous, ``r`` one float64 factor per channel of ``blocks`` ((outer, channels, inner),
+    ``native._layout``), on ``acc``'s device."""
     out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
     _launch(acc, None, r, None, out, blocks, lo, hi, half_even)
     return out
@@ -123,16 +121,13 @@ def requantize_add(
     residual: Tensor,
     rr: Tensor,
     r: Tensor,
-    channel_axis: int,
+    blocks: tuple[int, int, int],
     lo: int,
     hi: int,
     half_even: bool,
 ) -> Tensor:
     """``clamp(round(sat32(acc + round(residual * rr)) * r), lo, hi)`` as float32
-    (``native.requantize_add``)."""
-    acc, residual = acc.contiguous(), residual.contiguous()
-    r, blocks = native._layout(acc, r.to(acc.device), channel_axis)
-    rr, _ = native._layout(acc, rr.to(acc.device), channel_axis)
+    (``native.requantize_add``), laid out as ``requantize``'s."""
     out = torch.empty(acc.shape, dtype=torch.float32, device=acc.device)
     _launch(acc, residual, r, rr, out, blocks, lo, hi, half_even)
     return out

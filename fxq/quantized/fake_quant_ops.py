@@ -36,11 +36,9 @@ observed (the observer reads it on the host when the state changes: no sync per 
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import os
-from collections.abc import Iterator
 from typing import Optional
 
 import torch
@@ -54,6 +52,7 @@ from fxq.observer import (
     running_minmax_,
 )
 from fxq.quantized import functional as qf
+from fxq.quantized import native
 
 __all__ = [
     "Statistics",
@@ -126,27 +125,15 @@ def _triton():
     return _fake_quant_triton
 
 
-#: blocks of ``torch_ops_only`` entered and not left
-_TORCH_OPS_ONLY = 0
-
-
-@contextlib.contextmanager
-def torch_ops_only() -> Iterator[None]:
-    """Within the block the op runs its torch definition, as everywhere with
-    ``FXQ_TRITON=0`` (to compare the two, or time them). Re-entrant."""
-    global _TORCH_OPS_ONLY
-    _TORCH_OPS_ONLY += 1
-    try:
-        yield
-    finally:
-        _TORCH_OPS_ONLY -= 1
+#: within the block fxq's Triton kernels are off (``native.torch_ops_only``)
+torch_ops_only = native.torch_ops_only
 
 
 def triton_usable(x: Tensor) -> bool:
     """Whether the Triton kernels run for ``x``: a float32 tensor on CUDA (or on the CPU under
     ``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use), Triton importable and
     not switched off (``FXQ_TRITON=0``, ``torch_ops_only``)."""
-    if x.dtype is not torch.float32 or _TORCH_OPS_ONLY or os.environ.get("FXQ_TRITON") == "0":
+    if x.dtype is not torch.float32 or native.triton_switched_off():
         return False
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False

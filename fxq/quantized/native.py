@@ -21,6 +21,7 @@ that contains them needs ``import fxq`` to run (or to ``torch.export.load``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import math
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -258,7 +260,7 @@ def requantize(
     if capture:
         return None
     if _eager_cuda(acc, r):
-        return _cuda_kernels().requantize(acc, r, channel_axis, lo, hi, half_even, out_dtype)
+        return triton_requantize(acc, r, channel_axis, lo, hi, half_even, out_dtype)
     if not _eager_cpu(acc, r):
         return None
     lib = _library()
@@ -296,7 +298,7 @@ def requantize_add(
     if capture:
         return None
     if _eager_cuda(acc, residual, r, rr):
-        return _cuda_kernels().requantize_add(acc, residual, rr, r, channel_axis, lo, hi, half_even)
+        return triton_requantize_add(acc, residual, rr, r, channel_axis, lo, hi, half_even)
     if not _eager_cpu(acc, residual, r, rr):
         return None
     lib = _library()
@@ -305,18 +307,70 @@ def requantize_add(
     return _run_requantize_add(lib, func, acc, residual, rr, r, channel_axis, lo, hi, half_even)
 
 
+#: blocks of ``torch_ops_only`` entered and not left
+_TORCH_OPS_ONLY = 0
+
+
+@contextlib.contextmanager
+def torch_ops_only() -> Iterator[None]:
+    """Within the block fxq's Triton kernels (the fused QAT fake quant, the CUDA
+    requantizations) are off and the torch definitions run, as everywhere with
+    ``FXQ_TRITON=0`` (to compare the two, or time them). Re-entrant."""
+    global _TORCH_OPS_ONLY
+    _TORCH_OPS_ONLY += 1
+    try:
+        yield
+    finally:
+        _TORCH_OPS_ONLY -= 1
+
+
+def triton_switched_off() -> bool:
+    """``FXQ_TRITON=0``, or inside ``torch_ops_only``."""
+    return bool(_TORCH_OPS_ONLY) or os.environ.get("FXQ_TRITON") == "0"
+
+
 def _cuda_kernels():
     """The Triton kernels of ``_requant_triton``, or None: Triton cannot be imported, or it
-    is switched off (``FXQ_TRITON=0``, ``fake_quant_ops.torch_ops_only``)."""
-    from fxq.quantized import fake_quant_ops
-
-    if fake_quant_ops._TORCH_OPS_ONLY or os.environ.get("FXQ_TRITON") == "0":
+    is switched off (``triton_switched_off``)."""
+    if triton_switched_off():
         return None
     try:
         from fxq.quantized import _requant_triton
     except ImportError:
         return None
     return _requant_triton
+
+
+def triton_requantize(
+    acc: Tensor,
+    r: Tensor,
+    channel_axis: int | None,
+    lo: int,
+    hi: int,
+    half_even: bool,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """``requantize`` by the Triton kernel (CUDA, or the CPU under ``TRITON_INTERPRET=1``)."""
+    acc = acc.contiguous()
+    r, blocks = _layout(acc, r.to(acc.device), channel_axis)
+    return _cuda_kernels().requantize(acc, r, blocks, lo, hi, half_even, out_dtype)
+
+
+def triton_requantize_add(
+    acc: Tensor,
+    residual: Tensor,
+    rr: Tensor,
+    r: Tensor,
+    channel_axis: int,
+    lo: int,
+    hi: int,
+    half_even: bool,
+) -> Tensor:
+    """``requantize_add`` by the Triton kernel (as ``triton_requantize``)."""
+    acc, residual = acc.contiguous(), residual.contiguous()
+    r, blocks = _layout(acc, r.to(acc.device), channel_axis)
+    rr, _ = _layout(acc, rr.to(acc.device), channel_axis)
+    return _cuda_kernels().requantize_add(acc, residual, rr, r, blocks, lo, hi, half_even)
 
 
 def _eager_cuda(*tensors: Tensor) -> bool:

@@ -33,8 +33,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def compare_requantize(device: str) -> int:
     """The Triton kernels on ``device`` against fxq's torch definitions; the number compared."""
-    from fxq.quantized import _requant_triton as triton_kernels
-
     torch.manual_seed(0)
     compared = 0
     multiplier = torch.randint(1, 2**15, (5,), dtype=torch.int64)
@@ -56,7 +54,7 @@ def compare_requantize(device: str) -> int:
                 as_float=out_dtype is torch.float32,
             )  # fmt: skip
             r = torch.ldexp(m.double(), -n.double())
-            got = triton_kernels.requantize(
+            got = native.triton_requantize(
                 acc.to(device), r, axis, qdtype.qmin, qdtype.qmax, half_even, out_dtype
             )
             assert torch.equal(got.cpu(), expected), (acc_dtype, out_dtype, name, half_even)
@@ -69,7 +67,7 @@ def compare_requantize(device: str) -> int:
             expected = qf.requantize_residual(
                 acc, residual, rm, rn, m, n, _QINT8, rounding, 1, use_native=False
             )
-            got = triton_kernels.requantize_add(
+            got = native.triton_requantize_add(
                 acc.to(device), residual.to(device),
                 torch.ldexp(rm.double(), -rn.double()), torch.ldexp(m.double(), -n.double()),
                 1, -128, 127, half_even,
