@@ -810,7 +810,36 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
             "set_fake_quantize: the model has no fxq fake quant; pass the model returned by "
             "fxq.prepare_qat_fx"
         )
+    _link_fsdp_parameters(model)
     return model
+
+
+def _link_fsdp_parameters(model: nn.Module) -> None:
+    """Give each module whose parameters FSDP2 (``fully_shard``) manages its ``FSDPParam``
+    per parameter name (``module.__dict__["_fsdp_params"]``).
+
+    FSDP2 refills a module's unsharded parameters at every forward without a version
+    bump, so what a QAT module caches from them (its integer twin, ``QATModule._twin_key``)
+    is keyed on the sharded parameters, whose versions do change with the weights. Reads
+    FSDP2's private state; where it differs (another torch version) nothing is linked and
+    the twin is rebuilt at every forward.
+    """
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        try:
+            fsdp_state = state()
+            groups = getattr(fsdp_state, "_fsdp_param_groups", None)
+            if groups is None:
+                groups = [fsdp_state._fsdp_param_group]
+            params = [p for g in groups if g is not None for p in g.fsdp_params]
+            for fsdp_param in params:
+                info = fsdp_param._module_info
+                links = info.module.__dict__.setdefault("_fsdp_params", {})
+                links[info.param_name] = fsdp_param
+        except AttributeError:
+            continue
 
 
 _UNSET = object()

@@ -28,13 +28,13 @@ scales in a float64 model, so the integer model is the one a float32 model gives
 
 ``dcp.load`` into a model prepared without ``offset_activations`` keeps the offsets (a
 fake quant saves its offset, 0 included, so the fresh model's state dict has the key DCP
-fills). A strict xfail marks what fxq still gets wrong (it names the change that fixes it):
-VALIDATION under FSDP2 misses weights written in place after its first forward.
+fills). VALIDATION under FSDP2 follows weights written in place after its first forward
+(FSDP2 refills the unsharded parameters without a version bump; the integer twin is keyed
+on the sharded ones).
 """
 
 import tempfile
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -269,13 +269,6 @@ def _new_weights_worker(rank: int, world: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the integer twin of a QAT module is cached by the ids and versions of its "
-    "parameters (fxq/qat/base.py, QATModule._twin_key); FSDP2 refills the same unsharded "
-    "parameter tensors at every forward without a version bump, so VALIDATION under FSDP2 "
-    "keeps computing with the weights of its first VALIDATION forward",
-)
 def test_validation_under_fsdp_follows_weights_written_in_place():
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_new_weights_worker, args=(WORLD, tmp), nprocs=WORLD, join=True)

@@ -159,7 +159,17 @@ class QATModule(nn.Module):
         tensors += [q.scale for q in quants]
         out = getattr(self, "activation_post_process", None)
         offsets = tuple(getattr(q, "offset", 0) for q in [*quants, out] if q is not None)
-        return (*((id(t), t._version) for t in tensors), offsets)
+        key = [(id(t), t._version) for t in tensors]
+        if getattr(self, "_is_fsdp_managed_module", False):
+            # FSDP2 refills the unsharded parameters at every forward without a version
+            # bump: the sharded ones tell (fake_quantize._link_fsdp_parameters); a
+            # parameter without its link rebuilds the twin every time
+            links = self.__dict__.get("_fsdp_params", {})
+            for name in self._parameters:
+                link = links.get(name)
+                sharded = getattr(link, "sharded_param", None)
+                key.append(object() if sharded is None else (id(sharded), sharded._version))
+        return (*key, offsets)
 
     def integer_twin(self) -> nn.Module:
         """The fxq.quantized module this one converts to, on this module's device.
