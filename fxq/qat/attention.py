@@ -93,7 +93,7 @@ class ScaledDotProductAttention(FunctionalQAT):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if self.validating():
-            return self.validation_forward(q, k, v, *args, **kwargs)
+            return self.run_validation(q, k, v, *args, **kwargs)
         scale, keep = sdpa_scale_and_keep(self.name, q, k, args, kwargs)
         scores = self.scores_quant(torch.matmul(q, k.transpose(-2, -1)) * scale)
         probs = self.probs_quant(attention_probs(scores, keep))
@@ -146,7 +146,7 @@ class MultiheadAttention(FunctionalQAT):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any):
         if self.validating():
-            return self.validation_forward(query, key, value, *args, **kwargs)
+            return self.run_validation(query, key, value, *args, **kwargs)
         mha = self.op
         options = mha_arguments(args, kwargs)
         if mha.batch_first:

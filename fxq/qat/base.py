@@ -22,7 +22,8 @@ the converted model's whatever the model's float dtype.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from fxq.fake_quantize import (
     FakeQuantize,
     FakeQuantState,
     _as_state,
+    _attribute_set,
     fake_quantize_ste,
     quantize_in_place,
 )
@@ -143,6 +145,8 @@ class QATModule(nn.Module):
     # -- state -------------------------------------------------------------------
     def set_fake_quant_state(self, state: FakeQuantState | str) -> None:
         self.state = _as_state(state)
+        if self.state is FakeQuantState.VALIDATION:
+            _VALIDATING[id(self)] = weakref.ref(self)
 
     # -- VALIDATION: the integer computation itself ---------------------------------------
     #: In VALIDATION state, compute with the integer twin (bit-exact with the
@@ -210,6 +214,14 @@ class QATModule(nn.Module):
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
         self.__dict__.pop("_twin", None)  # built for the old device / dtype
         return super()._apply(fn, recurse)
+
+    def run_validation(self, *args: Any, **kwargs: Any) -> Any:
+        """``validation_forward``; under ``torch.compile`` as the opaque op
+        ``fxq::validation_forward`` (one graph node, no graph break) that runs it eagerly,
+        bit for bit as without compiling."""
+        if torch.compiler.is_compiling():
+            return _validation_in_graph(self, args, kwargs)
+        return self.validation_forward(*args, **kwargs)
 
     def validation_forward(self, *args: Any, **kwargs: Any) -> Tensor:
         """Run the integer twin on the (exactly recovered) integer inputs; return float."""
@@ -366,7 +378,7 @@ class FunctionalQAT(QATModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         if self.validating():
-            return self.validation_forward(*args, **kwargs)
+            return self.run_validation(*args, **kwargs)
         if self.standalone:
             args = tuple(self.quantize_standalone_inputs(args))
         return self.quantize_output(self.float_forward(*args, **kwargs))
@@ -375,3 +387,155 @@ class FunctionalQAT(QATModule):
         name = getattr(self.fn, "__name__", None) if self.fn is not None else None
         base = super().extra_repr()
         return f"fn={name}, {base}" if name else base
+
+
+# -- VALIDATION under torch.compile ----------------------------------------------------------
+#
+# A compiled VALIDATION forward calls each QAT module's integer twin through one custom op,
+# ``fxq::validation_forward(call, tensors)``: the twin (integer arithmetic, scales read on the
+# host, caches) runs eagerly inside it, so compiled and eager VALIDATION are the same
+# computation. ``call`` names the module and the form of its arguments (where the tensors go
+# among the constants), registered while dynamo traces (``assume_constant_result``); the op's
+# fake implementation gives the output's shapes by the module's fake-quant forward.
+
+#: QAT modules put in VALIDATION, by id
+_VALIDATING: dict[int, weakref.ref] = {}
+#: registered calls: (module id, args template, kwargs template), by handle
+_CALLS: list[tuple] = []
+_HANDLES: dict[tuple, int] = {}
+#: per handle, the output's form (``_output_form``), known once the fake implementation ran
+_OUTPUT_FORMS: dict[int, tuple] = {}
+#: where a tensor goes in an argument template
+_TENSOR = "<fxq tensor>"
+
+
+def _template(value: Any) -> Any:
+    """``value`` with each tensor replaced by ``_TENSOR`` (lists and tuples tagged, so the
+    template is hashable and says which it was)."""
+    if isinstance(value, Tensor):
+        return _TENSOR
+    if isinstance(value, list):
+        return ("<list>", tuple(_template(v) for v in value))
+    if isinstance(value, tuple):
+        return ("<tuple>", tuple(_template(v) for v in value))
+    return value
+
+
+def _collect(value: Any, out: list[Tensor]) -> None:
+    if isinstance(value, Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect(v, out)
+
+
+def _rebuild(template: Any, tensors: Iterator[Tensor]) -> Any:
+    if isinstance(template, str) and template == _TENSOR:
+        return next(tensors)
+    if isinstance(template, tuple) and len(template) == 2 and template[0] == "<list>":
+        return [_rebuild(t, tensors) for t in template[1]]
+    if isinstance(template, tuple) and len(template) == 2 and template[0] == "<tuple>":
+        return tuple(_rebuild(t, tensors) for t in template[1])
+    return template
+
+
+@torch._dynamo.assume_constant_result
+def _register_call(module_id: int, args_template: tuple, kwargs_template: tuple) -> int:
+    key = (module_id, args_template, kwargs_template)
+    handle = _HANDLES.get(key)
+    if handle is None:
+        handle = _HANDLES[key] = len(_CALLS)
+        _CALLS.append(key)
+    return handle
+
+
+@torch._dynamo.assume_constant_result
+def _output_form(handle: int) -> tuple:
+    return _OUTPUT_FORMS[handle]
+
+
+def _validation_in_graph(module: QATModule, args: tuple, kwargs: dict) -> Any:
+    tensors: list[Tensor] = []
+    _collect(list(args), tensors)
+    _collect(list(kwargs.values()), tensors)
+    handle = _register_call(
+        id(module),
+        tuple(_template(a) for a in args),
+        tuple((k, _template(v)) for k, v in kwargs.items()),
+    )
+    # contiguous inputs: the layout inductor gives them is then the one the op was traced with
+    outputs = torch.ops.fxq.validation_forward(handle, [t.contiguous() for t in tensors])
+    form = _output_form(handle)
+    if form[0] == "tensor":
+        return outputs[0]
+    parts, i = [], 0
+    for is_tensor in form[1]:
+        parts.append(outputs[i] if is_tensor else None)
+        i += int(is_tensor)
+    return tuple(parts) if form[0] == "tuple" else parts
+
+
+def _call(handle: int, tensors: list[Tensor]) -> tuple[QATModule, tuple, dict]:
+    module_id, args_template, kwargs_template = _CALLS[handle]
+    module = _VALIDATING[module_id]()
+    if module is None:  # pragma: no cover - a compiled graph outlived its model
+        raise RuntimeError("fxq::validation_forward: the QAT module of this graph is gone")
+    it = iter(tensors)
+    args = tuple(_rebuild(t, it) for t in args_template)
+    kwargs = {k: _rebuild(t, it) for k, t in kwargs_template}
+    return module, args, kwargs
+
+
+def _flat_outputs(handle: int, out: Any) -> list[Tensor]:
+    """The output's tensors, its form recorded (a tensor, or a flat tuple / list of tensors
+    and Nones)."""
+    if isinstance(out, Tensor):
+        _OUTPUT_FORMS[handle] = ("tensor", ())
+        return [out]
+    if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, Tensor) for o in out):
+        kind = "tuple" if isinstance(out, tuple) else "list"
+        _OUTPUT_FORMS[handle] = (kind, tuple(o is not None for o in out))
+        return [o for o in out if o is not None]
+    raise TypeError(  # pragma: no cover - no fxq QAT module returns another form
+        f"fxq: a VALIDATION output of form {type(out).__name__} cannot be compiled"
+    )
+
+
+@torch.library.custom_op("fxq::validation_forward", mutates_args=())
+def _validation_op(handle: int, tensors: list[Tensor]) -> list[Tensor]:
+    """A QAT module's VALIDATION forward, run eagerly (its integer twin), as one graph node."""
+    module, args, kwargs = _call(handle, tensors)
+    outputs = _flat_outputs(handle, module.validation_forward(*args, **kwargs))
+    # contiguous, as the fake outputs (a graph's compiled code checks strides), and none
+    # the same tensor as an input
+    return [o.clone() if any(o is t for t in tensors) else o.contiguous() for o in outputs]
+
+
+@_validation_op.register_fake
+def _(handle: int, tensors: list[Tensor]) -> list[Tensor]:
+    # the output's shapes, dtypes and devices: the module's fake-quant forward on the fake
+    # inputs, its own tensors read as fake ones, no check of their values
+    module, args, kwargs = _call(handle, tensors)
+    mode = torch._guards.detect_fake_mode(tensors)
+    quants = [m for m in module.modules() if isinstance(m, FakeQuantize)]
+    quants += [q for q in module._input_quants if q is not None]
+    with (
+        _attribute_set([module], "simulate_integer", False),
+        _attribute_set(quants, "_checked_observed", True),
+        _attribute_set([mode], "allow_non_fake_inputs", True),
+    ):
+        out = module(*args, **kwargs)
+    return [
+        torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in _flat_outputs(handle, out)
+    ]
+
+
+def _count_inputs(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.inputs = len(inputs[1])
+
+
+def _no_gradient(ctx: Any, grads: Any) -> tuple[None, list[None]]:
+    return None, [None] * ctx.inputs  # as eager VALIDATION: the twin runs without autograd
+
+
+_validation_op.register_autograd(_no_gradient, setup_context=_count_inputs)

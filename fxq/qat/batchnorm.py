@@ -70,7 +70,7 @@ class BatchNorm(QATModule):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.validating():
-            return self.validation_forward(x)
+            return self.run_validation(x)
         if self.standalone:
             (x,) = self.quantize_standalone_inputs([x])
         factor = self.factor()

@@ -44,7 +44,7 @@ class Embedding(FunctionalQAT):
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.validating():
-            return self.validation_forward(ids)
+            return self.run_validation(ids)
         op = self.op
         y = F.embedding(
             ids, self.fake_table(), op.padding_idx, None, 2.0, op.scale_grad_by_freq, op.sparse

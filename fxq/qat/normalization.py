@@ -68,7 +68,7 @@ class _Normalization(FunctionalQAT):
 
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if self.validating():
-            return self.validation_forward(x, *args, **kwargs)
+            return self.run_validation(x, *args, **kwargs)
         if self.standalone:
             (x,) = self.quantize_standalone_inputs([x])
         return self.quantize_output(self.normalize(x, args, kwargs))

@@ -187,9 +187,9 @@ class WeightedQAT(QATModule):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         if self.validating():
             return (
-                self.validation_forward(x)
+                self.run_validation(x)
                 if residual is None
-                else self.validation_forward(x, residual)
+                else self.run_validation(x, residual)
             )
         if self.standalone:
             inputs = [x] if residual is None else [x, residual]
