@@ -395,7 +395,7 @@ class FunctionalQAT(QATModule):
 # ``fxq::validation_forward(call, tensors)``: the twin (integer arithmetic, scales read on the
 # host, caches) runs eagerly inside it, so compiled and eager VALIDATION are the same
 # computation. ``call`` names the module and the form of its arguments (where the tensors go
-# among the constants), registered while dynamo traces (``assume_constant_result``); the op's
+# among the constants), registered while dynamo traces (``torch.compiler.assume_constant_result``); the op's
 # fake implementation gives the output's shapes by the module's fake-quant forward.
 
 #: QAT modules put in VALIDATION, by id
@@ -439,7 +439,7 @@ def _rebuild(template: Any, tensors: Iterator[Tensor]) -> Any:
     return template
 
 
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def _register_call(module_id: int, args_template: tuple, kwargs_template: tuple) -> int:
     key = (module_id, args_template, kwargs_template)
     handle = _HANDLES.get(key)
@@ -449,7 +449,7 @@ def _register_call(module_id: int, args_template: tuple, kwargs_template: tuple)
     return handle
 
 
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def _output_form(handle: int) -> tuple:
     return _OUTPUT_FORMS[handle]
 
