@@ -16,8 +16,13 @@ per batch (``attention_mask``). Nothing is downloaded.
 Methods, march bayes, each measured on the **converted integer model**
 (``convert_fx``; bit-exact with the QAT model in VALIDATION state):
 
-* ``int8``: every activation int8, ``fxq.calibration.ptq(..., method="default", iters=0)``
-  (the default's ranges, without its learned rounding);
+* ``int8_ptq_default``: every activation int8 (the default int8 qconfig) and
+  ``fxq.calibration.ptq(prepared, batches)`` with all its defaults, as a user calls it: the
+  range search before LayerNorms (``fxq.calibration.range_search``), the SmoothQuant
+  migration where a LayerNorm feeds only linear layers (none in this post-norm BERT), the
+  short learned rounding;
+* ``int8``: every activation int8, ``fxq.calibration.ptq(..., method="default", iters=0,
+  bias_correction=False)`` (the default's ranges, without its learned rounding);
 * ``int16_act``: int8 weights, every activation int16
   (``default_qat_8bit_weight_16bit_act_fake_quant_qconfig``), the same ``ptq``;
 * ``int16_act_key8``: ``int16_act`` with int8 keys (``INT8_KEYS``): the
@@ -27,7 +32,9 @@ Methods, march bayes, each measured on the **converted integer model**
   (``MIXED_INT16``: the residual stream and the FFN; see ``docs/transformers.md``),
   the same ``ptq``;
 
-and the peers, in the same run: torch.ao's FX post-training quantization
+and the peers, in the same run: NNCF's ``nncf.quantize`` on the same calibration batches,
+with its default preset and with ``model_type=nncf.ModelType.TRANSFORMER`` (a row that
+says why when NNCF is not installed); torch.ao's FX post-training quantization
 (``prepare_fx`` / ``convert_fx`` with ``get_default_qconfig_mapping("x86")``).
 Hugging Face models do not trace with plain ``torch.fx``, so torch.ao is given
 the GraphModule that ``fxq.symbolic_trace(model, example_inputs=...)`` makes
@@ -371,12 +378,28 @@ def mixed_qconfig(int16: Sequence[str] = MIXED_INT16) -> dict[str, Any]:
     return {"": q8, "module_name": [(name, a16) for name in int16]}
 
 
+def fxq_ptq_default(model: nn.Module, calib: Sequence[Batch]) -> GraphModule:
+    """``ptq`` as a user calls it: the default int8 qconfig, ``fxq.calibration.ptq(prepared,
+    batches)`` with every default (the range search before LayerNorms and the migration
+    into linear layers where they apply, the short learned rounding), then ``convert_fx``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=calib[0])
+        ptq(prepared, list(calib), show_progress=False)
+        return fxq.convert_fx(prepared)
+
+
 FXQ_METHODS: dict[str, Callable[[], dict[str, Any]]] = {
     "int8": lambda: {"": q8},
     "int16_act": lambda: {"": a16},
     "int16_act_key8": lambda: {"": a16, "module_name": [(name, q8) for name in INT8_KEYS]},
     "mixed": mixed_qconfig,
 }
+
+
+#: every fxq row: ``int8_ptq_default`` is ``fxq_ptq_default``, the others ``fxq_quantize`` with
+#: the qconfig of ``FXQ_METHODS``
+ALL_METHODS = ["int8_ptq_default", *FXQ_METHODS]
 
 
 def torch_ao_fx(model: nn.Module, calib: Sequence[Batch]) -> nn.Module:
@@ -413,7 +436,32 @@ def torch_ao_dynamic(model: nn.Module, calib: Sequence[Batch]) -> nn.Module:
     return quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
 
 
+def nncf_quantize(transformer: bool) -> Callable[[nn.Module, Sequence[Batch]], nn.Module]:
+    """NNCF's ``nncf.quantize`` on the float model with the calibration batches (dicts of keyword
+    inputs): its default preset, or ``model_type=nncf.ModelType.TRANSFORMER`` (SmoothQuant,
+    only the inputs of linear layers and matmuls quantized, LayerNorm / softmax / GELU /
+    residual adds float). Needs ``pip install nncf`` (the ``bench`` extra); set
+    ``NNCF_EXTENSION_LOAD_TIMEOUT=0`` the first time on a busy machine."""
+
+    def make(model: nn.Module, calib: Sequence[Batch]) -> nn.Module:
+        import nncf
+
+        options = {"model_type": nncf.ModelType.TRANSFORMER} if transformer else {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return nncf.quantize(
+                copy.deepcopy(model),
+                nncf.Dataset(list(calib)),
+                subset_size=len(calib),  # dataset items: the batches
+                **options,
+            )
+
+    return make
+
+
 PEERS: dict[str, Callable[[nn.Module, Sequence[Batch]], nn.Module]] = {
+    "NNCF nncf.quantize default preset": nncf_quantize(False),
+    "NNCF nncf.quantize ModelType.TRANSFORMER": nncf_quantize(True),
     "torch.ao FX PTQ x86 (fxq-traced graph)": torch_ao_fx,
     "torch.ao quantize_dynamic (Linear only)": torch_ao_dynamic,
 }
@@ -425,7 +473,7 @@ def run(
     eval_n: int = 256,
     length: int = 32,
     batch: int = 32,
-    methods: Sequence[str] = tuple(FXQ_METHODS),
+    methods: Sequence[str] = tuple(ALL_METHODS),
     peers: bool = True,
     k: int = 5,
     attention: str = "sdpa",
@@ -440,7 +488,10 @@ def run(
     rows = []
     for name in methods:
         start = time.perf_counter()
-        converted = fxq_quantize(model, FXQ_METHODS[name](), calib)
+        if name == "int8_ptq_default":
+            converted = fxq_ptq_default(model, calib)
+        else:
+            converted = fxq_quantize(model, FXQ_METHODS[name](), calib)
         got = embed(converted, evaluation)
         ops = integer_ops(converted)
         rows.append(
@@ -480,9 +531,7 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=256, help="evaluation sentences")
     parser.add_argument("--length", type=int, default=32, help="max tokens per sentence")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument(
-        "--methods", nargs="*", default=list(FXQ_METHODS), choices=list(FXQ_METHODS)
-    )
+    parser.add_argument("--methods", nargs="*", default=ALL_METHODS, choices=ALL_METHODS)
     parser.add_argument("--no-peers", dest="peers", action="store_false")
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--markdown", help="also write the table as markdown to this file")

@@ -38,7 +38,16 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
      stored shifted by 128 in int8, the consumers undoing the shift in their
      biases and borders: the step halves for the same range, with signed
      integer arithmetic and no zero point;
-  5. **learned rounding** (``weight_reconstruction(block_depth="auto", iters=10,
+  5. **transformers** (a graph where a LayerNorm feeds a linear layer): before the pass,
+     each LayerNorm whose output only linear layers read moves its per-channel spread into
+     their weights (``smooth=True``, ``fxq.calibration.smooth``, SmoothQuant; pre-norm
+     blocks); after it, the ranges of the residual stream before each normalization (the
+     adds and the layers writing into them) are clipped where the error after that
+     normalization is smaller (``search_ranges``, ``fxq.calibration.range_search``; a few
+     extreme values, such as BERT's first-token outliers, otherwise take every level from
+     the rest). Neither runs on a graph without such layers (CNNs); see
+     ``docs/transformers.md``;
+  6. **learned rounding** (``weight_reconstruction(block_depth="auto", iters=10,
      batch_size=4, lr=0.7, num_samples=16)``, ``DEFAULT_ROUNDING``): block by
      block, the weights' up / down rounding is fitted to the float block
      outputs. The recorded streams cost in proportion to the samples, so only
@@ -101,16 +110,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
 from fxq.calibration.data import batch_list
+from fxq.calibration.graph_outputs import output_quants
 from fxq.calibration.observers import MeanMinMaxObserver, PercentileObserver
 from fxq.calibration.runner import calibrate, fast_layout, keep_rank0_result, run_batches
 from fxq.dtypes import qint16, qint32
 from fxq.fake_quantize import FakeQuantize, activation_quants, bypassed, weight_quants
 from fxq.march import spec_for
 from fxq.observer import ObserverBase
-from fxq.qat.base import QATModule
 from fxq.qat.weighted import WeightedQAT
 from fxq.utils.warning_summary import summarises_warnings
 
@@ -147,39 +156,6 @@ DEFAULT_ROUNDING = {
     "lr": 0.7,
     "num_samples": 16,
 }
-
-
-def _producer_quants(
-    gm: GraphModule, node: Node, seen: set[Node]
-) -> Iterator[tuple[str, QATModule]]:
-    """The QAT modules whose output fake quant gives ``node``'s value (through pass-through ops)."""
-    if node in seen:
-        return
-    seen.add(node)
-    if node.op == "call_module":
-        module = gm.get_submodule(node.target)
-        if isinstance(module, QATModule) and module.has_output_quant:
-            yield node.target, module
-            return
-    if node.op in ("placeholder", "get_attr"):
-        return
-    for inp in node.all_input_nodes:
-        yield from _producer_quants(gm, inp, seen)
-
-
-def output_quants(model: nn.Module) -> list[tuple[str, QATModule]]:
-    """The QAT modules whose output fake quant quantizes a model output (a graph output,
-    reached through pass-through ops such as reshape, flatten or a DeQuantStub)."""
-    if not isinstance(model, GraphModule):
-        return []
-    found: dict[int, tuple[str, QATModule]] = {}
-    seen: set[Node] = set()
-    for node in model.graph.nodes:
-        if node.op == "output":
-            for inp in node.all_input_nodes:
-                for name, module in _producer_quants(model, inp, seen):
-                    found.setdefault(id(module), (name, module))
-    return list(found.values())
 
 
 def widen_outputs(model: nn.Module, output: str = "auto") -> list[tuple[str, str]]:
@@ -325,6 +301,8 @@ def ptq(
     equalize: bool = True,
     offset: bool = True,
     tune_biases: bool | int = False,
+    search_ranges: bool | None = None,
+    smooth: bool = True,
     num_batches: int | None = None,
     input_fn: Callable[[Any], Any] | None = None,
     show_progress: bool | None = None,
@@ -358,6 +336,15 @@ def ptq(
             forward and backward passes over the data (about 100 s on
             MobileNetV2 on 2 cores) and gains a few tenths of a dB. An int: that many
             epochs (``True``: ``fxq.calibration.bias_tuning.DEFAULT_EPOCHS``).
+        search_ranges: for ``"default"`` and ``"best"``, clip the ranges of the
+            activations that reach a normalization layer through residual adds where the
+            error after that normalization is smaller (``fxq.calibration.range_search``;
+            after the calibration pass, before any learned rounding); ``None``: where a
+            normalization layer feeds a linear layer (transformers), never in CNNs.
+        smooth: for ``"default"`` and ``"best"``, move the per-channel spread of each
+            LayerNorm output that only linear layers read into their weights
+            (``fxq.calibration.smooth``, SmoothQuant; before the calibration pass, with a
+            float pass of its own; nothing to do in models without such a LayerNorm).
         num_batches: use only the first batches.
         input_fn: maps a batch to the model's arguments.
         options: for ``"default"`` and ``"best"``, arguments of
@@ -421,10 +408,14 @@ def ptq(
             if epochs:
                 _tune(model, batches, reference, input_fn, show_progress, epochs)
             return model
-        from fxq.calibration import equalization
+        from fxq.calibration import equalization, range_search
         from fxq.calibration.equalization import depthwise_pairs as pairs_of
         from fxq.calibration.offset import offset_activations, release_overflowing
 
+        if smooth:
+            from fxq.calibration.smooth import smooth_activations
+
+            smooth_activations(model, batches, input_fn=input_fn)
         widen_outputs(model, output)
         if offset:
             offset_activations(model)
@@ -478,6 +469,10 @@ def ptq(
             if _activation_error(model, batches, reference, input_fn) >= mean_error:
                 mean.restore()
             keep_rank0_result(model)  # every rank learns from the same start
+        if search_ranges is None:
+            search_ranges = range_search.has_normalization(model)
+        if search_ranges:
+            range_search.search_ranges(model, batches, input_fn=input_fn)
         if offset:
             release_overflowing(model)  # now that every scale is known
         if bias_correction:

@@ -1,0 +1,190 @@
+"""Activation outliers of a LayerNorm moved into the linear layers that read it (SmoothQuant).
+
+In transformers a few channels of a LayerNorm's output are often far larger than
+the rest (mostly through the affine ``gamma``): with one per-tensor int8 scale the
+other channels keep a handful of levels. A linear layer reading that output computes
+
+    y = W x = (W diag(s)) (x / s)
+
+for any positive per-channel ``s``, and the LayerNorm can emit ``x / s`` by dividing
+its ``gamma`` and ``beta`` by ``s``: the float function is unchanged, the activation
+stays one per-tensor int8 tensor, and the weights, quantized per output channel,
+take the channels' spread instead. ``s_c = max|x_c|^alpha / max|W[:, c]|^(1 - alpha)``
+(Xiao et al. 2023, SmoothQuant; ``alpha = 0.5``) balances the two.
+
+It applies where every reader of the LayerNorm output is a linear layer (pre-norm
+blocks: ViT, Swin, GPT-style encoders). Where the output also feeds a residual add
+(post-norm BERT), the add would read ``x / s`` too and the next LayerNorm, which is not
+invariant to a per-channel scale, would change: those LayerNorms are left alone
+(``docs/transformers.md``).
+
+The change lives in the prepared model's parameters (QAT continues from it). ``ptq``
+runs it before its calibration pass (``smooth=True``) where the graph has such a
+LayerNorm; it costs one float pass over the calibration batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.fx import GraphModule
+
+from fxq.calibration.data import batch_list
+from fxq.calibration.runner import keep_rank0_result, run_batches
+from fxq.fake_quantize import bypass
+from fxq.qat.normalization import LayerNorm
+from fxq.qat.weighted import Linear
+
+__all__ = ["smooth_activations", "smoothing_pairs", "SmoothedNorm"]
+
+
+@dataclass
+class SmoothedNorm:
+    """One LayerNorm whose output channels were divided, and the linear layers that took the
+    factors."""
+
+    norm: str
+    linears: list[str]
+    min_factor: float
+    max_factor: float
+
+
+def smoothing_pairs(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """``(layernorm, [linear, ...])`` module names that ``smooth_activations`` can scale.
+
+    The LayerNorm has an affine weight and bias and is called once; each reader of its
+    output (through pass-through ops such as reshape or dropout) is a linear layer
+    without a folded BatchNorm, called once, reading it as its input, whose weight no
+    other module shares.
+    """
+    from fxq.calibration.range_search import _readers_through_passthrough
+
+    if not isinstance(model, GraphModule):
+        return []
+    modules = dict(model.named_modules())
+    calls: dict[str, int] = {}
+    for node in model.graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    owners: dict[int, int] = {}
+    for m in modules.values():
+        if isinstance(m, Linear):
+            owners[id(m.weight)] = owners.get(id(m.weight), 0) + 1
+    pairs = []
+    for node in model.graph.nodes:
+        if node.op != "call_module" or calls[node.target] != 1:
+            continue
+        norm = modules[node.target]
+        if not isinstance(norm, LayerNorm) or norm.standalone:
+            continue
+        weight, bias = norm.affine_parameters()
+        if weight is None or bias is None:
+            continue
+        readers = _readers_through_passthrough(node, modules)
+        linears = []
+        for user in readers:
+            m = modules.get(user.target) if user.op == "call_module" else None
+            if (
+                not isinstance(m, Linear)
+                or m.bn is not None
+                or m.standalone
+                or calls.get(user.target) != 1
+                or owners.get(id(m.weight), 0) != 1
+                or len(user.all_input_nodes) != 1
+                or m.in_features != weight.numel()
+            ):
+                break
+            linears.append(user.target)
+        else:
+            if linears:
+                pairs.append((node.target, linears))
+    return pairs
+
+
+def _channel_peaks(model: nn.Module, norms: list[str], batches: list[Any], input_fn):
+    """Per channel (the last dim), the largest |value| each LayerNorm outputs (float)."""
+    found: dict[str, Tensor] = {}
+
+    def hook_for(name: str):
+        def hook(_mod, _inp, out):
+            peak = out.detach().abs().reshape(-1, out.shape[-1]).amax(0).float()
+            found[name] = peak if name not in found else torch.maximum(found[name], peak)
+
+        return hook
+
+    handles = [model.get_submodule(n).register_forward_hook(hook_for(n)) for n in norms]
+    training = model.training
+    model.eval()
+    try:
+        with bypass(model), torch.no_grad():
+            run_batches(model, batches, input_fn=input_fn, show_progress=False)
+    finally:
+        model.train(training)
+        for h in handles:
+            h.remove()
+    return found
+
+
+def smooth_activations(
+    model: nn.Module,
+    data: Iterable[Any],
+    alpha: float = 0.5,
+    num_batches: int | None = None,
+    input_fn: Callable[[Any], Any] | None = None,
+) -> list[SmoothedNorm]:
+    """Move the per-channel spread of LayerNorm outputs into the linear layers reading them
+    (module docstring).
+
+    Args:
+        model: a model from ``prepare_qat_fx``; changed in place. Run it before calibrating
+            (the LayerNorms' output ranges change).
+        data: batches to measure the float channel peaks on (the calibration batches).
+        alpha: the migration strength in ``[0, 1]`` (0: nothing moves into the activation's
+            favour; 1: every channel's peak moves into the weights).
+        num_batches: use only the first batches.
+        input_fn: maps a batch to the model's arguments.
+
+    Returns:
+        one ``SmoothedNorm`` per LayerNorm scaled.
+
+    Raises:
+        ValueError: ``alpha`` outside ``[0, 1]``, or no batch.
+    """
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"smooth_activations: alpha must lie in [0, 1], got {alpha}")
+    pairs = smoothing_pairs(model)
+    if not pairs:
+        return []
+    batches = batch_list(data, num_batches, "smooth_activations", ranks="nonempty")
+    peaks = _channel_peaks(model, [n for n, _ in pairs], batches, input_fn)
+    report = []
+    with torch.no_grad():
+        for norm_name, linear_names in pairs:
+            if norm_name not in peaks:  # not run by these batches
+                continue
+            norm: LayerNorm = model.get_submodule(norm_name)
+            linears = [model.get_submodule(n) for n in linear_names]
+            x_peak = peaks[norm_name].double()
+            w_peak = torch.stack([m.weight.detach().abs().amax(0) for m in linears]).amax(0)
+            w_peak = w_peak.double()
+            usable = (x_peak > 0) & (w_peak > 0)
+            factor = torch.where(
+                usable,
+                x_peak.clamp(min=1e-12).pow(alpha) / w_peak.clamp(min=1e-12).pow(1 - alpha),
+                torch.ones_like(x_peak),
+            )
+            weight, bias = norm.op.weight, norm.op.bias
+            weight.div_(factor.to(weight.dtype).reshape(weight.shape))
+            bias.div_(factor.to(bias.dtype).reshape(bias.shape))
+            for m in linears:
+                m.weight.mul_(factor.to(m.weight.dtype).reshape(1, -1))
+            norm.activation_post_process.activation_post_process.reset()
+            report.append(
+                SmoothedNorm(norm_name, linear_names, float(factor.min()), float(factor.max()))
+            )
+    keep_rank0_result(model)  # the peaks are each rank's own
+    return report
