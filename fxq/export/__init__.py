@@ -7,7 +7,8 @@
 * ``to_onnx(quantized, example_inputs, path, mode="integer")``: standard ONNX that
   onnxruntime runs bit for bit like the integer model.
 
-Both equal ``quantized(*example_inputs)`` bit for bit.
+Both equal ``quantized(*example_inputs)`` bit for bit; float regions (a qconfig of None) agree
+within the tolerance ``docs/integer_graph.md`` states.
 
 Without torch installed only ``load``, ``IntegerGraph`` and its runtime are here
 (``python -m fxq.export.run``): ``fxq.export.graph`` and ``fxq.export.runtime``

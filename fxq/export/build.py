@@ -13,8 +13,11 @@ model computes it). The rules:
 * every other pass-through row only moves integers: its rule applies the float
   op to a tensor of source indices and exports what it finds (an alias, a
   reshape, a transpose or a gather);
-* ``FLOAT_RULES``: the float ops a float region may contain (IEEE-exact
-  elementwise float32 arithmetic).
+* ``FLOAT_RULES``: the elementwise float arithmetic of float regions (IEEE-exact
+  elementwise float32 arithmetic);
+* ``fxq.export.float_ops.FLOAT_OP_RULES``: the other float ops a float region may contain
+  (convolution, linear, normalization, activations, softmax, pooling, resampling,
+  reductions, cat / stack), each one IR node of ``fxq.export.runtime_float``.
 
 A node without a rule raises ``ExportError`` naming the node, its op and its
 source line.
@@ -34,6 +37,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_flatten
 
 from fxq import registry
+from fxq.export.float_ops import float_op_rule
 from fxq.export.graph import IntegerGraph, TensorInfo
 from fxq.export.graph import Node as IRNode
 from fxq.export.moves import (
@@ -290,6 +294,11 @@ class _Exporter(Interpreter):
                 f"@fxq.fx_wrap method {n.args[1]!r} is opaque Python (host code); export the "
                 "network before it: to_graph(model, x, outputs=[<the nodes it takes>])"
             )
+        target = type(module) if module is not None else n.target
+        float_rule = float_op_rule(target)
+        if float_rule is not None and isinstance(result, Tensor):
+            float_rule(self, n, module, args, kwargs, result)
+            return
         if self._moves_plain(n, leaves, result):
             _movement(self, n, module, args, kwargs, result)
             return
@@ -298,7 +307,6 @@ class _Exporter(Interpreter):
                 "a plain op reads a constant quantized tensor by a graph value; compute it in "
                 "the integer part (an nn.Embedding for a table lookup)"
             )
-        target = type(module) if module is not None else n.target
         if isinstance(result, Tensor):
             if n.op == "call_method" and n.target in CAST_METHODS:
                 cast_rule(self, n, module, args, kwargs, result)
@@ -314,10 +322,14 @@ class _Exporter(Interpreter):
                 rule(self, n, module, args, kwargs, result)
                 return
         raise self.error(
-            "float op without an export rule (exported float ops: neg, add, sub, mul, div; on "
-            "ids and masks also casts, comparisons, logical and / or / xor / not, where, "
-            "masked_fill; and ops that move values); keep it out of the exported part, or give "
-            "it a qconfig so that it is quantized"
+            "float op without an export rule (exported float ops: neg, add, sub, mul, div; "
+            "conv1d/2d/3d, linear, matmul / bmm, batch_norm, layer_norm, relu, relu6, gelu, "
+            "sigmoid, tanh, silu, hardswish, hardsigmoid, hardtanh / clamp, exp, log, sqrt, abs, "
+            "softmax, log_softmax, max / avg / adaptive-avg pooling, interpolate (nearest, "
+            "bilinear, linear), mean, sum, amax, amin, cat, stack; on ids and masks also casts, "
+            "comparisons, logical and / or / xor / not, where, masked_fill; and ops that move "
+            "values); keep it out of the exported part, or give it a qconfig so that it is "
+            "quantized"
         )
 
 
@@ -391,7 +403,9 @@ def to_graph(
 
     Returns:
         the ``IntegerGraph``; ``graph.run(*numpy_inputs)`` equals
-        ``quantized(*example_inputs)`` bit for bit.
+        ``quantized(*example_inputs)`` bit for bit, except in float regions (ops a qconfig of
+        None keeps in float), which agree within the tolerance ``docs/integer_graph.md``
+        states (2, "Float regions").
 
     Raises:
         TypeError: ``quantized`` is not a GraphModule.

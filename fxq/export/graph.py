@@ -24,9 +24,11 @@ import numpy as np
 
 try:  # package import (fxq.export.graph)
     from .runtime import DTYPES, KERNELS
+    from .runtime_float import FLOAT_KERNELS, FLOAT_OPS
     from .validate import DEFAULT_MAX_BYTES, IntegerGraphFormatError, check_graph, read_members
 except ImportError:  # pragma: no cover - loaded as a standalone file
     from runtime import DTYPES, KERNELS  # type: ignore[no-redef]
+    from runtime_float import FLOAT_KERNELS, FLOAT_OPS  # type: ignore[no-redef]
     from validate import (  # type: ignore[no-redef]
         DEFAULT_MAX_BYTES,
         IntegerGraphFormatError,
@@ -51,10 +53,16 @@ __all__ = [
 #: with the lowest version that holds it (``IntegerGraph.format_version``), so that a graph
 #: without version-2 features still loads in an fxq that reads version 1 only
 FORMAT = "fxq.integer_graph"
-VERSION = 2
+VERSION = 3
 
 #: ops that version 2 added (``docs/integer_graph.md``, 1): plain tensors from graph inputs
 VERSION_2_OPS = frozenset({"constant", "cast", "compare", "logical"})
+#: ops that version 3 added: the float ops of float regions (``fxq.export.runtime_float``)
+VERSION_3_OPS = FLOAT_OPS
+
+#: op name -> numpy kernel: the integer ops and plain-tensor ops (``runtime``) and the float ops
+#: (``runtime_float``)
+_KERNELS = {**KERNELS, **FLOAT_KERNELS}
 
 
 @dataclass
@@ -170,7 +178,7 @@ class IntegerGraph:
                     node, node.inputs[0], env[node.inputs[0]], node.inputs[0] in self.inputs
                 )
             try:
-                outs = KERNELS[node.op](node, [env[i] for i in node.inputs])
+                outs = _KERNELS[node.op](node, [env[i] for i in node.inputs])
             except Exception as e:
                 raise GraphRunError(
                     f"node {node.name!r} (op {node.op!r}, from {node.source or 'unknown source'}) "
@@ -262,9 +270,12 @@ class IntegerGraph:
 
     # -- files ---------------------------------------------------------------------------------
     def format_version(self) -> int:
-        """The lowest format version that holds this graph: 2 when it has a bool tensor, an op
-        of ``VERSION_2_OPS``, integer ``float`` arithmetic, a ``where`` whose condition is an
-        input, or a ``softmax`` whose keep-mask is an input; 1 otherwise."""
+        """The lowest format version that holds this graph: 3 when it has a float op of a float
+        region (``VERSION_3_OPS``); 2 when it has a bool tensor, an op of ``VERSION_2_OPS``,
+        integer ``float`` arithmetic, a ``where`` whose condition is an input, or a ``softmax``
+        whose keep-mask is an input; 1 otherwise."""
+        if any(n.op in VERSION_3_OPS for n in self.nodes):
+            return 3
         v2 = any(t.dtype == "bool" for t in self.tensors.values()) or any(
             n.op in VERSION_2_OPS
             or (n.op == "float" and n.attrs.get("dtype", "float32") != "float32")

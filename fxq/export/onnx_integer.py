@@ -1,20 +1,32 @@
 """The integer ONNX writer: ``IntegerGraph`` -> ONNX that onnxruntime runs bit for bit
 (``mode="integer"``; ``fxq.export.onnx.graph_to_onnx`` is the entry point).
 
-Every IR op becomes standard ONNX ops (opset 19) chosen to be exact
-(``docs/integer_graph.md``, "ONNX"):
+Every IR op becomes standard ONNX ops (opset 19) chosen to be exact, with integer
+tensors and float32 only (``docs/integer_graph.md``, "ONNX"):
 
-* integer tensors keep their dtype (int8 / int16 / int32) between ops;
+* integer tensors keep their dtype (int8 / int16 / int32) between ops; arithmetic
+  on them runs in int64 (``Mul``, ``Add``, ``Div``, ``Mod``: no value comes near
+  ``2**62``, so nothing wraps);
 * conv / transposed conv run as float32 ``Conv`` / ``ConvTranspose`` on
   integer values, where every partial sum is proven below ``2**24`` from the
-  integer weights; when it is not, the input is split into limbs
-  (``q = sum_i limb_i * 2**(i w)``) that are convolved separately and combined
-  in float64, as ``fxq.quantized.functional.accumulate`` does;
-* every other product-sum (linear, matmul, pooling and resampling sums) runs
-  in float64 (``MatMul``), exact below ``2**53``;
-* requantization is ``floor(acc * (m 2**-s) + 1/2)`` in float64 (exact: the
-  product has at most 47 significant bits), ``Round`` for half-even marches,
-  then ``Clip`` and ``Cast``.
+  integer weights (float32 is exact on integers below ``2**24``); when it is not,
+  the input is split into limbs (``q = sum_i limb_i * 2**(i w)``) that are
+  convolved separately and combined in int64, as
+  ``fxq.quantized.functional.accumulate`` does; linear, matmul and window sums
+  are a float32 ``MatMul`` under the same bound, an int64 ``MatMul`` above it;
+* a conv whose float32 accumulator (bias included) is proven below ``2**24``
+  requantizes in float32 where ``fxq.export.onnx_requant`` finds an exact plan
+  (a clamp, a split of the accumulator, ``QuantizeLinear`` at a power-of-two
+  scale for int8 outputs), a residual input rescaled in float32 below ``2**23``;
+* every other requantization is ``floor((acc * m + 2**(s-1)) / 2**s)`` in int64: ONNX's
+  integer ``Div`` truncates toward zero, so the numerator is first made
+  non-negative by adding ``2**62`` (a multiple of ``2**s``), taken off after
+  (``floor_shift``); then ``Clip`` and ``Cast``.
+
+The one float64 step left is the high-precision (float32) output of a conv /
+linear, ``float32(float64(acc) * accumulator_scale)`` as the integer model
+computes it: a float64 product rounded to float32 (two roundings) that float32
+arithmetic does not reproduce (``docs/integer_graph.md``, 4).
 """
 
 from __future__ import annotations
@@ -24,12 +36,15 @@ from typing import Any
 import numpy as np
 
 from .graph import IntegerGraph, Node
+from .onnx_float import FLOAT_WRITERS
+from .onnx_requant import plan_f32_requant, write_f32_requant
 
 __all__ = ["IntegerWriter", "OPSET"]
 
 OPSET = 19
 
-_F32_EXACT = 1 << 24
+_F32_EXACT = 1 << 24  # float32 holds every integer below 2**24 exactly
+_BIAS = 1 << 62  # added before a Div so that the numerator is non-negative
 
 
 class IntegerWriter:
@@ -85,32 +100,94 @@ class IntegerWriter:
     def requant(
         self,
         acc: str,
-        r: np.ndarray | float,
+        multiplier: Any,
+        shift: Any,
         dtype: str,
         rounding: str,
         lo: int | None,
         hi: int | None,
-        out: str,
+        out: str | None,
+        offset: Any = 0,
     ) -> str:
-        """``clamp(round(acc * r))`` with ``acc`` a float64 tensor of integers, ``r = m 2**-s``."""
+        """``clamp(shift_round((acc + offset) * multiplier, shift), lo, hi)`` cast to ``dtype``
+        (``out`` None: the clamped int64 tensor, not cast),
+        for an int64 tensor ``acc`` and integer constants that broadcast against it (as the
+        numpy runtime's ``_requant``); ``|(acc + offset) * multiplier| < 2**61``.
+
+        A left shift (``shift < 0``) is folded into the multiplier (the same product modulo
+        ``2**64`` as numpy's ``(acc * m) << -shift``)."""
         from .runtime import _bounds
 
-        v = self.op("Mul", [acc, self.const(r, np.float64, "r")])
-        if rounding == "half_up":
-            v = self.op("Floor", [self.op("Add", [v, self.const(0.5, np.float64)])])
-        else:
-            v = self.op("Round", [v])
         lo, hi = _bounds(dtype, lo, hi)
-        v = self.op(
-            "Clip", [v, self.const(float(lo), np.float64), self.const(float(hi), np.float64)]
+        s = np.asarray(shift, np.int64)
+        m = np.left_shift(np.asarray(multiplier, np.int64), np.maximum(-s, 0))
+        v = acc if (m == 1).all() else self.op("Mul", [acc, self.const(m)])
+        offset = np.asarray(offset, np.int64) * m
+        v = self.shift_round(v, np.maximum(s, 0), rounding, offset, clamped_at=lo)
+        v = self.op("Clip", [v, self.int_const(lo), self.int_const(hi)])
+        return v if out is None else self.cast(v, dtype, out)
+
+    def floor_shift(
+        self, v: str, right: Any, offset: Any = 0, clamped_at: int | None = None
+    ) -> str:
+        """``floor((v + offset) / 2**right)`` of an int64 tensor ``v`` for constant
+        ``0 <= right <= 62`` (broadcasting against ``v``), with ``|v + offset| < 2**61``.
+
+        ONNX's integer ``Div`` truncates toward zero: where ``right > 0`` the numerator gets
+        ``2**62`` added (a multiple of ``2**right``, so the quotient is exact floor plus
+        ``2**(62 - right)``, taken off after). ``clamped_at``: a lower bound ``>= 0`` the
+        caller clamps the result to; then truncation gives the same clamped result (a
+        negative numerator truncates to a value ``<= 0``, floors to one ``< 0``) and no bias
+        is written."""
+        right = np.asarray(right, np.int64)
+        offset = np.asarray(offset, np.int64)
+        if not right.any():
+            return self.op("Add", [v, self.const(offset)]) if offset.any() else v
+        trunc = clamped_at is not None and clamped_at >= 0
+        bias = np.where(right > 0, np.int64(0 if trunc else _BIAS), np.int64(0))
+        add = offset + bias
+        t = self.op("Add", [v, self.const(add)]) if add.any() else v
+        q = self.op("Div", [t, self.const(np.left_shift(np.int64(1), right))])
+        if bias.any():
+            q = self.op("Sub", [q, self.const(np.right_shift(bias, right))])
+        return q
+
+    def shift_round(
+        self,
+        v: str,
+        shift: Any,
+        rounding: str,
+        offset: Any = 0,
+        clamped_at: int | None = None,
+    ) -> str:
+        """``shift_round(v + offset, shift)`` (``runtime.shift_round``) of an int64 tensor for
+        constant shifts (either sign; ``|v + offset| < 2**61`` after a left shift)."""
+        s = np.asarray(shift, np.int64)
+        offset = np.asarray(offset, np.int64)
+        if (s < 0).any():
+            left = np.left_shift(np.int64(1), np.maximum(-s, 0))
+            v = self.op("Mul", [v, self.const(left)])
+            offset = offset * left
+            s = np.maximum(s, 0)
+        half = np.where(s > 0, np.left_shift(np.int64(1), np.maximum(s - 1, 0)), np.int64(0))
+        if rounding == "half_up":
+            return self.floor_shift(v, s, offset + half, clamped_at)
+        if rounding != "half_even":
+            raise ValueError(f"unknown rounding {rounding!r}")
+        if offset.any():
+            v = self.op("Add", [v, self.const(offset)])
+        q = self.floor_shift(v, s, half)
+        # a tie (v mod 2**s == 2**(s-1), s > 0) that rounded up to an odd result goes down
+        d = np.left_shift(np.int64(1), s)
+        tie = self.op(
+            "Equal", [self.op("Mod", [v, self.const(d)]), self.const(np.where(s > 0, half, -1))]
         )
-        return self.cast(v, dtype, out)
+        odd = self.op("Equal", [self.op("Mod", [q, self.int_const(2)]), self.int_const(1)])
+        return self.op("Sub", [q, self.cast(self.op("And", [tie, odd]), "int64")])
 
     def sat32(self, x: str) -> str:
-        return self.op(
-            "Clip",
-            [x, self.const(-(2.0**31), np.float64), self.const(2.0**31 - 1, np.float64)],
-        )
+        """int32 saturation of an int64 tensor."""
+        return self.op("Clip", [x, self.int_const(-(1 << 31)), self.int_const((1 << 31) - 1)])
 
     def convert(self, ir_name: str, dtype: str) -> str:
         """The IR tensor ``ir_name`` converted to ``dtype`` (a ``Cast`` unless it has it), for
@@ -121,8 +198,8 @@ class IntegerWriter:
             return name
         return self.op("Cast", [name], to=self.types[dtype])
 
-    def as_double(self, ir_name: str) -> str:
-        return self.cast(self.name(ir_name), "float64")
+    def as_int(self, ir_name: str) -> str:
+        return self.cast(self.name(ir_name), "int64")
 
     def as_float(self, ir_name: str) -> str:
         return self.cast(self.name(ir_name), "float32")
@@ -141,6 +218,8 @@ class IntegerWriter:
 
     # -- ops ---------------------------------------------------------------------------------
     def write(self, node: Node) -> None:
+        if node.op in FLOAT_WRITERS:  # float regions: fxq.export.onnx_float
+            return FLOAT_WRITERS[node.op](self, node, [self.name(o) for o in node.outputs])
         getattr(self, f"op_{node.op}")(node, [self.name(o) for o in node.outputs])
 
     def op_quantize(self, node: Node, outs: list[str]) -> None:
@@ -169,9 +248,9 @@ class IntegerWriter:
 
     def op_requantize(self, node: Node, outs: list[str]) -> None:
         a, p = node.attrs, node.params
-        r = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
+        x = self.as_int(node.inputs[0])
         self.requant(
-            self.as_double(node.inputs[0]), r, a["dtype"], a["rounding"], a["lo"], a["hi"], outs[0]
+            x, p["multiplier"], p["shift"], a["dtype"], a["rounding"], a["lo"], a["hi"], outs[0]
         )
 
     def _finish(
@@ -184,45 +263,94 @@ class IntegerWriter:
         bias_added: bool = False,
         bound: int | None = None,
     ) -> None:
-        """Bias, saturation, residual and requantization of conv / linear / affine.
+        """Bias, saturation, residual and requantization of conv / linear / affine, on the
+        int64 accumulator ``acc``.
 
         ``bias_added``: the kernel added the bias already; ``bound``: a proven bound on
-        ``|acc + bias|`` (no int32 saturation is written when it is below ``2**31``).
+        ``|acc + bias|`` (no int32 saturation is written when it is below ``2**31``; the bias
+        is then folded into the requantization's constant term).
         """
         a, p = node.attrs, node.params
-        if "bias" in p and not bias_added:
-            acc = self.op(
-                "Add", [acc, self.const(self.channel(p["bias"].astype(np.float64), rank, axis))]
-            )
-        if bound is None or bound >= 1 << 31:
+        ch = lambda v: self.channel(np.asarray(v, np.int64), rank, axis)  # noqa: E731
+        bias = ch(p["bias"]) if "bias" in p and not bias_added else None
+        saturate = bound is None or bound >= 1 << 31
+        if bias is not None and (saturate or len(node.inputs) > 1 or a["out_dtype"] == "float32"):
+            acc, bias = self.op("Add", [acc, self.const(bias)]), None
+        if saturate:
             acc = self.sat32(acc)
         if len(node.inputs) > 1:
-            rr = np.ldexp(
-                p["residual_multiplier"].astype(np.float64), -p["residual_shift"].astype(np.int64)
-            )
-            t = self.op(
-                "Mul", [self.as_double(node.inputs[1]), self.const(self.channel(rr, rank, axis))]
-            )
-            if a["rounding"] == "half_up":
-                t = self.op("Floor", [self.op("Add", [t, self.const(0.5, np.float64)])])
-            else:
-                t = self.op("Round", [t])
+            rs = ch(p["residual_shift"])
+            rm = np.left_shift(ch(p["residual_multiplier"]), np.maximum(-rs, 0))
+            t = self.op("Mul", [self.as_int(node.inputs[1]), self.const(rm)])
+            t = self.shift_round(t, np.maximum(rs, 0), a["rounding"])
             acc = self.sat32(self.op("Add", [acc, t]))
         if a["out_dtype"] == "float32":
+            # the one float64 exception (docs/integer_graph.md, 4; its tensors are named
+            # "high_precision__*"): float32(float64(acc) * accumulator_scale), two roundings
+            hp = lambda: self.fresh("high_precision")  # noqa: E731
+            acc = self.cast(acc, "float64", hp())
             if a["lo"] is not None:
-                acc = self.op("Max", [acc, self.const(0.0, np.float64)])
-            y = self.op("Mul", [acc, self.const(self.channel(p["accumulator_scale"], rank, axis))])
+                acc = self.op("Max", [acc, self.const(0.0, np.float64, "high_precision")], hp())
+            scale = self.channel(p["accumulator_scale"], rank, axis)
+            scale = self.const(scale, np.float64, "high_precision")
+            y = self.op("Mul", [acc, scale], hp())
             if a.get("float_max") is not None:
-                y = self.op("Min", [y, self.const(a["float_max"], np.float64)])
+                y = self.op(
+                    "Min", [y, self.const(a["float_max"], np.float64, "high_precision")], hp()
+                )
             self.cast(y, "float32", out)
             return
-        r = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
         self.requant(
-            acc, self.channel(r, rank, axis), a["out_dtype"], a["rounding"], a["lo"], a["hi"], out
+            acc,
+            ch(p["multiplier"]),
+            ch(p["shift"]),
+            a["out_dtype"],
+            a["rounding"],
+            a["lo"],
+            a["hi"],
+            out,
+            0 if bias is None else bias,
         )
 
+    def _finish_f32(self, node: Node, acc: str, rank: int, axis: int, out: str, bound: int) -> bool:
+        """``_finish`` in float32 for a float32 accumulator ``acc`` of exact integers with the
+        bias in (``|acc| <= bound``), as ``fxq.export.onnx_requant`` plans it; False (nothing
+        written) where that plan does not apply: a residual too wide, half-even rounding, a
+        float32 output, or steps that would pass ``2**24``."""
+        a, p = node.attrs, node.params
+        if a["out_dtype"] not in ("int8", "int16") or a["rounding"] != "half_up":
+            return False
+        from .runtime import _bounds
+
+        f32 = np.float32
+        ch = lambda v: self.channel(np.asarray(v, np.int64), rank, axis)  # noqa: E731
+        term = None
+        if len(node.inputs) > 1:  # shift_round(r * rm, rs), exact below 2**23
+            rs, rm = ch(p["residual_shift"]), ch(p["residual_multiplier"])
+            rm = rm * (np.int64(1) << np.maximum(-rs, 0))
+            rs = np.maximum(rs, 0)
+            rmax = (1 << (self._bits(node.inputs[1]) - 1)) * np.abs(rm)
+            if rmax.max() >= 1 << 23 or rs.max() > 23:
+                return False
+            bound += int((-(-rmax // (np.int64(1) << rs))).max()) + 1
+            term = (np.ldexp(rm.astype(np.float64), -rs).astype(f32), rs)
+        lo, hi = _bounds(a["out_dtype"], a["lo"], a["hi"])
+        plan = plan_f32_requant(
+            p["multiplier"], p["shift"], bound, lo, hi, a["out_dtype"] == "int8"
+        )
+        if plan is None:
+            return False
+        if term is not None:
+            r, rs = term
+            t = self.op("Mul", [self.as_float(node.inputs[1]), self.const(r)])
+            if rs.any():
+                t = self.op("Floor", [self.op("Add", [t, self.const(f32(0.5))])])
+            acc = self.op("Add", [acc, t])
+        write_f32_requant(self, acc, plan, rank, axis, a["out_dtype"], lo, hi, out)
+        return True
+
     def _bits(self, ir_name: str) -> int:
-        return {"int8": 8, "int16": 16, "int32": 32}[self.graph.tensors[ir_name].dtype]
+        return {"int8": 8, "int16": 16, "int32": 32, "int64": 64}[self.graph.tensors[ir_name].dtype]
 
     @staticmethod
     def _l1(w: np.ndarray) -> int:
@@ -292,11 +420,17 @@ class IntegerWriter:
                 rest = hi
             else:
                 limb = rest
-            y = self.cast(self.op(op_type, [limb, kernel, *extra], **attrs), "float64")
+            y = self.op(op_type, [limb, kernel, *extra], **attrs)
+            exact = limbs == 1 and (bias is None or bias_in_kernel)
+            if exact and self._finish_f32(node, y, d + 2, 1, outs[0], bound):
+                return
+            y = self.cast(y, "int64")
             if i:
-                y = self.op("Mul", [y, self.const(2.0 ** (i * width), np.float64)])
+                y = self.op("Mul", [y, self.int_const(1 << (i * width))])
             parts.append(y)
-        acc = parts[0] if len(parts) == 1 else self.op("Sum", parts)
+        acc = parts[0]
+        for part in parts[1:]:
+            acc = self.op("Add", [acc, part])
         self._finish(node, acc, d + 2, 1, outs[0], bias_in_kernel, bound)
 
     def explicit_pad(self, x: str, a: dict, value: float) -> tuple[str, list[list[int]]]:
@@ -317,38 +451,50 @@ class IntegerWriter:
             x = self.op("Pad", inputs, mode=mode)
         return x, [[0, 0]] * len(pads)
 
+    def dot(self, a: str, b: str, bound: int) -> str:
+        """``a @ b`` (ONNX ``MatMul``) of two integer tensors as int64: float32 when ``bound``
+        (on every partial sum) is below ``2**24``, so exact in any summation order; else an
+        int64 ``MatMul`` (exact: the bounds here stay far below ``2**63``)."""
+        dtype = "float32" if bound < _F32_EXACT else "int64"
+        return self.cast(self.op("MatMul", [self.cast(a, dtype), self.cast(b, dtype)]), "int64")
+
     def op_linear(self, node: Node, outs: list[str]) -> None:
-        w = self.cast(self.const(node.params["weight"].T.astype(np.int8), hint="weight"), "float64")
-        acc = self.op("MatMul", [self.as_double(node.inputs[0]), w])
-        self._finish(node, acc, self.rank(node.inputs[0]), -1, outs[0])
+        w = node.params["weight"]
+        bias = node.params.get("bias")
+        bmax = int(np.abs(bias.astype(np.int64)).max()) if bias is not None and bias.size else 0
+        mag = (1 << (self._bits(node.inputs[0]) - 1)) * self._l1(w)
+        weight = self.const(w.T.astype(np.int8), hint="weight")
+        acc = self.dot(self.name(node.inputs[0]), weight, mag)
+        self._finish(node, acc, self.rank(node.inputs[0]), -1, outs[0], bound=mag + bmax)
 
     def op_channel_affine(self, node: Node, outs: list[str]) -> None:
         rank = self.rank(node.inputs[0])
-        w = self.channel(node.params["weight"].astype(np.float64), rank, 1)
-        acc = self.op("Mul", [self.as_double(node.inputs[0]), self.const(w, hint="weight")])
-        self._finish(node, acc, rank, 1, outs[0])
+        w, bias = node.params["weight"].astype(np.int64), node.params.get("bias")
+        bmax = int(np.abs(bias.astype(np.int64)).max()) if bias is not None and bias.size else 0
+        mag = (1 << (self._bits(node.inputs[0]) - 1)) * (int(np.abs(w).max()) if w.size else 0)
+        acc = self.op(
+            "Mul",
+            [self.as_int(node.inputs[0]), self.const(self.channel(w, rank, 1), hint="weight")],
+        )
+        self._finish(node, acc, rank, 1, outs[0], bound=mag + bmax)
 
     def op_add(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
-        terms = [
-            self.op("Mul", [self.as_double(i), self.const(float(m), np.float64)])
-            for i, m in zip(node.inputs, a["multipliers"])
-        ]
-        if a["constant"] is not None:
-            terms.append(self.const(float(a["constant"]), np.float64))
-        total = terms[0] if len(terms) == 1 else self.op("Sum", terms)
-        self.requant(total, 2.0 ** -a["shift"], a["dtype"], a["rounding"], None, None, outs[0])
+        total = None
+        for i, m in zip(node.inputs, a["multipliers"]):
+            term = self.op("Mul", [self.as_int(i), self.int_const(m)])
+            total = term if total is None else self.op("Add", [total, term])
+        constant = 0 if a["constant"] is None else a["constant"]
+        self.requant(total, 1, a["shift"], a["dtype"], a["rounding"], None, None, outs[0], constant)
 
     def op_mul(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
+        m = a["multiplier"]
         if len(node.inputs) == 2:
-            prod = self.op("Mul", [self.as_double(node.inputs[0]), self.as_double(node.inputs[1])])
+            prod = self.op("Mul", [self.as_int(node.inputs[0]), self.as_int(node.inputs[1])])
         else:
-            prod = self.op(
-                "Mul", [self.as_double(node.inputs[0]), self.const(float(a["sign"]), np.float64)]
-            )
-        r = float(np.ldexp(float(a["multiplier"]), -a["shift"]))
-        self.requant(prod, r, a["dtype"], a["rounding"], None, None, outs[0])
+            prod, m = self.as_int(node.inputs[0]), a["sign"] * m
+        self.requant(prod, m, a["shift"], a["dtype"], a["rounding"], None, None, outs[0])
 
     def condition(self, node: Node) -> tuple[str, list[str]]:
         """A ``where`` node's condition (its param, or its first input) and its other inputs."""
@@ -368,11 +514,16 @@ class IntegerWriter:
 
     def op_matmul(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
-        acc = self.sat32(
-            self.op("MatMul", [self.as_double(node.inputs[0]), self.as_double(node.inputs[1])])
+        x, y = node.inputs
+        k = self.graph.tensors[x].shape[-1]
+        k = k if isinstance(k, int) else 1 << 31  # a symbolic size: the int64 MatMul
+        bound = (1 << (self._bits(x) - 1)) * (1 << (self._bits(y) - 1)) * k
+        acc = self.dot(self.name(x), self.name(y), bound)
+        if bound >= 1 << 31:
+            acc = self.sat32(acc)
+        self.requant(
+            acc, a["multiplier"], a["shift"], a["dtype"], a["rounding"], None, None, outs[0]
         )
-        r = float(np.ldexp(float(a["multiplier"]), -a["shift"]))
-        self.requant(acc, r, a["dtype"], a["rounding"], None, None, outs[0])
 
     def op_clip(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
@@ -401,13 +552,8 @@ class IntegerWriter:
         table = self.const(knots.astype(np.int64), hint="knots")
         y0 = self.op("Gather", [table, k], axis=0)
         y1 = self.op("Gather", [table, self.op("Add", [k, self.const(1, np.int64)])], axis=0)
-        dy = self.cast(self.op("Mul", [self.op("Sub", [y1, y0]), r]), "float64")
-        t = self.op("Mul", [dy, self.const(2.0**-bits, np.float64)])
-        if rounding == "half_up":
-            t = self.op("Floor", [self.op("Add", [t, self.const(0.5, np.float64)])])
-        else:
-            t = self.op("Round", [t])
-        return self.op("Add", [self.cast(y0, "float64"), t])
+        dy = self.op("Mul", [self.op("Sub", [y1, y0]), r])
+        return self.op("Add", [y0, self.shift_round(dy, bits, rounding)])
 
     def op_segment_lut(self, node: Node, outs: list[str]) -> None:
         a, p = node.attrs, node.params
@@ -428,16 +574,25 @@ class IntegerWriter:
         from .runtime import _RANGES
 
         lo, hi = _RANGES[a["dtype"]]
-        y = self.op(
-            "Clip", [y, self.const(float(lo), np.float64), self.const(float(hi), np.float64)]
-        )
+        y = self.op("Clip", [y, self.int_const(lo), self.int_const(hi)])
         self.cast(y, a["dtype"], outs[0])
 
     def op_axis_matmul(self, node: Node, outs: list[str]) -> None:
+        """One ``MatMul`` per axis: float32 while the sums stay below ``2**24`` (``mag``
+        bounds the values after each step), int64 after."""
         rank = self.rank(node.inputs[0])
-        x = self.as_double(node.inputs[0])
+        x = self.name(node.inputs[0])
+        mag = 1 << (self._bits(node.inputs[0]) - 1)
+        dtype = None
         for i, axis in enumerate(node.attrs["axes"]):
-            m = self.const(node.params[f"matrix_{i}"].astype(np.float64), hint="matrix")
+            matrix = node.params[f"matrix_{i}"].astype(np.int64)
+            mag *= int(np.abs(matrix).sum(0).max()) if matrix.size else 0
+            if dtype != "int64":
+                dtype = "float32" if mag < _F32_EXACT else "int64"
+            x = self.cast(x, dtype)
+            m = self.const(
+                matrix.astype(np.float32 if dtype == "float32" else np.int64), hint="matrix"
+            )
             if axis == rank - 1:
                 x = self.op("MatMul", [x, m])
                 continue
@@ -451,70 +606,66 @@ class IntegerWriter:
         self.cast(x, "int64", outs[0])
 
     def _grid_gather(self, x: str, iy: str, ix: str, size: tuple[int, ...], border: bool) -> str:
-        """``x[n, c, iy, ix]`` of a float64 ``x`` reshaped to ``(N, C, H*W)``, for float64
-        integer coordinates ``iy, ix (N, Ho, Wo)``; 0 outside the input unless ``border``."""
+        """``x[n, c, iy, ix]`` of an int64 ``x`` reshaped to ``(N, C, H*W)``, for int64
+        coordinates ``iy, ix (N, Ho, Wo)``; 0 outside the input unless ``border``."""
         c, h, w, ho, wo = size
         clip = lambda v, n: self.op(  # noqa: E731
-            "Clip", [v, self.const(0.0, np.float64), self.const(float(n - 1), np.float64)]
+            "Clip", [v, self.int_const(0), self.int_const(n - 1)]
         )
-        index = self.op("Add", [self.op("Mul", [clip(iy, h), self.const(float(w))]), clip(ix, w)])
-        index = self.op("Reshape", [self.cast(index, "int64"), self.const([0, 1, -1], np.int64)])
+        index = self.op("Add", [self.op("Mul", [clip(iy, h), self.int_const(w)]), clip(ix, w)])
+        index = self.op("Reshape", [index, self.const([0, 1, -1], np.int64)])
         index = self.op("Expand", [index, self.const([1, c, 1], np.int64)])
         out = self.op("GatherElements", [x, index], axis=2)
         out = self.op("Reshape", [out, self.const([0, c, ho, wo], np.int64)])
         if border:
             return out
-        zero = self.const(0.0, np.float64)
+        zero = self.int_const(0)
         inside = [
             self.op(cmp, [v, bound])
             for v, n in ((iy, h), (ix, w))
-            for cmp, bound in (("GreaterOrEqual", zero), ("Less", self.const(float(n))))
+            for cmp, bound in (("GreaterOrEqual", zero), ("Less", self.int_const(n)))
         ]
         valid = self.op("And", [self.op("And", inside[:2]), self.op("And", inside[2:])])
-        valid = self.op("Unsqueeze", [self.cast(valid, "float64"), self.const([1], np.int64)])
+        valid = self.op("Unsqueeze", [self.cast(valid, "int64"), self.const([1], np.int64)])
         return self.op("Mul", [out, valid])
 
     def op_grid_sample(self, node: Node, outs: list[str]) -> None:
-        """float64 arithmetic on integers below ``2**53`` (exact): the coordinates
-        ``G m 2**-s`` (``|G m| < 2**31``) rounded, the neighbours gathered, the weighted sum
-        (``|acc| < 2**33``) cast to int64."""
+        """int64 arithmetic, as the numpy runtime: the coordinates ``shift_round(G m, s)``
+        (``|G m| < 2**31``), the neighbours gathered, the weighted sum (``|acc| < 2**33``)."""
         a, p = node.attrs, node.params
         bits, rounding = a["fraction_bits"], a["rounding"]
         border = a["padding_mode"] == "border"
         _, c, h, w = self.graph.tensors[node.inputs[0]].shape
-        x = self.op("Reshape", [self.as_double(node.inputs[0]), self.const([0, 0, -1], np.int64)])
+        x = self.op("Reshape", [self.as_int(node.inputs[0]), self.const([0, 0, -1], np.int64)])
         if len(node.inputs) > 1:
             ho, wo = self.graph.tensors[node.inputs[1]].shape[1:3]
-            g = self.as_double(node.inputs[1])
+            g = self.as_int(node.inputs[1])
         else:  # a constant grid
             ho, wo = p["grid"].shape[1:3]
-            g = self.const(p["grid"].astype(np.float64), hint="grid")
+            g = self.const(p["grid"].astype(np.int64), hint="grid")
         coords = []
         for i, (axis, size) in enumerate((("x", w), ("y", h))):
             gi = self.op("Gather", [g, self.const([i], np.int64)], axis=3)
             gi = self.op("Squeeze", [gi, self.const([3], np.int64)])
-            r = np.ldexp(p[f"multiplier_{axis}"].astype(np.float64), -p[f"shift_{axis}"])
-            v = self.round_double(self.op("Mul", [gi, self.const(r, np.float64)]), rounding)
-            v = self.op("Add", [v, self.const(float((size - 1) << (bits - 1)))])
+            gi = self.op("Mul", [gi, self.const(np.asarray(p[f"multiplier_{axis}"], np.int64))])
+            v = self.shift_round(gi, p[f"shift_{axis}"], rounding)
+            v = self.op("Add", [v, self.int_const((size - 1) << (bits - 1))])
             if border:
-                hi = self.const(float((size - 1) << bits))
-                v = self.op("Clip", [v, self.const(0.0, np.float64), hi])
+                v = self.op("Clip", [v, self.int_const(0), self.int_const((size - 1) << bits)])
             coords.append(v)
         px, py = coords
         size = (c, h, w, ho, wo)
-        unit = self.const(2.0**-bits)
         if a["mode"] == "nearest":
-            iy = self.round_double(self.op("Mul", [py, unit]), rounding)
-            ix = self.round_double(self.op("Mul", [px, unit]), rounding)
+            iy = self.shift_round(py, bits, rounding)
+            ix = self.shift_round(px, bits, rounding)
             self.cast(self._grid_gather(x, iy, ix, size, border), "int64", outs[0])
             return
-        one = self.const(float(1 << bits))
-        x0 = self.op("Floor", [self.op("Mul", [px, unit])])
-        y0 = self.op("Floor", [self.op("Mul", [py, unit])])
+        one = self.int_const(1 << bits)
+        x0, y0 = self.floor_shift(px, bits), self.floor_shift(py, bits)
         wx1 = self.op("Sub", [px, self.op("Mul", [x0, one])])
         wy1 = self.op("Sub", [py, self.op("Mul", [y0, one])])
-        y1 = self.op("Add", [y0, self.const(1.0)])
-        x1 = self.op("Add", [x0, self.const(1.0)])
+        y1 = self.op("Add", [y0, self.int_const(1)])
+        x1 = self.op("Add", [x0, self.int_const(1)])
         wx0, wy0 = self.op("Sub", [one, wx1]), self.op("Sub", [one, wy1])
         acc = None
         for iy, wy in ((y0, wy0), (y1, wy1)):
@@ -671,24 +822,36 @@ class IntegerWriter:
         table = self.const(np.array([1 << i for i in range(63)], np.int64), hint="pow2")
         return self.op("Gather", [table, k], axis=0)
 
-    def pow2_float(self, k: str) -> str:
-        """``2.0**k`` (float64, exact) for an int64 tensor ``k`` in ``[-100, 100]``."""
-        table = self.const(np.ldexp(1.0, np.arange(-100, 101)).astype(np.float64), hint="pow2f")
-        return self.op("Gather", [table, self.op("Add", [k, self.const(100, np.int64)])], axis=0)
-
     def int_const(self, v: int) -> str:
         return self.const(np.int64(v))
 
-    def round_double(self, v: str, rounding: str) -> str:
-        """``round(v)`` of an exact float64 value: half up ``floor(v + 1/2)`` or half even."""
+    def shift_round_var(self, v: str, shift: str, rounding: str) -> str:
+        """``shift_round(v, shift)`` of an int64 ``v`` (either sign, ``|v| < 2**61`` after a
+        left shift) by an int64 tensor ``shift`` (either sign) -> int64. A right shift is
+        ``floor(t / d)`` with ``t = v + d / 2``, ``d = 2**shift``, written
+        ``(t - Mod(t, d)) / d``: integer ``Mod`` takes the divisor's sign (Python's
+        floor modulo), so the ``Div`` is exact. Shifts beyond 62 act as 62 (the result is 0
+        for ``|v| < 2**61``, as the exact shift gives)."""
+        lo, hi = self.int_const(0), self.int_const(62)
+        v = self.op("Mul", [v, self.pow2_int(self.op("Clip", [self.op("Neg", [shift]), lo, hi]))])
+        right = self.op("Clip", [shift, lo, hi])
+        d = self.pow2_int(right)
+        half = self.op("Div", [d, self.int_const(2)])
+        t = self.op("Add", [v, half])
+        q = self.op("Div", [self.op("Sub", [t, self.op("Mod", [t, d])]), d])
         if rounding == "half_up":
-            return self.op("Floor", [self.op("Add", [v, self.const(0.5, np.float64)])])
-        return self.op("Round", [v])
-
-    def shift_round_double(self, v: str, shift: str, rounding: str) -> str:
-        """``shift_round(v, shift)`` (either sign) of an int64 ``v`` below ``2**53`` -> float64."""
-        scaled = self.op("Mul", [self.cast(v, "float64"), self.pow2_float(self.op("Neg", [shift]))])
-        return self.round_double(scaled, rounding)
+            return q
+        if rounding != "half_even":
+            raise ValueError(f"unknown rounding {rounding!r}")
+        tie = self.op(
+            "And",
+            [
+                self.op("Equal", [self.op("Mod", [v, d]), half]),
+                self.op("Greater", [right, self.int_const(0)]),
+            ],
+        )
+        odd = self.op("Equal", [self.op("Mod", [q, self.int_const(2)]), self.int_const(1)])
+        return self.op("Sub", [q, self.cast(self.op("And", [tie, odd]), "int64")])
 
     def bit_length(self, v: str) -> str:
         """``floor(log2 v) + 1`` of a non-negative int64 tensor: the count of powers of two <= v."""
@@ -715,7 +878,7 @@ class IntegerWriter:
         return self.op("Where", [self.op("Greater", [shift, self.int_const(0)]), right, left])
 
     def normalize_rows(self, rows: str, node: Node) -> str:
-        """``Z`` of ``docs/arithmetic.md`` 14 over the last axis of int64 ``rows`` -> float64."""
+        """``Z`` of ``docs/arithmetic.md`` 14 over the last axis of int64 ``rows`` -> int64."""
         a = node.attrs
         axes = self.const([-1], np.int64)
         s1 = self.op("ReduceSum", [rows, axes], keepdims=1)
@@ -751,13 +914,11 @@ class IntegerWriter:
             "Gather", [self.const(p["rsqrt_table"].astype(np.int64), hint="rsqrt"), index], axis=0
         )
         shift = self.op("Add", [e, self.int_const(a["fraction_bits"] - a["q_bits"])])
-        z = self.shift_round_double(self.op("Mul", [d, r]), shift, a["rounding"])
+        z = self.shift_round_var(self.op("Mul", [d, r]), shift, a["rounding"])
         from .runtime import _RANGES
 
         lo, hi = _RANGES[a["z_dtype"]]
-        return self.op(
-            "Clip", [z, self.const(float(lo), np.float64), self.const(float(hi), np.float64)]
-        )
+        return self.op("Clip", [z, self.int_const(lo), self.int_const(hi)])
 
     def op_normalize(self, node: Node, outs: list[str]) -> None:
         a, p = node.attrs, node.params
@@ -776,12 +937,18 @@ class IntegerWriter:
                     self.const(np.array([0, channels, -1], np.int64)),
                 ],
             )
-        acc = self.op("Mul", [z, self.const(p["weight"].astype(np.float64), hint="weight")])
-        acc = self.sat32(
-            self.op("Add", [acc, self.const(p["bias"].astype(np.float64), hint="bias")])
+        acc = self.op("Mul", [z, self.const(p["weight"].astype(np.int64), hint="weight")])
+        acc = self.sat32(self.op("Add", [acc, self.const(p["bias"].astype(np.int64), hint="bias")]))
+        tmp = self.requant(
+            acc,
+            p["multiplier"],
+            p["shift"],
+            a["dtype"],
+            a["rounding"],
+            None,
+            None,
+            self.fresh("normalized"),
         )
-        r = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
-        tmp = self.requant(acc, r, a["dtype"], a["rounding"], None, None, self.fresh("normalized"))
         self.op("Reshape", [tmp, self.op("Shape", [x])], outs[0])
 
     def op_l2_normalize(self, node: Node, outs: list[str]) -> None:
@@ -792,8 +959,7 @@ class IntegerWriter:
         s2 = self.op("ReduceSum", [self.op("Mul", [x, x]), axes], keepdims=1)
         v = self.op("Max", [s2, self.int_const(max(a["eps_term"], 1))])
         z = self.times_rsqrt(x, v, node)
-        r_out = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
-        self.requant(z, r_out, a["dtype"], a["rounding"], None, None, outs[0])
+        self.requant(z, p["multiplier"], p["shift"], a["dtype"], a["rounding"], None, None, outs[0])
 
     def keep_mask(self, node: Node) -> str | None:
         """A softmax node's bool keep-mask: its ``keep`` param or second input, and with
@@ -823,16 +989,14 @@ class IntegerWriter:
         if keep is not None:
             u = self.op("Where", [keep, u, zero])
         product = self.op("Mul", [u, self.int_const(a["exp_multiplier"])])
-        t = self.cast(
-            self.shift_round_double(product, self.int_const(a["exp_shift"]), rounding), "int64"
-        )
+        t = self.shift_round(product, a["exp_shift"], rounding)
         one = self.int_const(1 << a["exp_fraction_bits"])
         k = self.op("Min", [self.op("Div", [t, one]), self.int_const(40)])
         f = self.op("Mod", [t, one])
         entry = self.op(
             "Gather", [self.const(p["exp2_table"].astype(np.int64), hint="exp2"), f], axis=0
         )
-        e = self.cast(self.shift_round_double(entry, k, rounding), "int64")
+        e = self.shift_round_var(entry, k, rounding)
         if keep is not None:
             e = self.op("Where", [keep, e, zero])
         total = self.op("ReduceSum", [e, axes], keepdims=1)
@@ -854,19 +1018,14 @@ class IntegerWriter:
                 ],
             )
             lg = self.op("Add", [lg, self.int_const(a["log_offset"])])
-            v = self.cast(
-                self.shift_round_double(
-                    self.op("Mul", [u, self.int_const(a["log_multiplier"])]),
-                    self.int_const(a["log_shift"]),
-                    rounding,
-                ),
-                "int64",
+            v = self.shift_round(
+                self.op("Mul", [u, self.int_const(a["log_multiplier"])]), a["log_shift"], rounding
             )
             acc = self.op(
                 "Mul",
                 [self.op("Neg", [self.op("Add", [v, lg])]), self.int_const(a["out_multiplier"])],
             )
-            y = self.shift_round_double(acc, self.int_const(a["out_shift"]), rounding)
+            y = self.shift_round(acc, a["out_shift"], rounding)
         else:
             g = a["out_shift"]
             num = self.op("Mul", [e, self.int_const(a["out_multiplier"] << max(-g, 0))])
@@ -878,13 +1037,10 @@ class IntegerWriter:
                 "Div",
                 [self.op("Add", [self.op("Mul", [num, two]), den]), self.op("Mul", [den, two])],
             )
-            y = self.cast(y, "float64")
         from .runtime import _RANGES
 
         lo, hi = _RANGES[a["dtype"]]
-        y = self.op(
-            "Clip", [y, self.const(float(lo), np.float64), self.const(float(hi), np.float64)]
-        )
+        y = self.op("Clip", [y, self.int_const(lo), self.int_const(hi)])
         self.cast(y, a["dtype"], outs[0])
 
     def op_divide(self, node: Node, outs: list[str]) -> None:
@@ -948,15 +1104,20 @@ class IntegerWriter:
         return r, rn, sign
 
     def op_prelu(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        r, rn, sign = self.prelu_factors(node)
-        x = self.as_double(node.inputs[0])
+        a, p = node.attrs, node.params
+        rank = self.rank(node.inputs[0])
+        neg = [p[k].astype(np.int64) for k in ("neg_multiplier", "neg_shift", "neg_sign")]
+        if neg[0].size > 1:
+            neg = [self.channel(v, rank, a["axis"]) for v in neg]
+        nm, ns, sign = neg
+        x = self.as_int(node.inputs[0])
         dtype = self.store(node.outputs[0])
-        pos = self.requant(x, r, a["dtype"], a["rounding"], None, None, self.fresh("pos"))
-        signed = self.op("Mul", [x, self.const(sign, np.float64)])
-        neg = self.requant(signed, rn, a["dtype"], a["rounding"], None, None, self.fresh("neg"))
-        ge = self.op("GreaterOrEqual", [x, self.const(0.0, np.float64)])
-        self.cast(self.op("Where", [ge, pos, neg]), dtype, outs[0])
+        d, r = a["dtype"], a["rounding"]
+        # Where on int64 (onnxruntime has no int16 Where), then the cast
+        pos = self.requant(x, p["multiplier"], p["shift"], d, r, None, None, None)
+        neg_out = self.requant(x, nm * sign, ns, d, r, None, None, None)
+        ge = self.op("GreaterOrEqual", [x, self.int_const(0)])
+        self.cast(self.op("Where", [ge, pos, neg_out]), dtype, outs[0])
 
     def op_reduce_extreme(self, node: Node, outs: list[str]) -> None:
         a = node.attrs

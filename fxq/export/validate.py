@@ -235,6 +235,10 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "str?": (_opt(lambda v: isinstance(v, str)), "a string or null"),
     "outdtype": (_one_of(*_QUANT, "float32"), f"one of {[*_QUANT, 'float32']}"),
     "rounding": (_one_of(*_ROUNDINGS), f"one of {list(_ROUNDINGS)}"),
+    "floats?": (
+        _opt(lambda v: isinstance(v, list) and all(_is_float(e) and e > 0 for e in v)),
+        "a list of positive numbers or null",
+    ),
     "any": (lambda v: True, "any value"),
 }
 
@@ -685,6 +689,216 @@ _RSQRT_ATTRS = {
 }
 _QR = {"dtype": "qdtype", "rounding": "rounding"}
 
+
+# -- the float ops of float regions (format version 3) ----------------------------------------
+def _float_io(c: _Ctx) -> None:
+    dtypes = [*c.in_dtypes, *(t["dtype"] for t in c.outputs)]
+    if any(d != "float32" for d in dtypes):
+        raise c.fail(f"inputs / output of dtypes {dtypes} (float ops take and make float32)")
+
+
+def _float_sizes(c: _Ctx, n: Any, names: tuple[str, ...]) -> None:
+    """Per-channel float params of ``n`` entries (when ``n`` is known), one per channel."""
+    for k in names:
+        p = c.params.get(k)
+        if p is not None and (p.ndim != 1 or (_is_int(n) and p.size != n)):
+            raise c.fail(f"param {k!r} of shape {list(p.shape)} for {n} channels")
+
+
+def _check_float_conv(c: _Ctx) -> None:
+    _float_io(c)
+    a, w = c.attrs, c.params["weight"]
+    d, g = a["dim"], a["groups"]
+    if not 1 <= d <= 3 or w.ndim != d + 2 or c.rank() != d + 2:
+        raise c.fail(f"dim {d}, a rank-{w.ndim} weight and a rank-{c.rank()} input")
+    if any(len(a[k]) != d or min(a[k]) < 1 for k in ("stride", "dilation")):
+        raise c.fail(f"stride {a['stride']} / dilation {a['dilation']}: {d} positive integers")
+    pads = a["pads"]
+    if not (
+        isinstance(pads, list)
+        and len(pads) == d
+        and all(_ints(p) and len(p) == 2 and min(p) >= 0 for p in pads)
+    ):
+        raise c.fail(f"pads {pads!r} is not {d} pairs of integers >= 0")
+    if g < 1 or w.shape[0] % g or min(w.shape, default=1) < 1:
+        raise c.fail(f"groups {g} for a weight of shape {list(w.shape)}")
+    _geometry(c, ("stride", "dilation", "pads"))
+    channels = c.in_shapes[0][1]
+    if _is_int(channels) and channels != w.shape[1] * g:
+        raise c.fail(f"{channels} input channels, the weight takes {w.shape[1] * g}")
+    _float_sizes(c, w.shape[0], ("bias",))
+
+
+def _check_float_linear(c: _Ctx) -> None:
+    _float_io(c)
+    w = c.params["weight"]
+    k = c.in_shapes[0][-1] if c.rank() else None
+    if c.rank() == 0 or (_is_int(k) and k != w.shape[1]):
+        raise c.fail(f"an input of shape {c.in_shapes[0]} for a weight of shape {list(w.shape)}")
+    _float_sizes(c, w.shape[0], ("bias",))
+
+
+def _check_float_matmul(c: _Ctx) -> None:
+    _float_io(c)
+    a, b = c.in_shapes
+    if not a or not b:
+        raise c.fail("a matmul of a rank-0 input")
+    k_a, k_b = a[-1], b[-2] if len(b) > 1 else b[0]
+    if _is_int(k_a) and _is_int(k_b) and k_a != k_b:
+        raise c.fail(f"a matmul of shapes {a} and {b}")
+
+
+def _check_float_batch_norm(c: _Ctx) -> None:
+    _float_io(c)
+    if c.rank() < 2 or c.attrs["eps"] < 0:
+        raise c.fail(f"a rank-{c.rank()} input (channels on axis 1), eps {c.attrs['eps']}")
+    n = c.params["mean"].size
+    channels = c.in_shapes[0][1]
+    _float_sizes(c, channels if _is_int(channels) else n, ("mean", "var", "weight", "bias"))
+
+
+def _check_float_layer_norm(c: _Ctx) -> None:
+    _float_io(c)
+    k = c.attrs["ndim"]
+    if not 1 <= k <= c.rank() or c.attrs["eps"] < 0:
+        raise c.fail(f"ndim {k} for a rank-{c.rank()} input, eps {c.attrs['eps']}")
+    trailing = c.in_shapes[0][-k:]
+    for name in ("weight", "bias"):
+        p = c.params.get(name)
+        if p is not None and (
+            p.ndim != k or any(_is_int(t) and t != s for t, s in zip(trailing, p.shape))
+        ):
+            raise c.fail(f"param {name!r} of shape {list(p.shape)} for trailing sizes {trailing}")
+
+
+def _check_float_unary(c: _Ctx) -> None:
+    _float_io(c)
+    fn, fns = c.attrs["fn"], _runtime_names("UNARY_FNS", "runtime_float")
+    if fn not in fns:
+        raise c.fail(f"fn {fn!r} is not one of {list(fns)}")
+    if fn != "clamp" and (c.attrs.get("lo") is not None or c.attrs.get("hi") is not None):
+        raise c.fail(f"bounds lo / hi for fn {fn!r} (clamp only)")
+
+
+def _check_float_softmax(c: _Ctx) -> None:
+    _float_io(c)
+    c.axis("axis", c.attrs["axis"])
+
+
+def _check_float_pool(c: _Ctx) -> None:
+    _float_io(c)
+    a = c.attrs
+    if a["fn"] not in _runtime_names("POOL_FNS", "runtime_float"):
+        raise c.fail(f"fn {a['fn']!r} is not max or avg")
+    d = len(a["kernel"])
+    if not 1 <= d <= 3 or c.rank() != d + 2:
+        raise c.fail(f"a {d}-d pooling of a rank-{c.rank()} input")
+    if any(len(a[k]) != d for k in ("stride", "padding", "dilation")):
+        raise c.fail("kernel, stride, padding and dilation are not one entry per pooled axis")
+    if min(a["kernel"] + a["stride"] + a["dilation"]) < 1 or min(a["padding"]) < 0:
+        raise c.fail("kernel, stride and dilation must be positive, padding non-negative")
+    if any(2 * p > k for p, k in zip(a["padding"], a["kernel"])):
+        raise c.fail(f"padding {a['padding']} above half the kernel {a['kernel']}")
+    if a["fn"] == "avg" and max(a["dilation"]) != 1:
+        raise c.fail(f"an average pooling with dilation {a['dilation']}")
+    _geometry(c, ("kernel", "stride", "padding", "dilation"))
+
+
+def _check_float_adaptive(c: _Ctx) -> None:
+    _float_io(c)
+    size = c.attrs["output_size"]
+    if not 1 <= len(size) <= min(c.rank(), 3) or min(size) < 1:
+        raise c.fail(f"output_size {size} for a rank-{c.rank()} input")
+    _geometry(c, ("output_size",))
+
+
+def _check_float_interpolate(c: _Ctx) -> None:
+    _float_io(c)
+    a = c.attrs
+    if a["mode"] not in ("nearest", "linear"):
+        raise c.fail(f"mode {a['mode']!r} (nearest or linear)")
+    size, factors = a["size"], a["scale_factor"]
+    if not 1 <= len(size) <= min(c.rank() - 2, 3) or min(size) < 1:
+        raise c.fail(f"size {size} for a rank-{c.rank()} input")
+    if factors is not None and len(factors) != len(size):
+        raise c.fail(f"scale_factor {factors} for size {size}")
+    _geometry(c, ("size",))
+
+
+def _check_float_reduce(c: _Ctx) -> None:
+    _float_io(c)
+    fns = _runtime_names("REDUCE_FNS", "runtime_float")
+    if c.attrs["fn"] not in fns:
+        raise c.fail(f"fn {c.attrs['fn']!r} is not one of {list(fns)}")
+    axes = c.attrs["axes"]
+    for i, axis in enumerate(axes):
+        c.axis(f"axes[{i}]", axis)
+    if len({a % max(c.rank(), 1) for a in axes}) != len(axes):
+        raise c.fail(f"axes {axes} name an axis twice")
+
+
+_F32 = ("float32",)
+_F32_VECTOR = _Param(_F32, (1,), False)
+
+#: the float ops (``fxq.export.runtime_float``; ``docs/integer_graph.md``, 2, "Float regions")
+FLOAT_OP_SPECS: dict[str, _OpSpec] = {
+    "float_conv": _OpSpec(
+        (1,),
+        {"dim": "int", "stride": "ints", "dilation": "ints", "groups": "int", "pads": "any"},
+        {"weight": _Param(_F32), "bias": _F32_VECTOR},
+        _check_float_conv,
+    ),
+    "float_linear": _OpSpec(
+        (1,), {}, {"weight": _Param(_F32, (2,)), "bias": _F32_VECTOR}, _check_float_linear
+    ),
+    "float_matmul": _OpSpec((2,), {}, {}, _check_float_matmul),
+    "float_batch_norm": _OpSpec(
+        (1,),
+        {"eps": "float"},
+        {
+            "mean": _Param(_F32, (1,)),
+            "var": _Param(_F32, (1,)),
+            "weight": _F32_VECTOR,
+            "bias": _F32_VECTOR,
+        },
+        _check_float_batch_norm,
+    ),
+    "float_layer_norm": _OpSpec(
+        (1,),
+        {"ndim": "int", "eps": "float"},
+        {"weight": _Param(_F32, None, False), "bias": _Param(_F32, None, False)},
+        _check_float_layer_norm,
+    ),
+    "float_unary": _OpSpec(
+        (1,), {"fn": "str", "lo": "float?", "hi": "float?"}, {}, _check_float_unary
+    ),
+    "float_softmax": _OpSpec((1,), {"axis": "int", "log": "bool"}, {}, _check_float_softmax),
+    "float_pool": _OpSpec(
+        (1,),
+        {
+            "fn": "str",
+            "kernel": "ints",
+            "stride": "ints",
+            "padding": "ints",
+            "dilation": "ints",
+            "ceil_mode": "bool",
+            "count_include_pad": "bool",
+        },
+        {},
+        _check_float_pool,
+    ),
+    "float_adaptive_pool": _OpSpec((1,), {"output_size": "ints"}, {}, _check_float_adaptive),
+    "float_interpolate": _OpSpec(
+        (1,),
+        {"mode": "str", "align_corners": "bool", "size": "ints", "scale_factor": "floats?"},
+        {},
+        _check_float_interpolate,
+    ),
+    "float_reduce": _OpSpec(
+        (1,), {"fn": "str", "axes": "ints", "keepdim": "bool"}, {}, _check_float_reduce
+    ),
+}
+
 #: op -> what a file may hold for it (``docs/integer_graph.md``, 2)
 OP_SPECS: dict[str, _OpSpec] = {
     "quantize": _OpSpec((1,), {"scale": "float", **_QR}, {}),
@@ -842,19 +1056,25 @@ OP_SPECS: dict[str, _OpSpec] = {
         (1,), {"fn": "str", "axes": "ints", "keepdim": "bool"}, {}, _check_reduce
     ),
     "arg_extreme": _OpSpec((1,), {"fn": "str", "axis": "int?", "keepdim": "bool"}, {}, _check_arg),
+    **FLOAT_OP_SPECS,
 }
 
 #: ops whose output dtype is their ``dtype`` (or ``out_dtype``) attribute
 _OUT_DTYPE = ("dtype", "out_dtype")
 
 
-def _runtime_names(name: str) -> tuple[str, ...]:
-    """A tuple of names the runtime defines (``FLOAT_FNS``, ``COMPARE_FNS``, ...)."""
+def _runtime_names(name: str, module: str = "runtime") -> tuple[str, ...]:
+    """A tuple of names the runtime defines (``FLOAT_FNS``, ``COMPARE_FNS``, ...; the float
+    ops' ``UNARY_FNS``, ... in ``runtime_float``)."""
+    import importlib
+
     try:
-        from . import runtime
+        found = importlib.import_module(f".{module}", __package__) if __package__ else None
     except ImportError:  # pragma: no cover - loaded as a standalone file
-        import runtime  # type: ignore[no-redef]
-    return getattr(runtime, name)
+        found = None
+    if found is None:  # pragma: no cover - loaded as a standalone file
+        found = importlib.import_module(module)
+    return getattr(found, name)
 
 
 # -- the graph ------------------------------------------------------------------------------------

@@ -94,6 +94,49 @@ def saved_masks(tmp_path_factory) -> tuple[bytes, tuple, list[np.ndarray]]:
     return path.read_bytes(), (x.numpy(), mask.numpy()), graph.run(x.numpy(), mask.numpy())
 
 
+class _FloatRegion(nn.Module):
+    """A version-3 graph: a float region (qconfig None) of a conv, a BatchNorm, a ReLU, an
+    average pooling and a LayerNorm between integer convs, and a float softmax tail."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.dq = fxq.QuantStub(), fxq.DeQuantStub()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.region = nn.Sequential(
+            nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AvgPool2d(2),
+            nn.LayerNorm(3),
+        )  # fmt: skip
+        self.linear = nn.Linear(36, 5)
+
+    def forward(self, x):
+        x = self.region(self.conv(self.q(x)))
+        return self.dq(self.linear(x.flatten(1))).softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def saved_float(tmp_path_factory) -> tuple[bytes, np.ndarray, list[np.ndarray]]:
+    """``saved`` for a version-3 graph (float ops of a float region and a float tail)."""
+    fxq.set_march("bayes")
+    qconfig = {
+        "": fxq.qconfig.default_qat_8bit_fake_quant_qconfig,
+        "module_name": {"region": None},
+        "module_type": {"softmax": None},
+    }
+    qat = fxq.prepare_qat_fx(_FloatRegion().eval(), qconfig)
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    with torch.no_grad():
+        qat(torch.randn(2, 3, 8, 8))
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = fxq.export.to_graph(fxq.convert_fx(qat), torch.randn(2, 3, 8, 8))
+    assert graph.format_version() == 3
+    path = tmp_path_factory.mktemp("saved_float") / "g.fxq"
+    graph.save(path)
+    x = torch.randn(2, 3, 8, 8).numpy()
+    return path.read_bytes(), x, graph.run(x)
+
+
 def _members(data: bytes) -> dict[str, bytes]:
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         return {n: z.read(n) for n in z.namelist()}
@@ -237,8 +280,8 @@ def test_a_header_too_long_for_numpy_is_refused_without_advising_allow_pickle(sa
         (lambda m: m.pop("tensors"), r"graph\.json: no key 'tensors'"),
         (lambda m: m.update(version="1"), r"graph\.json: version '1' is not a positive integer"),
         (
-            lambda m: m.update(version=3),
-            r"integer graph version 3 is newer than this fxq reads \(2\); upgrade fxq$",
+            lambda m: m.update(version=4),
+            r"integer graph version 4 is newer than this fxq reads \(3\); upgrade fxq$",
         ),
         (lambda m: m.update(format="onnx"), r"not an fxq integer graph \(format 'onnx'"),
         (lambda m: m["nodes"].__setitem__(0, 7), r"graph\.json: nodes\[0\] is int, not an object"),
@@ -421,7 +464,7 @@ def _damaged(draw, data: bytes) -> bytes:
     return _zip(members)
 
 
-@pytest.mark.parametrize("file", ["saved", "saved_masks"])
+@pytest.mark.parametrize("file", ["saved", "saved_masks", "saved_float"])
 def test_damaged_files_load_or_raise_only_the_format_error(file, request, tmp_path_factory):
     data, _, _ = request.getfixturevalue(file)
     folder = tmp_path_factory.mktemp("fuzz")
