@@ -66,6 +66,18 @@ class RecordedOps:
         self._mode.__exit__(*exc)
 
 
+def assert_validation_equals_converted(prepared: nn.Module, batches) -> None:
+    """The converted integer model of ``prepared`` and ``prepared`` in VALIDATION give the
+    same outputs bit for bit on every batch (``prepared`` is left in VALIDATION)."""
+    import copy
+
+    converted = fxq.convert_fx(copy.deepcopy(prepared))
+    fxq.set_fake_quantize(prepared, fxq.FakeQuantState.VALIDATION)
+    with torch.no_grad():
+        for x in batches:
+            assert torch.equal(prepared(x), converted(x))
+
+
 def recalibrate_bn(model: nn.Module, batches) -> nn.Module:
     """Set BatchNorm running statistics from data (cumulative average), so a
     randomly initialised model has normalised activations in eval mode."""

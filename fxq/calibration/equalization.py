@@ -42,8 +42,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule
 
 from fxq.calibration.data import batch_list
-from fxq.calibration.runner import keep_rank0_result, run_batches
-from fxq.fake_quantize import bypass
+from fxq.calibration.runner import float_pass_with_hooks, keep_rank0_result
 from fxq.observer import MinMaxObserver, world_size
 from fxq.qat.weighted import WeightedQAT, _Conv
 
@@ -144,16 +143,7 @@ def _channel_max(batches: list[Any], model: nn.Module, modules: dict[str, nn.Mod
 
         return hook
 
-    handles = [m.register_forward_hook(hook_for(n)) for n, m in modules.items()]
-    training = model.training
-    model.eval()  # BatchNorm statistics must not move
-    try:
-        with bypass(model), torch.no_grad():
-            run_batches(model, batches, input_fn=input_fn, show_progress=False)
-    finally:
-        model.train(training)
-        for h in handles:
-            h.remove()
+    float_pass_with_hooks(model, {m: hook_for(n) for n, m in modules.items()}, batches, input_fn)
     return found
 
 

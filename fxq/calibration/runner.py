@@ -189,6 +189,27 @@ def run_batches(
     return outputs
 
 
+def float_pass_with_hooks(
+    model: nn.Module,
+    hooks: dict[nn.Module, Callable[..., Any]],
+    batches: list[Any],
+    input_fn: Callable[[Any], Any] | None = None,
+) -> None:
+    """Run ``batches`` through ``model`` in float (fake quants bypassed), in eval mode (no
+    BatchNorm statistics move), without gradients, with each module's forward hook
+    attached; the model's mode and hooks are put back afterwards, also on an error."""
+    handles = [module.register_forward_hook(hook) for module, hook in hooks.items()]
+    training = model.training
+    model.eval()
+    try:
+        with bypass(model), torch.no_grad():
+            run_batches(model, batches, input_fn=input_fn, show_progress=False)
+    finally:
+        model.train(training)
+        for h in handles:
+            h.remove()
+
+
 def _known_length(data: Any, num_batches: int | None) -> int | None:
     """How many batches ``data`` will yield, when it says (``len``), capped at ``num_batches``."""
     try:

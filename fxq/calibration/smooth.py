@@ -34,8 +34,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule
 
 from fxq.calibration.data import batch_list
-from fxq.calibration.runner import keep_rank0_result, run_batches
-from fxq.fake_quantize import bypass
+from fxq.calibration.runner import float_pass_with_hooks, keep_rank0_result
 from fxq.qat.normalization import LayerNorm
 from fxq.qat.weighted import Linear
 
@@ -116,16 +115,8 @@ def _channel_peaks(model: nn.Module, norms: list[str], batches: list[Any], input
 
         return hook
 
-    handles = [model.get_submodule(n).register_forward_hook(hook_for(n)) for n in norms]
-    training = model.training
-    model.eval()
-    try:
-        with bypass(model), torch.no_grad():
-            run_batches(model, batches, input_fn=input_fn, show_progress=False)
-    finally:
-        model.train(training)
-        for h in handles:
-            h.remove()
+    hooks = {model.get_submodule(n): hook_for(n) for n in norms}
+    float_pass_with_hooks(model, hooks, batches, input_fn)
     return found
 
 

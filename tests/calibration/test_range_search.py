@@ -1,7 +1,5 @@
 """Ranges clipped on the error after the next normalization (``fxq.calibration.range_search``)."""
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +9,7 @@ import fxq
 from fxq.calibration import ptq
 from fxq.calibration.range_search import has_normalization, search_ranges, searchable_quants
 from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
-from tests.helpers import sqnr
+from tests.helpers import assert_validation_equals_converted, sqnr
 
 D = 32
 
@@ -96,11 +94,7 @@ def test_clips_the_massive_activation(data):
 def test_validation_equals_converted_bit_for_bit(data):
     prepared = _prepared(PostNormEncoder(), data)
     ptq(prepared, data, show_progress=False)
-    converted = fxq.convert_fx(copy.deepcopy(prepared))
-    fxq.set_fake_quantize(prepared, fxq.FakeQuantState.VALIDATION)
-    with torch.no_grad():
-        for x in data:
-            assert torch.equal(prepared(x), converted(x))
+    assert_validation_equals_converted(prepared, data)
 
 
 def test_not_applied_without_normalization():

@@ -1,7 +1,5 @@
 """SmoothQuant-style migration of LayerNorm output outliers (``fxq.calibration.smooth``)."""
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +10,7 @@ from fxq.calibration import ptq
 from fxq.calibration.smooth import smooth_activations, smoothing_pairs
 from fxq.fake_quantize import bypass
 from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
-from tests.helpers import sqnr
+from tests.helpers import assert_validation_equals_converted, sqnr
 
 D, HEADS = 32, 4
 
@@ -116,11 +114,7 @@ def test_only_the_migration_fixes_planted_outliers(data):
 def test_validation_equals_converted_bit_for_bit(data):
     prepared = _prepared(Encoder(), data)
     ptq(prepared, data, show_progress=False)
-    converted = fxq.convert_fx(copy.deepcopy(prepared))
-    fxq.set_fake_quantize(prepared, fxq.FakeQuantState.VALIDATION)
-    with torch.no_grad():
-        for x in data:
-            assert torch.equal(prepared(x), converted(x))
+    assert_validation_equals_converted(prepared, data)
 
 
 def test_alpha_checked(data):
