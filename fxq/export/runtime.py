@@ -508,19 +508,21 @@ def _pool_windows(n: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> in
     return out
 
 
-def _k_max_pool(node, inputs):
-    a = node.attrs
-    x = inputs[0]
-    kernel, stride, padding, dilation = a["kernel"], a["stride"], a["padding"], a["dilation"]
+def max_pool_windows(x, attrs: dict, low, combine) -> Any:
+    """Max pooling over the trailing ``len(kernel)`` axes of ``x`` with torch's windows
+    (``ceil_mode``, ``dilation``): padded with ``low`` (which never wins), the windows
+    combined by ``combine(best, next)``."""
+    kernel, stride, padding, dilation = (
+        attrs["kernel"], attrs["stride"], attrs["padding"], attrs["dilation"]
+    )  # fmt: skip
     dims = len(kernel)
     lead = x.ndim - dims
     outs = [
         _pool_windows(
-            x.shape[lead + i], kernel[i], stride[i], padding[i], dilation[i], a["ceil_mode"]
+            x.shape[lead + i], kernel[i], stride[i], padding[i], dilation[i], attrs["ceil_mode"]
         )
         for i in range(dims)
     ]
-    low = np.iinfo(x.dtype).min
     pads = []
     for i in range(dims):
         need = (outs[i] - 1) * stride[i] + dilation[i] * (kernel[i] - 1) + 1
@@ -534,8 +536,13 @@ def _k_max_pool(node, inputs):
             for i, o in enumerate(offs)
         ]
         v = xp[tuple(sel)]
-        y = v if y is None else np.maximum(y, v)
-    return [y]
+        y = v if y is None else combine(y, v)
+    return y
+
+
+def _k_max_pool(node, inputs):
+    x = inputs[0]
+    return [max_pool_windows(x, node.attrs, np.iinfo(x.dtype).min, np.maximum)]
 
 
 def adaptive_windows(n: int, o: int) -> list[tuple[int, int]]:

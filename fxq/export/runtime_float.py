@@ -22,10 +22,13 @@ import numpy as np
 
 try:  # package import (fxq.export.runtime_float)
     from .runtime import _pool_windows as pool_windows
-    from .runtime import adaptive_windows
+    from .runtime import adaptive_windows, max_pool_windows
 except ImportError:  # pragma: no cover - loaded as a standalone file
     from runtime import _pool_windows as pool_windows  # type: ignore[no-redef]
-    from runtime import adaptive_windows  # type: ignore[no-redef]
+    from runtime import (
+        adaptive_windows,  # type: ignore[no-redef]
+        max_pool_windows,  # type: ignore[no-redef]
+    )
 
 __all__ = [
     "FLOAT_KERNELS",
@@ -218,25 +221,12 @@ def _k_float_pool(node, inputs):
             total = _contract(total, lead + i, m)
             div = div[..., None] * d if div.ndim else d
         return _out(total / div)
-    kernel, stride, padding, dilation = a["kernel"], a["stride"], a["padding"], a["dilation"]
-    outs = [
-        pool_windows(x.shape[lead + i], kernel[i], stride[i], padding[i], dilation[i],
-                     a["ceil_mode"])
-        for i in range(dims)
-    ]  # fmt: skip
-    pads = []
-    for i in range(dims):
-        need = (outs[i] - 1) * stride[i] + dilation[i] * (kernel[i] - 1) + 1
-        pads.append((padding[i], max(need - x.shape[lead + i] - padding[i], 0)))
-    xp = np.pad(x, [(0, 0)] * lead + pads, constant_values=-np.inf)
-    y = None
-    for offs in np.ndindex(*kernel):
-        sel = [slice(None)] * lead + [
-            slice(o * dilation[i], o * dilation[i] + (outs[i] - 1) * stride[i] + 1, stride[i])
-            for i, o in enumerate(offs)
-        ]
-        v = xp[tuple(sel)]
-        y = v if y is None else np.where((v > y) | np.isnan(v), v, y)  # NaN wins, as in torch
+    y = max_pool_windows(
+        x,
+        a,
+        -np.inf,
+        lambda y, v: np.where((v > y) | np.isnan(v), v, y),  # NaN wins, as in torch
+    )
     return _out(y)
 
 
