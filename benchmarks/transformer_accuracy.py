@@ -31,6 +31,10 @@ Methods, march bayes, each measured on the **converted integer model**
 * ``mixed``: int8 with int16 only on the activations found to need it
   (``MIXED_INT16``: the residual stream and the FFN; see ``docs/transformers.md``),
   the same ``ptq``;
+* ``mixed10``: int8 with the int16 activations that ``fxq.calibration.mixed_precision``
+  chooses, at most 10 % of the activation bytes (``budget_unit="bytes"``), ranked on the
+  first calibration batch of the ``int8`` model, then the same ``ptq`` on a model prepared
+  with the qconfig_dict it returns (the residual adds through their owners' regex entries);
 
 and the peers, in the same run: NNCF's ``nncf.quantize`` on the same calibration batches,
 with its default preset and with ``model_type=nncf.ModelType.TRANSFORMER`` (a row that
@@ -389,6 +393,21 @@ def fxq_ptq_default(model: nn.Module, calib: Sequence[Batch]) -> GraphModule:
         return fxq.convert_fx(prepared)
 
 
+def fxq_mixed(model: nn.Module, calib: Sequence[Batch], budget: float = 0.1) -> GraphModule:
+    """int8, then ``mixed_precision`` with ``budget`` of the activation bytes int16 (ranked on
+    ``calib[0]`` with the ``int8`` method's ranges), then ``fxq_quantize`` with its result."""
+    from fxq.calibration import mixed_precision
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=calib[0])
+        ptq(prepared, list(calib), "default", bias_correction=False, iters=0, show_progress=False)
+        qconfig_dict = mixed_precision(
+            model, prepared, list(calib[:1]), budget, qconfig_dict={"": q8}, budget_unit="bytes"
+        )
+    return fxq_quantize(model, qconfig_dict, calib)
+
+
 FXQ_METHODS: dict[str, Callable[[], dict[str, Any]]] = {
     "int8": lambda: {"": q8},
     "int16_act": lambda: {"": a16},
@@ -397,9 +416,9 @@ FXQ_METHODS: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
-#: every fxq row: ``int8_ptq_default`` is ``fxq_ptq_default``, the others ``fxq_quantize`` with
-#: the qconfig of ``FXQ_METHODS``
-ALL_METHODS = ["int8_ptq_default", *FXQ_METHODS]
+#: every fxq row: ``int8_ptq_default`` is ``fxq_ptq_default``, ``mixed10`` is ``fxq_mixed``,
+#: the others ``fxq_quantize`` with the qconfig of ``FXQ_METHODS``
+ALL_METHODS = ["int8_ptq_default", *FXQ_METHODS, "mixed10"]
 
 
 def torch_ao_fx(model: nn.Module, calib: Sequence[Batch]) -> nn.Module:
@@ -490,6 +509,8 @@ def run(
         start = time.perf_counter()
         if name == "int8_ptq_default":
             converted = fxq_ptq_default(model, calib)
+        elif name == "mixed10":
+            converted = fxq_mixed(model, calib, 0.1)
         else:
             converted = fxq_quantize(model, FXQ_METHODS[name](), calib)
         got = embed(converted, evaluation)

@@ -22,6 +22,16 @@ tensor budget's five early maps hold, 24.01 dB against their 22.15 dB). A
 budget of 0 changes nothing (the returned dict then prepares the same model
 as before).
 
+A functional op's output (a residual ``x + y``, a ``F.gelu``, an attention call)
+has no module of the float model to name: its fake quant lives in a module that
+``prepare_qat_fx`` created (``block.add``). It is chosen through the module
+whose ``forward`` calls it (its owner): a ``module_name_regex`` entry that
+matches exactly the owner's path, which reaches the ops that forward calls
+itself and none of its submodules (``module_name`` would reach those too). All
+quantized ops of one owner move together and are paid for together; an owner
+is only chosen where every op it calls took the global qconfig (no other entry
+of ``qconfig_dict`` reaches them), and never the root.
+
 When learned rounding follows (``ptq(method="best")``), rank with
 ``float_weights=True`` on a model calibrated without learned rounding
 (``ptq(model, data, iters=0)``: a learned rounding is written back into the
@@ -38,12 +48,14 @@ tune_biases=8)``: 25.09 dB on MobileNetV2 with 10 % int16, where plain
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from fxq.calibration.data import batch_arguments, one_or_more_batches
 from fxq.dtypes import qint16
@@ -146,10 +158,11 @@ def mixed_precision(
 
     Returns:
         a qconfig_dict for ``prepare_qat_fx(float_model, ...)``; its
-        ``"module_name"`` entries name the chosen modules. Also readable from
-        ``result["module_name"]``. Functional ops whose output fake quant lives
-        in a module fxq created (e.g. ``add_1`` at the root) cannot be named in a
-        qconfig_dict on their own and are never chosen.
+        ``"module_name"`` entries name the chosen modules (also readable from
+        ``result["module_name"]``), its ``"module_name_regex"`` entries the
+        owners of the chosen functional ops (see the module docstring). Functional
+        ops called by the root module's own forward (e.g. ``add_1`` at the root)
+        cannot be told apart from the global qconfig and are never chosen.
 
     Raises:
         ValueError: a budget outside [0, 1] or an unknown ``budget_unit``; an
@@ -182,9 +195,9 @@ def mixed_precision(
         if common is None:
             raise ValueError("mixed_precision: calib_model has no QAT module with a qconfig")
         base[""] = common
-    names = dict(float_model.named_modules())
     modules = dict(calib_model.named_modules())
-    chosen: dict[str, QConfig | None] = {}
+    targets = _targets(calib_model, dict(float_model.named_modules()))
+    chosen: dict[str, QConfig | None] = {}  # by activation (row) name
     float_rows: list[dict[str, Any]] = []
     int16_rows: list[dict[str, Any]] = []
     weights = weight_quants(calib_model) if float_weights else []  # left unrounded
@@ -212,12 +225,12 @@ def mixed_precision(
                 kinds=("activation",),
                 input_fn=input_fn,
             )
-        budget = _Budget(float_share, rows, sizes)
+        budget = _Budget(float_share, rows, sizes, targets)
         for row in budget.order(rows):
             if budget.spent:
                 break
-            if row["name"] in names and row["name"] and budget.take(row["name"]):
-                chosen[row["name"]] = None
+            if _free(row["name"], targets, chosen) and budget.take(row["name"]):
+                chosen.update(dict.fromkeys(targets[row["name"]].members))
                 float_rows.append(row)
     if int16_budget > 0:
         with bypassed(weights):
@@ -229,21 +242,21 @@ def mixed_precision(
                 kinds=("activation",),
                 input_fn=input_fn,
             )
-        budget = _Budget(int16_budget, rows, sizes)
+        budget = _Budget(int16_budget, rows, sizes, targets)
         for row in budget.order(rows):
             if budget.spent:
                 break
             name = row["name"]
-            if name in chosen or name not in names or not name:
+            if not _free(name, targets, chosen):
                 continue
             gain = row["sqnr"] - row["baseline"]
             if not (gain >= min_gain_db and gain > 0):  # also a NaN SQNR
                 continue
-            module = modules.get(name)
-            qconfig = getattr(module, "qconfig", None)
+            qconfig = getattr(modules.get(name), "qconfig", None)
             if not isinstance(qconfig, QConfig) or not budget.take(name):
                 continue
-            chosen[name] = _int16_qconfig(qconfig)
+            for member in targets[name].members:
+                chosen[member] = _int16_qconfig(modules[member].qconfig)
             int16_rows.append(row)
     chosen = _rank0_choice(chosen, modules)
     if show:
@@ -251,34 +264,133 @@ def mixed_precision(
             for row in rows:
                 print(f"{kind:5s} {row['name']}: output SQNR {row['sqnr']:.2f} dB")
     entries = dict(base.get("module_name") or {})
-    entries.update(chosen)
+    patterns = base.get("module_name_regex") or []
+    patterns = list(patterns.items() if isinstance(patterns, Mapping) else patterns)
+    for name, qconfig in chosen.items():
+        target = targets[name]
+        if target.functional:
+            pattern = re.escape(target.key)
+            if all(p != pattern for p, _ in patterns):
+                patterns.append((pattern, qconfig))
+        else:
+            entries[target.key] = qconfig
     base["module_name"] = entries
+    if patterns:
+        base["module_name_regex"] = patterns
     return base
+
+
+@dataclass(frozen=True)
+class _Target:
+    """How a qconfig_dict reaches one quantized activation.
+
+    Attributes:
+        key: a module path of the float model: the activation's own module, or, for a
+            functional op (``functional``), the module whose forward calls it.
+        functional: reached by a ``module_name_regex`` entry matching exactly ``key``
+            (its own ops, not its submodules') instead of a ``module_name`` entry.
+        members: the activations (row names) that entry reaches, this one included: every
+            quantized functional op of the same owner.
+    """
+
+    key: str
+    functional: bool
+    members: tuple[str, ...]
+
+
+def _owner(node: Node) -> str:
+    """The module path whose forward called ``node`` when the model was traced ("" for the
+    root, or when the tracer recorded none)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    last = list(stack.values())[-1]
+    return last[0] if isinstance(last, tuple) else str(last)
+
+
+def _targets(calib_model: GraphModule, float_names: Mapping[str, nn.Module]) -> dict[str, _Target]:
+    """The quantized activations of ``calib_model`` that a qconfig_dict can reach on their
+    own, by row name (``fxq.debug.sensitivity``'s ``name``).
+
+    A module of the float model is reached by its name. A functional op is reached through
+    its owner, when the owner is a module of the float model other than the root and every
+    op it calls itself was given the global qconfig (no other entry of the dict reaches
+    them, so a regex matching only the owner's path changes exactly those ops).
+    """
+    from fxq.debug.sensitivity import quantized_values
+
+    values = [v for v in quantized_values(calib_model) if v.kind == "activation"]
+    targets = {
+        v.name: _Target(v.name, False, (v.name,))
+        for v in values
+        if v.name and v.name in float_names
+    }
+    only_global: dict[str, bool] = {}  # owner path -> every op it calls took the global qconfig
+    for node in calib_model.graph.nodes:
+        source = node.meta.get("fxq_qconfig")
+        if source is None or (node.op == "call_module" and node.target in float_names):
+            continue
+        owner = _owner(node)
+        only_global[owner] = only_global.get(owner, True) and source.startswith("global:")
+    owned: dict[str, list[str]] = {}
+    for v in values:
+        if v.name in targets or v.node is None:
+            continue
+        owner = _owner(v.node)
+        if owner and owner in float_names and only_global.get(owner, False):
+            owned.setdefault(owner, []).append(v.name)
+    for owner, members in owned.items():
+        for name in members:
+            targets[name] = _Target(owner, True, tuple(members))
+    return targets
+
+
+def _free(name: str, targets: Mapping[str, _Target], chosen: Mapping[str, Any]) -> bool:
+    """Whether the activation ``name`` can be reached and no choice has reached it yet."""
+    return name in targets and name not in chosen
 
 
 class _Budget:
     """What is left of a budget: a number of activations (``sizes`` None) or of their
-    elements (``sizes``: each activation's, by module name)."""
+    elements (``sizes``: each activation's, by name). Choosing an activation pays for every
+    activation its qconfig_dict entry reaches (``targets``)."""
 
     def __init__(
-        self, share: float, rows: list[dict[str, Any]], sizes: dict[str, int] | None
+        self,
+        share: float,
+        rows: list[dict[str, Any]],
+        sizes: dict[str, int] | None,
+        targets: Mapping[str, _Target],
     ) -> None:
         self.sizes = sizes
+        self.targets = targets
         if sizes is None:
             self.left = math.floor(share * len(rows) + 1e-9)
         else:
             self.left = share * sum(sizes.get(r["name"], 0) for r in rows)
 
+    def cost(self, name: str) -> int:
+        """What choosing ``name`` costs: activations, or their elements (0: not reached on
+        the batch measured, or not reachable)."""
+        target = self.targets.get(name)
+        if target is None:
+            return 0
+        if self.sizes is None:
+            return len(target.members)
+        if not all(self.sizes.get(m) for m in target.members):
+            return 0
+        return sum(self.sizes[m] for m in target.members)
+
     def order(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``rows`` (best first) in the order to take them: as they are for a count; for
-        elements, by the output noise each removes per element (an early, large map
-        must gain as much as the several small ones its elements would pay for)."""
+        elements, by the output noise each removes per element it costs (an early, large
+        map must gain as much as the several small ones its elements would pay for)."""
         if self.sizes is None or not rows:
             return rows
         noise = 10 ** (-rows[0]["baseline"] / 10)
 
         def removed_per_element(row: dict[str, Any]) -> float:
-            value = (noise - 10 ** (-row["sqnr"] / 10)) / max(self.sizes.get(row["name"], 0), 1)
+            value = (noise - 10 ** (-row["sqnr"] / 10)) / max(self.cost(row["name"]), 1)
             return value if math.isfinite(value) else -math.inf
 
         return sorted(rows, key=removed_per_element, reverse=True)
@@ -289,11 +401,9 @@ class _Budget:
 
     def take(self, name: str) -> bool:
         """Spend ``name``'s cost if it fits (else nothing; a smaller one may fit later)."""
-        if self.sizes is not None and not self.sizes.get(name):
-            return False  # not reached on the batch measured: its cost is unknown
-        cost = 1 if self.sizes is None else self.sizes[name]
-        if cost > self.left:
-            return False
+        cost = self.cost(name)
+        if not cost or cost > self.left:
+            return False  # unreachable, not reached on the batch measured, or too large
         self.left -= cost
         return True
 
