@@ -37,7 +37,7 @@ import numpy as np
 
 from .graph import IntegerGraph, Node
 from .onnx_float import FLOAT_WRITERS
-from .onnx_requant import plan_f32_requant, write_f32_requant
+from .onnx_requant import F32Plan, plan_f32_requant, write_f32_requant
 
 __all__ = ["IntegerWriter", "OPSET"]
 
@@ -312,17 +312,19 @@ class IntegerWriter:
             0 if bias is None else bias,
         )
 
-    def _finish_f32(self, node: Node, acc: str, rank: int, axis: int, out: str, bound: int) -> bool:
-        """``_finish`` in float32 for a float32 accumulator ``acc`` of exact integers with the
-        bias in (``|acc| <= bound``), as ``fxq.export.onnx_requant`` plans it; False (nothing
-        written) where that plan does not apply: a residual too wide, half-even rounding, a
-        float32 output, or steps that would pass ``2**24``."""
+    def _plan_f32(
+        self, node: Node, rank: int, axis: int, bound: int
+    ) -> tuple[F32Plan, tuple[np.ndarray, np.ndarray] | None] | None:
+        """The float32 requantization of conv / linear / affine for an accumulator of exact
+        integers with the bias in (``|acc| <= bound``), as ``fxq.export.onnx_requant`` plans
+        it, and the residual term's float32 multiplier and shift; None where that plan does
+        not apply: a residual too wide, half-even rounding, a float32 output, or steps that
+        would pass ``2**24``."""
         a, p = node.attrs, node.params
         if a["out_dtype"] not in ("int8", "int16") or a["rounding"] != "half_up":
-            return False
+            return None
         from .runtime import _bounds
 
-        f32 = np.float32
         ch = lambda v: self.channel(np.asarray(v, np.int64), rank, axis)  # noqa: E731
         term = None
         if len(node.inputs) > 1:  # shift_round(r * rm, rs), exact below 2**23
@@ -331,23 +333,39 @@ class IntegerWriter:
             rs = np.maximum(rs, 0)
             rmax = (1 << (self._bits(node.inputs[1]) - 1)) * np.abs(rm)
             if rmax.max() >= 1 << 23 or rs.max() > 23:
-                return False
+                return None
             bound += int((-(-rmax // (np.int64(1) << rs))).max()) + 1
-            term = (np.ldexp(rm.astype(np.float64), -rs).astype(f32), rs)
+            term = (np.ldexp(rm.astype(np.float64), -rs).astype(np.float32), rs)
         lo, hi = _bounds(a["out_dtype"], a["lo"], a["hi"])
         plan = plan_f32_requant(
             p["multiplier"], p["shift"], bound, lo, hi, a["out_dtype"] == "int8"
         )
-        if plan is None:
-            return False
+        return None if plan is None else (plan, term)
+
+    def _finish_f32(
+        self,
+        node: Node,
+        acc: str,
+        rank: int,
+        axis: int,
+        out: str,
+        planned: tuple[F32Plan, tuple[np.ndarray, np.ndarray] | None],
+        scaled: bool = False,
+    ) -> None:
+        """``_finish`` in float32 for a float32 accumulator ``acc`` (scaled by ``2**-k``
+        with ``scaled``) as ``_plan_f32`` planned it."""
+        from .runtime import _bounds
+
+        a = node.attrs
+        plan, term = planned
         if term is not None:
             r, rs = term
             t = self.op("Mul", [self.as_float(node.inputs[1]), self.const(r)])
             if rs.any():
-                t = self.op("Floor", [self.op("Add", [t, self.const(f32(0.5))])])
+                t = self.op("Floor", [self.op("Add", [t, self.const(np.float32(0.5))])])
             acc = self.op("Add", [acc, t])
-        write_f32_requant(self, acc, plan, rank, axis, a["out_dtype"], lo, hi, out)
-        return True
+        lo, hi = _bounds(a["out_dtype"], a["lo"], a["hi"])
+        write_f32_requant(self, acc, plan, rank, axis, a["out_dtype"], lo, hi, out, scaled)
 
     def _bits(self, ir_name: str) -> int:
         return {"int8": 8, "int16": 16, "int32": 32, "int64": 64}[self.graph.tensors[ir_name].dtype]
@@ -408,6 +426,14 @@ class IntegerWriter:
         bmax = int(np.abs(bias.astype(np.int64)).max()) if bias is not None and bias.size else 0
         bound = (1 << (self._bits(node.inputs[0]) - 1)) * self._l1(w) + bmax
         bias_in_kernel = bias is not None and limbs == 1 and bound < _F32_EXACT
+        exact = limbs == 1 and (bias is None or bias_in_kernel)
+        planned = self._plan_f32(node, d + 2, 1, bound) if exact else None
+        # the split's 2**-k folded into the weights and bias (exact: powers of two)
+        scaled = planned is not None and planned[1] is None and not a["transposed"]
+        if scaled and planned[0].split.any():
+            step = np.ldexp(1.0, -planned[0].split).astype(np.float32)
+            kernel = self.op("Mul", [kernel, self.const(step.reshape(-1, *[1] * (d + 1)))])
+            bias = None if bias is None else bias * step.astype(np.float64)
         extra = [self.const(bias.astype(np.float32), hint="bias")] if bias_in_kernel else []
         parts = []
         rest = x
@@ -421,9 +447,8 @@ class IntegerWriter:
             else:
                 limb = rest
             y = self.op(op_type, [limb, kernel, *extra], **attrs)
-            exact = limbs == 1 and (bias is None or bias_in_kernel)
-            if exact and self._finish_f32(node, y, d + 2, 1, outs[0], bound):
-                return
+            if planned is not None:
+                return self._finish_f32(node, y, d + 2, 1, outs[0], planned, scaled)
             y = self.cast(y, "int64")
             if i:
                 y = self.op("Mul", [y, self.int_const(1 << (i * width))])

@@ -2,24 +2,34 @@
 
 The integer model requantizes an int32 accumulator ``acc`` per channel ``c`` as
 
-    y = clamp(floor((acc * m + 2**(s - 1)) / 2**s), lo, hi)          (half up, s >= 1)
+    y = clamp(floor((acc * m + h) / 2**s), lo, hi)     (h = 2**(s - 1) for s >= 1, else 0)
 
-with ``|m| < 2**15``, so ``acc * m`` needs up to 46 bits: more than float32 holds. Where
-``|acc|`` is proven below ``2**24`` (a float32 ``Conv`` / ``MatMul`` result), the same ``y``
-comes out of float32 operations that are all exact:
+with ``|m| < 2**22`` (a left shift folded in), so ``acc * m`` needs up to 46 bits: more than
+float32 holds. Where ``|acc| <= V < 2**24`` is proven (a float32 ``Conv`` / ``MatMul``
+result), the same ``y`` comes out of float32 operations that are all exact, with a split
+``k`` (``0 <= k < s``, or ``k = 0``) and ``j = s - k`` per channel:
 
-1. clamp ``acc`` to ``[-B, B]`` (``[0, B]`` after a ReLU), ``B`` beyond every channel's
-   saturation point, so ``y`` does not change and ``|acc * m| < 2**(s + 8)``;
-2. split ``v = A 2**k + a`` (``A = floor(v 2**-k)``, ``0 <= a < 2**k``): then
-   ``floor(v m / 2**k) = A m + floor(a m 2**-k) = Z`` with every product below ``2**24``;
-3. ``floor((acc m + 2**(s-1)) / 2**s) = floor((Z + 2**(j-1)) / 2**j)`` with ``j = s - k``
-   (nested floors), which is ``QuantizeLinear(Z + 1/2)`` at the power-of-two scale ``2**j``:
-   ``(Z + 1/2) / 2**j`` is exact and never a tie, so its round-half-to-even is the half-up
-   rounding of ``Z / 2**j``; ``QuantizeLinear`` also saturates to int8. Other output types
-   take ``Floor((Z + 2**(j-1)) 2**-j)``, ``Clip`` and ``Cast``.
+1. ``w = acc 2**-k``: exact (a power of two; the writer may fold it into the conv's
+   weights and bias, whose partial sums are then multiples of ``2**-k`` below
+   ``2**(24 - k)``, exact as well);
+2. clamp ``w`` to ``[L 2**-k, H 2**-k]``, where ``[L, H]`` holds every ``acc`` whose
+   ``y`` is not saturated and the first saturated one on each side (per channel; one
+   ``Clip`` when common bounds keep every channel exact): ``y`` is monotone in ``acc``,
+   so the clamp leaves it as it is;
+3. ``A = floor(w)``, ``f = w - A`` (exact: a multiple of ``2**-k`` in ``[0, 1)``), so
+   ``acc = A 2**k + f 2**k`` and ``floor(acc m / 2**k) = A m + floor(f m) = Z`` (``A m``
+   is an integer); ``f m = (f 2**k) m`` is exact when ``(2**k - 1) |m| < 2**24``, and
+   ``A m``, ``Z`` are integers below ``2**24``;
+4. ``floor((acc m + h) / 2**s) = floor((Z + 2**(j-1)) / 2**j)`` for ``j >= 1`` (nested
+   floors), which is ``QuantizeLinear(Z + 1/2)`` at the power-of-two scale ``2**j``:
+   ``(Z + 1/2) / 2**j`` is exact (``|Z| < 2**23``) and never a tie, so its
+   round-half-to-even is the half-up rounding of ``Z / 2**j``; ``QuantizeLinear`` also
+   saturates to int8. Other output types take ``Floor((Z + 2**(j-1)) 2**-j)`` (exact when
+   ``|Z| + 2**(j-1) < 2**24``), ``Clip`` and ``Cast``. ``k = 0`` skips step 3 (``Z = w m``).
 
-``plan_f32_requant`` picks the clamp and ``k`` per channel and returns None where no choice
-keeps every step below ``2**24`` (the writer then requantizes in int64).
+``plan_f32_requant`` computes ``[L, H]`` and the smallest ``k`` per channel that keeps every
+bound above (evaluated exactly on the clamp's end points, ``Z`` being monotone in ``acc``),
+and returns None where no ``k`` does (the writer then requantizes in int64).
 """
 
 from __future__ import annotations
@@ -42,15 +52,53 @@ class F32Plan:
         multiplier: ``m`` with a left shift (``s < 0``) folded in.
         split: ``k``, the low bits taken apart from the accumulator (all 0: no split).
         shift: ``j = s - k``, the shift left to ``QuantizeLinear`` / ``Floor``.
-        clamp: ``B``, where ``acc`` is clamped to ``[-B, B]`` first (None: not needed).
-        relu: ``acc`` is clamped at 0 first (``lo >= 0`` and ``m >= 0``).
+        low, high: the clamp of ``w = acc 2**-k`` (exact float32 values; one element: a
+            common bound, a ``Clip``); None: that side needs no clamp.
+        in_range: ``y`` before the output clamp stays in ``[lo, hi]`` on the clamped range
+            (no output ``Clip``).
     """
 
     multiplier: np.ndarray
     split: np.ndarray
     shift: np.ndarray
-    clamp: int | None
-    relu: bool
+    low: np.ndarray | None
+    high: np.ndarray | None
+    in_range: bool
+
+
+def _saturation(m: int, s: int, lo: int, hi: int, v: int) -> tuple[int, int]:
+    """``[L, H]`` within ``[-v, v]``: ``y`` is ``lo`` / ``hi`` (after the clamp) at and
+    beyond each end (``m > 0``; mirrored for ``m < 0``; ``[0, 0]`` for ``m = 0``)."""
+    if m == 0:
+        return 0, 0
+    h = 1 << (s - 1) if s > 0 else 0
+    mag = abs(m)
+    up = -((h - (hi << s)) // mag)  # smallest a with a |m| + h >= hi 2**s
+    down = (((lo + 1) << s) - h - 1) // mag  # largest a with a |m| + h < (lo + 1) 2**s
+    low, high = (down, up) if m > 0 else (-up, -down)
+    low, high = max(low, -v), min(high, v)
+    return min(low, high), high
+
+
+def _fits(m: int, s: int, k: int, low: int, high: int, int8_out: bool) -> bool:
+    """Steps 3-4 of the proof for ``acc`` in ``[low, high]`` with split ``k``."""
+    if k and (k >= s or ((1 << k) - 1) * abs(m) >= _EXACT):
+        return False
+    j = s - k
+    a_max = max(abs(low >> k), abs(high >> k))
+    z_max = max(abs((low * m) >> k), abs((high * m) >> k))
+    if a_max * abs(m) >= _EXACT:
+        return False
+    if j == 0:
+        return z_max < _EXACT
+    return z_max < (1 << 23) if int8_out else z_max + (1 << (j - 1)) < _EXACT
+
+
+def _shifted(v: int, e: int, up: bool) -> int:
+    """``v 2**e`` rounded up (``up``) or down to an integer."""
+    if e >= 0:
+        return v << e
+    return -((-v) >> -e) if up else v >> -e
 
 
 def plan_f32_requant(
@@ -64,8 +112,8 @@ def plan_f32_requant(
         multiplier, shift: per-channel (or scalar) integer arrays, ``shift`` of either sign.
         bound: a proven bound on ``|acc|``.
         lo, hi: the output's clamp (the dtype's range included).
-        int8_out: finished by ``QuantizeLinear`` (any ``j``); else by ``Floor``, which needs
-            ``2**(j-1)`` below ``2**23``.
+        int8_out: finished by ``QuantizeLinear`` (``|Z| < 2**23``); else by ``Floor``
+            (``|Z| + 2**(j-1) < 2**24``).
     """
     if bound >= _EXACT:
         return None
@@ -76,72 +124,115 @@ def plan_f32_requant(
         return None
     m = m * (np.int64(1) << np.maximum(-s, 0))
     s = np.maximum(s, 0)
-    mag = np.abs(m)
-    if (mag >= 1 << 22).any():
+    if (np.abs(m) >= 1 << 22).any():
         return None
-    relu = lo >= 0 and bool((m >= 0).all())
-    # |acc| >= saturate[c] gives max(|lo|, |hi|) + 1 or more in magnitude: clamping there
-    # leaves y as it is
-    top = max(abs(lo), abs(hi)) + 1
-    nonzero = mag > 0
-    saturate = [-(-(top << int(sc)) // int(mc)) + 1 for mc, sc in zip(mag[nonzero], s[nonzero])]
-    clamp = max(saturate, default=0)
-    for v, clamped in ((bound, False), (min(bound, clamp), True)):
-        k = _splits(v, mag, s, int8_out)
-        if k is not None:
-            return F32Plan(m, k, s - k, clamp if clamped and clamp < bound else None, relu)
-    return None
-
-
-def _splits(v: int, mag: np.ndarray, s: np.ndarray, int8_out: bool) -> np.ndarray | None:
-    """The smallest split ``k`` per channel keeping every step exact for ``|acc| <= v``."""
+    ms, ss = m.tolist(), s.tolist()
+    ranges = [_saturation(mc, sc, lo, hi, bound) for mc, sc in zip(ms, ss)]
     ks = []
-    for mc, sc in zip(mag.tolist(), s.tolist()):
-        k = 0
-        # |Z| <= (v / 2**k + 1) m + m  below 2**23, so that Z + 1/2 is exact
-        while (v + (2 << k)) * mc >= (1 << (23 + k)):
-            k += 1
-            if k > 24:
-                return None
-        if ((1 << k) - 1) * mc >= _EXACT or (k and k >= sc):  # a m exact; j >= 1
-            return None
-        if not int8_out and sc - k > 23:  # Z + 2**(j-1) exact
+    for mc, sc, (low, high) in zip(ms, ss, ranges):
+        k = next((k for k in range(25) if _fits(mc, sc, k, low, high, int8_out)), None)
+        if k is None:
             return None
         ks.append(k)
-    return np.array(ks, np.int64)
+    sides = [_side(ranges, ks, 0, -bound), _side(ranges, ks, 1, bound)]
+    # a common bound per side where every channel stays exact with its range widened to
+    # it (a Clip, which onnxruntime fuses into the conv), else per-channel Max / Min
+    for common in ((True, True), (True, False), (False, True), (False, False)):
+        ends = [
+            [edge] * len(ks) if side is None else side[1] if c else side[0]
+            for side, c, edge in zip(sides, common, (-bound, bound))
+        ]
+        if all(
+            _fits(mc, sc, kc, lw, hg, int8_out)
+            for mc, sc, kc, lw, hg in zip(ms, ss, ks, ends[0], ends[1])
+        ):
+            break
+    in_range = all(
+        lo <= _y(mc, sc, a) <= hi
+        for mc, sc, lw, hg in zip(ms, ss, ends[0], ends[1])
+        for a in (lw, hg)
+    )
+    k = np.array(ks, np.int64)
+    clamps = []
+    for side, c, i in zip(sides, common, (0, 1)):
+        if side is None:
+            clamps.append(None)
+            continue
+        w = np.array([r[i] * 2.0**-kc for r, kc in zip(ranges, ks)])
+        clamps.append((w.min(keepdims=True) if i == 0 else w.max(keepdims=True)) if c else w)
+    return F32Plan(m, k, s - k, clamps[0], clamps[1], in_range)
+
+
+def _y(m: int, s: int, acc: int) -> int:
+    """``floor((acc m + h) / 2**s)``, before the output clamp."""
+    return (acc * m + (1 << (s - 1) if s > 0 else 0)) >> s
+
+
+def _side(
+    ranges: list[tuple[int, int]], ks: list[int], i: int, edge: int
+) -> tuple[list[int], list[int]] | None:
+    """One side (``i``: 0 low, 1 high) of the clamp: each channel's own end and the end of
+    its ``acc`` range under the common bound (``min`` / ``max`` of ``end 2**-k`` over the
+    channels); None where no channel needs that side clamped."""
+    own = [r[i] for r in ranges]
+    if all(e == edge for e in own):
+        return None
+    pick = min if i == 0 else max
+    c = pick(range(len(own)), key=lambda c: own[c] * 2.0 ** -ks[c])
+    widened = [_shifted(own[c], kc - ks[c], i == 0) for kc in ks]
+    widened = [max(v, edge) if i == 0 else min(v, edge) for v in widened]
+    return own, widened
 
 
 def write_f32_requant(
-    w: Any, acc: str, plan: F32Plan, rank: int, axis: int, dtype: str, lo: int, hi: int, out: str
+    w: Any,
+    acc: str,
+    plan: F32Plan,
+    rank: int,
+    axis: int,
+    dtype: str,
+    lo: int,
+    hi: int,
+    out: str,
+    scaled: bool = False,
 ) -> str:
-    """Write the plan's ops for the float32 accumulator ``acc`` (exact integers) into the
+    """Write the plan's ops for the float32 accumulator ``acc`` (exact integers; with
+    ``scaled``, ``acc 2**-k`` already, as a conv with its weights scaled gives it) into the
     ``IntegerWriter`` ``w``; the result (``dtype``) is named ``out``."""
     f32 = np.float32
     size = plan.multiplier.size
 
     def ch(v: np.ndarray) -> np.ndarray:
         v = np.asarray(v, f32)
-        return v.reshape(()) if size == 1 else w.channel(v, rank, axis)
+        return v.reshape(()) if v.size == 1 else w.channel(v, rank, axis)
 
-    v = acc
-    if plan.relu or plan.clamp is not None:
-        low = 0.0 if plan.relu else -float(plan.clamp)
-        high = np.inf if plan.clamp is None else float(plan.clamp)
-        v = w.op("Clip", [v, w.const(low, f32), w.const(high, f32)])
     m, k, j = plan.multiplier, plan.split, plan.shift
+    v = acc
+    if k.any() and not scaled:
+        v = w.op("Mul", [v, w.const(ch(np.ldexp(1.0, -k)))])
+    common = [c is not None and c.size == 1 < size for c in (plan.low, plan.high)]
+    if size == 1:
+        common = [c is not None for c in (plan.low, plan.high)]
+    if any(common):
+        ends = [
+            c if ok else np.array([sign * np.inf])
+            for c, ok, sign in zip((plan.low, plan.high), common, (-1, 1))
+        ]
+        v = w.op("Clip", [v, w.const(ch(ends[0])), w.const(ch(ends[1]))])
+    for c, ok, op in zip((plan.low, plan.high), common, ("Max", "Min")):
+        if c is not None and not ok:
+            v = w.op(op, [v, w.const(ch(c))])
+    if k.any():
+        a_hi = w.op("Floor", [v])
+        frac = w.op("Sub", [v, a_hi])
+        u = w.op("Floor", [w.op("Mul", [frac, w.const(ch(m))])])
+        z = w.op("Add", [w.op("Mul", [a_hi, w.const(ch(m))]), u])
+    else:
+        z = w.op("Mul", [v, w.const(ch(m))])
     int8 = dtype == "int8"
     half = np.where(j > 0, 0.5 if int8 else np.ldexp(1.0, np.maximum(j - 1, 0)), 0.0)
-    if k.any():
-        a_hi = w.op("Floor", [w.op("Mul", [v, w.const(ch(np.ldexp(1.0, -k)))])])
-        low_bits = w.op("Sub", [v, w.op("Mul", [a_hi, w.const(ch(np.ldexp(1.0, k)))])])
-        u = w.op("Floor", [w.op("Mul", [low_bits, w.const(ch(np.ldexp(m.astype(f32), -k)))])])
-        terms = [w.op("Mul", [a_hi, w.const(ch(m))]), u]
-    else:
-        terms = [w.op("Mul", [v, w.const(ch(m))])]
-    z = terms[0] if len(terms) == 1 else w.op("Add", terms)
     if half.any():
-        same_half = (half == half[0]).all()
-        z = w.op("Add", [z, w.const(f32(half[0]) if same_half else ch(half))])
+        z = w.op("Add", [z, w.const(ch(half[:1] if (half == half[0]).all() else half))])
     if int8:
         same = (j == j[0]).all()
         scale = np.ldexp(1.0, j[:1] if same else j).astype(f32)
@@ -149,12 +240,12 @@ def write_f32_requant(
         if same:
             scale, zero = scale.reshape(()), zero.reshape(())
         attrs = {} if same else {"axis": axis}
-        saturated = (lo, hi) == (-128, 127) or (plan.relu and (lo, hi) == (0, 127))
         inputs = [z, w.const(scale), w.const(zero)]
-        y = w.op("QuantizeLinear", inputs, out if saturated else None, **attrs)
-        if saturated:
-            return y
+        if (lo, hi) == (-128, 127) or plan.in_range:
+            return w.op("QuantizeLinear", inputs, out, **attrs)
+        y = w.op("QuantizeLinear", inputs, None, **attrs)
         return w.op("Clip", [y, w.const(np.int8(lo)), w.const(np.int8(hi))], out)
     y = w.op("Floor", [w.op("Mul", [z, w.const(ch(np.ldexp(1.0, -j)))])])
-    y = w.op("Clip", [y, w.const(float(lo), f32), w.const(float(hi), f32)])
+    if not plan.in_range:
+        y = w.op("Clip", [y, w.const(float(lo), f32), w.const(float(hi), f32)])
     return w.cast(y, dtype, out)

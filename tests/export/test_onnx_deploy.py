@@ -139,9 +139,9 @@ def test_integer_onnx_has_no_float64_and_is_exact_at_every_level(bayes, name):
         assert any(n.op_type == "QuantizeLinear" for n in model.graph.node)
 
 
-def _requant_model(plan, shape, dtype, lo, hi):
+def _requant_model(plan, shape, dtype, lo, hi, scaled=False):
     w = IntegerWriter(None, {})
-    write_f32_requant(w, "acc", plan, len(shape), 1, dtype, lo, hi, "y")
+    write_f32_requant(w, "acc", plan, len(shape), 1, dtype, lo, hi, "y", scaled)
     h, T = onnx.helper, onnx.TensorProto
     graph = h.make_graph(
         w.nodes,
@@ -172,27 +172,38 @@ def _adversarial(m: np.ndarray, s: np.ndarray, bound: int, rng) -> np.ndarray:
     return np.stack(cols, 0).T.reshape(1200, len(cols), 1).astype(np.int64)
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize(("dtype", "lo", "hi"), [("int8", None, None), ("int8", 0, 90)])
-def test_float32_requantization_is_exact_on_adversarial_accumulators(seed, dtype, lo, hi):
+@pytest.mark.parametrize("seed", range(9))
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "lo", "hi"), [("int8", None, None), ("int8", 0, 90), ("int8", 0, None)]
+)
+def test_float32_requantization_is_exact_on_adversarial_accumulators(seed, scaled, dtype, lo, hi):
+    """Per-channel multipliers of both signs and shifts up to 25 (ResNet-18's), with the
+    split's ``2**-k`` applied by the writer or already in the accumulator (``scaled``, as a
+    conv with scaled weights gives it); per-channel and common clamps both occur."""
     rng = np.random.default_rng(seed)
     channels = 5
     m = rng.integers(1 << 14, 1 << 15, channels)
     m[0] = 1 << 14
-    s = rng.integers(12 + seed, 18 + seed, channels)
-    bound = int(rng.integers(1 << 12, 1 << 20))
+    m[1] = -m[1] if seed % 3 == 0 else m[1]
+    s = rng.integers(12 + 2 * seed, 14 + 2 * seed, channels) if seed < 7 else np.full(channels, 25)
+    bound = int(rng.integers(1 << 12, 1 << 20)) if seed < 7 else (1 << 24) - 1
     from fxq.export.runtime import _bounds
 
     qlo, qhi = _bounds(dtype, lo, hi)
     plan = plan_f32_requant(m, s, bound, qlo, qhi, dtype == "int8")
     if plan is None:
         pytest.skip("no float32 plan for these multipliers (the writer uses int64)")
+    if seed >= 7:  # the widest case the writer plans (ResNet-18's shifts)
+        assert (plan.low is None or plan.low.size > 1) or (plan.high is None or plan.high.size > 1)
     acc = _adversarial(m, s, bound, rng)
-    model = _requant_model(plan, acc.shape, dtype, qlo, qhi)
+    model = _requant_model(plan, acc.shape, dtype, qlo, qhi, scaled)
     shape = (1, channels, 1)
     expected = _requant(acc, m.reshape(shape), s.reshape(shape), dtype, "half_up", lo, hi)
+    feed = acc * np.ldexp(1.0, -plan.split).reshape(shape) if scaled else acc
+    assert (feed.astype(np.float32) == feed).all()
     for level in (LEVELS[0], LEVELS[-1]):
-        (got,) = run_at(model, {"acc": acc.astype(np.float32)}, level)
+        (got,) = run_at(model, {"acc": feed.astype(np.float32)}, level)
         assert_equal_outputs([expected], [got])
 
 
