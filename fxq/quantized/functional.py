@@ -366,11 +366,13 @@ def quantize_multiplier(
     _, exp = torch.frexp(real)  # real = mant * 2**exp, mant in [0.5, 1)
     shift = (bits - 1) - exp.to(torch.int64)
     shift = shift.clamp(lo, hi)
-    m = torch.floor(ldexp(real, shift) + 0.5).to(torch.int64)
+    # half up of the exact value: floor(x + 0.5) would round the largest float below 1/2
+    # up, which a factor clamped at the largest shift can be
+    m = round_float(ldexp(real, shift), Rounding.HALF_UP).to(torch.int64)
     # rounding can carry to 2**(bits-1): drop one bit of precision there
     carry = (m > spec.max_multiplier) & (shift > lo)
     shift = torch.where(carry, shift - 1, shift)
-    m = torch.floor(ldexp(real, shift) + 0.5).to(torch.int64)
+    m = round_float(ldexp(real, shift), Rounding.HALF_UP).to(torch.int64)
     if (m > spec.max_multiplier).any():
         worst = real.max().item()
         raise MultiplierRangeError(

@@ -264,6 +264,19 @@ def test_quantize_multiplier_properties(data, march):
     _check_multipliers(real, m, s, spec, lo, hi)
 
 
+def test_a_factor_just_below_half_a_step_at_the_largest_shift_rounds_down():
+    """``floor(x + 0.5)`` rounds the largest float below 1/2 up to 1 (the sum rounds to
+    1.0); a factor that small, scaled at the largest shift, must round to 0 (found by
+    the property test above, on bernoulli2)."""
+    spec = spec_for("bernoulli2")
+    lo, hi = spec.shift_range
+    below = math.ldexp(1.0, -hi - 1) - math.ldexp(1.0, -hi - 54)  # 2**hi times: 1/2 - 2**-54
+    real = [below, math.ldexp(1.0, -hi - 1)]
+    m, s = qf.quantize_multiplier(torch.tensor(real, dtype=torch.float64), spec)
+    assert m.tolist() == [0, 1] and s.tolist() == [hi, hi]
+    _check_multipliers(real, m, s, spec, lo, hi)
+
+
 @fast(60)
 @given(
     march=st.sampled_from(["bayes", "bernoulli2"]),
