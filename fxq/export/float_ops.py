@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx import Node
 
-from fxq.export.rules import _Exporter, _ints
+from fxq.export.rules import _Exporter, _ints, rule_in
 from fxq.fused import Fused
 from fxq.quantized.pooling import _AVG_PARAMS
 
@@ -523,10 +523,4 @@ FLOAT_OP_RULES: dict[Any, Callable[..., None]] = {
 def float_op_rule(target: Any) -> Callable[..., None] | None:
     """The rule of a float op: ``target`` is a module class, a function or a ``Tensor`` method
     name (an in-place method ``x.relu_`` as its out-of-place twin); None when it has none."""
-    try:
-        rule = FLOAT_OP_RULES.get(target)
-    except TypeError:  # an unhashable target
-        return None
-    if rule is None and isinstance(target, str) and target.endswith("_"):
-        rule = FLOAT_OP_RULES.get(target.rstrip("_"))
-    return rule
+    return rule_in(FLOAT_OP_RULES, target)

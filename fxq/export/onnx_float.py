@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from .graph import Node
-from .runtime_float import adaptive_windows, avg_pool_matrices, pool_windows
+from .runtime import pool_end_pads
+from .runtime_float import adaptive_windows, avg_pool_matrices
 
 __all__ = ["FLOAT_WRITERS"]
 
@@ -146,16 +147,11 @@ def _pool(w: _Writer, node: Node, outs: list[str]) -> None:
     t = w.graph.tensors[node.inputs[0]]
     dims = len(a["kernel"])
     sizes = t.shape[-dims:]
-    # the end padding that gives torch's window count (its ceil_mode rule), explicitly
-    right = []
-    for i in range(dims):
-        k, s, p, d = a["kernel"][i], a["stride"][i], a["padding"][i], a["dilation"][i]
-        o = pool_windows(sizes[i], k, s, p, d, a["ceil_mode"])
-        right.append((o - 1) * s + d * (k - 1) + 1 - sizes[i] - p)
     x = w.name(node.inputs[0])
     common = {"kernel_shape": a["kernel"], "strides": a["stride"]}
     if a["fn"] == "max":
-        pads = list(a["padding"]) + [max(r, 0) for r in right]
+        # the end padding that gives torch's window count (its ceil_mode rule), explicitly
+        pads = list(a["padding"]) + pool_end_pads(a, sizes)
         w.op("MaxPool", [x], outs[0], pads=pads, dilations=a["dilation"], **common)
         return
     if not a["ceil_mode"]:

@@ -704,21 +704,9 @@ class IntegerWriter:
         a = node.attrs
         t = self.graph.tensors[node.inputs[0]]
         dims = len(a["kernel"])
-        sizes = t.shape[-dims:]
-        from .runtime import _pool_windows
+        from .runtime import pool_end_pads
 
-        right = []
-        for i in range(dims):
-            o = _pool_windows(
-                sizes[i],
-                a["kernel"][i],
-                a["stride"][i],
-                a["padding"][i],
-                a["dilation"][i],
-                a["ceil_mode"],
-            )
-            need = (o - 1) * a["stride"][i] + a["dilation"][i] * (a["kernel"][i] - 1) + 1
-            right.append(max(need - sizes[i] - a["padding"][i], 0))
+        right = pool_end_pads(a, t.shape[-dims:])
         x = self.as_float(node.inputs[0])
         if len(t.shape) == dims + 1:  # unbatched (C, *spatial)
             x = self.op("Unsqueeze", [x, self.const([0], np.int64)])

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.fx import Node
 
-from fxq.export.rules import _Exporter, _np, depends_on_inputs
+from fxq.export.rules import _Exporter, _np, depends_on_inputs, rule_in
 from fxq.qtensor import QTensor
 
 __all__ = [
@@ -287,10 +287,4 @@ PLAIN_RULES: dict[Any, Callable[..., None]] = {
 def plain_rule(target: Any) -> Callable[..., None] | None:
     """The rule of a plain-tensor op (an in-place method ``x.masked_fill_`` as its
     out-of-place twin), or None."""
-    try:
-        rule = PLAIN_RULES.get(target)
-    except TypeError:  # an unhashable target
-        return None
-    if rule is None and isinstance(target, str) and target.endswith("_"):
-        rule = PLAIN_RULES.get(target.rstrip("_"))
-    return rule
+    return rule_in(PLAIN_RULES, target)

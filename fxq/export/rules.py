@@ -737,6 +737,19 @@ def _fx_argument(ex: _Exporter, value: Any) -> Any:
     return next((a for a, v in zip(nodes, values) if v is value), None)
 
 
+def rule_in(table: dict, target: Any) -> Callable[..., None] | None:
+    """``table``'s rule for an FX call ``target`` (a module class, a function or a ``Tensor``
+    method name; an in-place method ``x.relu_`` as its out-of-place twin); None when it has
+    none."""
+    try:
+        rule = table.get(target)
+    except TypeError:  # an unhashable target
+        return None
+    if rule is None and isinstance(target, str) and target.endswith("_"):
+        rule = table.get(target.rstrip("_"))
+    return rule
+
+
 def depends_on_inputs(arg: Any) -> bool:
     """Whether an FX argument is computed from a graph input (placeholder)."""
     from torch.fx import Node

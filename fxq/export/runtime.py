@@ -508,6 +508,22 @@ def _pool_windows(n: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> in
     return out
 
 
+def pool_end_pads(attrs: dict, sizes: Sequence[int]) -> list[int]:
+    """Per pooled axis, the padding after the end that gives torch's window count
+    (``ceil_mode``) with ``attrs``' kernel, stride, padding and dilation; never negative."""
+    pads = []
+    for i, n in enumerate(sizes):
+        k, s, p, d = (
+            attrs["kernel"][i],
+            attrs["stride"][i],
+            attrs["padding"][i],
+            attrs["dilation"][i],
+        )
+        need = (_pool_windows(n, k, s, p, d, attrs["ceil_mode"]) - 1) * s + d * (k - 1) + 1
+        pads.append(max(need - n - p, 0))
+    return pads
+
+
 def max_pool_windows(x, attrs: dict, low, combine) -> Any:
     """Max pooling over the trailing ``len(kernel)`` axes of ``x`` with torch's windows
     (``ceil_mode``, ``dilation``): padded with ``low`` (which never wins), the windows
@@ -523,11 +539,7 @@ def max_pool_windows(x, attrs: dict, low, combine) -> Any:
         )
         for i in range(dims)
     ]
-    pads = []
-    for i in range(dims):
-        need = (outs[i] - 1) * stride[i] + dilation[i] * (kernel[i] - 1) + 1
-        right = max(need - x.shape[lead + i] - padding[i], 0)
-        pads.append((padding[i], right))
+    pads = list(zip(padding, pool_end_pads(attrs, x.shape[lead:])))
     xp = np.pad(x, [(0, 0)] * lead + pads, constant_values=low)
     y = None
     for offs in np.ndindex(*kernel):
