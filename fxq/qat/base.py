@@ -179,18 +179,12 @@ class QATModule(nn.Module):
         """The fxq.quantized module this one converts to, on this module's device.
 
         Cached while nothing changes: a new parameter or buffer value, a new
-        input scale, or a move to another device or dtype builds it again.
-
-        Under ``torch.compile`` it is fetched outside the graph (one break per module):
-        building modules and reading tensor versions cannot be compiled, and a twin captured
-        in the graph would miss values written without a version bump (DDP's broadcast of
-        buffers).
+        input scale, or a move to another device or dtype builds it again. Under
+        ``torch.compile`` it is fetched eagerly, inside ``fxq::validation_forward``
+        (``run_validation``): building modules and reading tensor versions cannot be
+        compiled, and a twin captured in the graph would miss values written without a
+        version bump (DDP's broadcast of buffers).
         """
-        if torch.compiler.is_compiling():
-            return self._twin_outside_graph()
-        return self._current_twin()
-
-    def _current_twin(self) -> nn.Module:
         from fxq.quantized.mapping import to_quantized
 
         key = self._twin_key()
@@ -201,8 +195,6 @@ class QATModule(nn.Module):
             cached = (key, twin)
             self.__dict__["_twin"] = cached
         return cached[1]
-
-    _twin_outside_graph = torch.compiler.disable(_current_twin)
 
     def _device(self) -> torch.device | None:
         for t in self.buffers():
