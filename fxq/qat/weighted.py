@@ -186,11 +186,7 @@ class WeightedQAT(QATModule):
     # -- forward -------------------------------------------------------------------
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         if self.validating():
-            return (
-                self.run_validation(x)
-                if residual is None
-                else self.run_validation(x, residual)
-            )
+            return self.run_validation(x) if residual is None else self.run_validation(x, residual)
         if self.standalone:
             inputs = [x] if residual is None else [x, residual]
             quantized = self.quantize_standalone_inputs(inputs)
