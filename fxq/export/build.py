@@ -50,6 +50,7 @@ from fxq.export.moves import (
 )
 from fxq.export.plain import CAST_METHODS, TORCH_DTYPES, cast_rule, materialize, plain_rule
 from fxq.export.rules import RULES, _dtype
+from fxq.fx.graph_utils import reads_metadata_only
 from fxq.fx.tracer import SELF, call_wrapped_method
 from fxq.qtensor import QTensor
 from fxq.quantized.base import Standalone
@@ -145,7 +146,9 @@ class _Exporter(Interpreter):
     ) -> list[str]:
         n = self.fx_node
         if batched is None:
-            batched = bool(inputs) and self.batched.get(inputs[0], False)
+            # an output's axis 0 of the batch's size is the batch when any input has it (also
+            # after a constant first operand: ConvNeXt's ``layer_scale * x``)
+            batched = any(self.batched.get(i, False) for i in inputs)
         names = [
             self.register(o, n.name + suffix + (f"_{i}" if len(outputs) > 1 else ""), batched)
             for i, o in enumerate(outputs)
@@ -240,7 +243,9 @@ class _Exporter(Interpreter):
         module = self.modules.get(n.target) if n.op == "call_module" else None
         leaves = tree_flatten((args, kwargs))[0]
         tensors = [v for v in tree_flatten(result)[0] if isinstance(v, (Tensor, QTensor))]
-        graph = [v for v in leaves if isinstance(v, (Tensor, QTensor)) and id(v) in self.names]
+        # ``x.new_zeros(shape)``, ``torch.ones_like(x)``: x's shape and dtype only, not its data
+        data = tree_flatten((args[1:], kwargs))[0] if reads_metadata_only(n) else leaves
+        graph = [v for v in data if isinstance(v, (Tensor, QTensor)) and id(v) in self.names]
         if tensors and not graph:  # computed from constants only (buffers, sizes): a constant
             self._constant(n, result)
             return

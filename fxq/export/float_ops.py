@@ -162,7 +162,7 @@ def _rule_matmul(ex: _Exporter, n: Node, module, args, kwargs, result) -> None:
         _fix_batch(ex, names[0], [0], "a matmul sums")
     if b.dim() <= 2:
         _fix_batch(ex, names[1], [0], "a matmul sums")
-    ex.emit("float_matmul", names, [result], {}, batched=ex.batched.get(names[0], False))
+    ex.emit("float_matmul", names, [result], {})
 
 
 # -- normalization ------------------------------------------------------------------------------
@@ -389,7 +389,7 @@ def _rule_cat(ex: _Exporter, n: Node, module, args, kwargs, result) -> None:
     names = [ex.name_of(v) for v in values]
     for name in names:
         _fix_batch(ex, name, [axis], "a cat joins")
-    ex.emit("concat", names, [result], {"axis": axis}, batched=ex.batched.get(names[0], False))
+    ex.emit("concat", names, [result], {"axis": axis})
 
 
 def _rule_stack(ex: _Exporter, n: Node, module, args, kwargs, result) -> None:
@@ -413,7 +413,7 @@ def _rule_stack(ex: _Exporter, n: Node, module, args, kwargs, result) -> None:
             suffix=f"_unsqueeze_{i}",
         )
         names.append(y)
-    ex.emit("concat", names, [result], {"axis": axis}, batched=ex.batched.get(names[0], False))
+    ex.emit("concat", names, [result], {"axis": axis})
 
 
 # -- a float chain that fuse_fx made (a qconfig of None keeps it float) --------------------------

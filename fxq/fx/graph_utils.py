@@ -26,6 +26,7 @@ __all__ = [
     "take_name",
     "positional_inputs",
     "data_dependent_nodes",
+    "reads_metadata_only",
 ]
 
 # attributes of a tensor that are Python values; any other attribute of a tensor (or of
@@ -148,6 +149,27 @@ _METADATA_FUNCTIONS = frozenset(
 )
 
 
+def reads_metadata_only(node: Node) -> bool:
+    """Whether ``node`` reads its first argument for its metadata only (shape, dtype, device),
+    never its data: ``x.size()``, ``x.new_zeros(shape)``, ``torch.zeros_like(x)``,
+    ``x.shape``. Its value is then a constant of the model wherever its other arguments are.
+
+    >>> import torch
+    >>> gm = torch.fx.symbolic_trace(lambda x: x.new_zeros(3) + torch.ones_like(x))
+    >>> [reads_metadata_only(n) for n in gm.graph.nodes if n.op.startswith("call")]
+    [True, True, False]
+    """
+    if not node.args:
+        return False
+    if node.op == "call_method":
+        return node.target in _METADATA_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target is builtins.getattr:
+        return len(node.args) > 1 and node.args[1] in _METADATA_ATTRS
+    return node.target in _METADATA_FUNCTIONS
+
+
 def data_dependent_nodes(gm: GraphModule) -> set[Node]:
     """The nodes whose value depends on the data of the model's inputs.
 
@@ -184,17 +206,7 @@ def data_dependent_nodes(gm: GraphModule) -> set[Node]:
             dependent.add(node)
             continue
         inputs = list(_flatten_nodes((node.args, node.kwargs)))
-        metadata_only = (
-            (node.op == "call_method" and node.target in _METADATA_METHODS)
-            or (node.op == "call_function" and node.target in _METADATA_FUNCTIONS)
-            or (
-                node.op == "call_function"
-                and node.target is builtins.getattr
-                and len(node.args) > 1
-                and node.args[1] in _METADATA_ATTRS
-            )
-        )
-        if metadata_only and inputs and node.args and node.args[0] is inputs[0]:
+        if reads_metadata_only(node) and inputs and node.args[0] is inputs[0]:
             inputs = inputs[1:]  # the first argument is read for its metadata only
         if any(n in dependent for n in inputs):
             dependent.add(node)

@@ -43,10 +43,54 @@ def torchvision_model(name: str, size: int = 64, batch: int = 2) -> tuple[nn.Mod
     return fxq.convert_fx(prepared), torch.randn(batch, 3, size, size)
 
 
-def outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
-    """The integer model's outputs as numpy arrays (flattened, in output order)."""
+def convert_calibrated(model: nn.Module, batches: list, **prepare_kwargs) -> nn.Module:
+    """``model`` prepared for the bayes march with the default int8 qconfig, calibrated on
+    ``batches`` (tuples of inputs, or dicts of keyword inputs; the first is prepare's
+    ``example_inputs``) and converted."""
+    fxq.set_march("bayes")
+    first = batches[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qat = fxq.prepare_qat_fx(model.eval(), {"": q8}, example_inputs=first, **prepare_kwargs)
+        fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+        with torch.no_grad():
+            for b in batches:
+                qat(**b) if isinstance(b, dict) else qat(*b)
+        fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
+        return fxq.convert_fx(qat)
+
+
+def hf_model(name: str, hidden: int = 64) -> tuple[nn.Module, dict]:
+    """A one-layer Hugging Face model (``"bert"``, ``"distilbert"``, ``"gpt2"``; random init,
+    ``hidden`` wide, 100 tokens, 64 positions, built from its config: nothing is downloaded)
+    and ``prepare_qat_fx``'s extra arguments for it."""
+    import transformers as t
+
+    small = {"vocab_size": 100, "max_position_embeddings": 64}
+    if name == "bert":
+        config = t.BertConfig(
+            hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=2 * hidden, **small,
+        )  # fmt: skip
+        return t.BertModel(config), {}
+    if name == "distilbert":
+        config = t.DistilBertConfig(
+            dim=hidden, n_layers=1, n_heads=2, hidden_dim=2 * hidden, **small
+        )  # fmt: skip
+        return t.DistilBertModel(config), {}
+    assert name == "gpt2", name
+    config = t.GPT2Config(
+        vocab_size=100, n_embd=hidden, n_layer=1, n_head=2, n_positions=64, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    return t.GPT2Model(config), {"concrete_args": {"use_cache": False}}
+
+
+def outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...] | dict) -> list[np.ndarray]:
+    """The integer model's outputs as numpy arrays (flattened, in output order); ``inputs`` are
+    positional, or keyword inputs by name."""
     with torch.no_grad():
-        out = model(*inputs)
+        out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
     leaves = torch.utils._pytree.tree_flatten(out)[0]
     return [
         (v.dequantize() if isinstance(v, fxq.QTensor) else v).numpy()
@@ -60,6 +104,22 @@ def assert_equal_outputs(expected: list[np.ndarray], got: list[np.ndarray]) -> N
     for e, g in zip(expected, got):
         assert e.dtype == g.dtype and e.shape == g.shape, (e.dtype, g.dtype, e.shape, g.shape)
         assert np.array_equal(e, g), f"max difference {np.abs(e.astype(float) - g).max()}"
+
+
+def graph_arrays(inputs: tuple | dict, graph: Any) -> list[np.ndarray]:
+    """``inputs`` (positional, or keyword by input name) as ``graph.run``'s numpy arguments."""
+    if isinstance(inputs, dict):
+        return [inputs[name].numpy() for name in graph.inputs]
+    return [t.numpy() for t in inputs]
+
+
+def assert_exact_in_runtimes(integer: nn.Module, graph: Any, onnx_model: Any, inputs) -> None:
+    """The numpy runtime (``graph.run``) and onnxruntime (``onnx_model``) reproduce the integer
+    model's outputs on ``inputs`` (a tuple, or a dict of keyword inputs) bit for bit."""
+    expected = outputs(integer, inputs)
+    assert_equal_outputs(expected, graph.run(*graph_arrays(inputs, graph)))
+    tensors = tuple(torch.from_numpy(a) for a in graph_arrays(inputs, graph))
+    assert_equal_outputs(expected, run_onnx(onnx_model, tensors))
 
 
 def run_onnx(model: Any, inputs: tuple[torch.Tensor, ...]) -> list[np.ndarray]:

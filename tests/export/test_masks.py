@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import warnings
 import zipfile
 
 import numpy as np
@@ -23,11 +22,16 @@ import fxq
 import fxq.export
 from fxq.export import GraphInputError, IntegerGraphFormatError
 from fxq.export.onnx import graph_to_onnx
-from tests.export.helpers import assert_equal_outputs, outputs, run_onnx
+from tests.export.helpers import (
+    assert_equal_outputs,
+    assert_exact_in_runtimes,
+    convert_calibrated,
+    graph_arrays,
+    hf_model,
+    outputs,
+)
 
 transformers = pytest.importorskip("transformers")
-
-q8 = fxq.qconfig.default_qat_8bit_fake_quant_qconfig
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -44,65 +48,6 @@ def _text(batch: int, length: int = 8, seed: int = 0) -> dict[str, torch.Tensor]
     }
 
 
-def _hf_model(name: str) -> tuple[nn.Module, dict]:
-    """A one-layer, hidden-64 Hugging Face model (random init) and prepare's extra arguments."""
-    t = transformers
-    small = {"vocab_size": 100, "max_position_embeddings": 64}
-    if name == "bert":
-        config = t.BertConfig(
-            hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
-            **small,
-        )  # fmt: skip
-        return t.BertModel(config), {}
-    if name == "distilbert":
-        config = t.DistilBertConfig(dim=64, n_layers=1, n_heads=2, hidden_dim=128, **small)
-        return t.DistilBertModel(config), {}
-    assert name == "gpt2"
-    config = t.GPT2Config(
-        vocab_size=100, n_embd=64, n_layer=1, n_head=2, n_positions=64, bos_token_id=0,
-        eos_token_id=0,
-    )  # fmt: skip
-    return t.GPT2Model(config), {"concrete_args": {"use_cache": False}}
-
-
-def _convert(model: nn.Module, batches: list, **prepare_kwargs) -> nn.Module:
-    """Prepare, calibrate on ``batches`` (dicts of keyword inputs or tuples) and convert."""
-    fxq.set_march("bayes")
-    first = batches[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        qat = fxq.prepare_qat_fx(model.eval(), {"": q8}, example_inputs=first, **prepare_kwargs)
-        fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
-        with torch.no_grad():
-            for b in batches:
-                qat(**b) if isinstance(b, dict) else qat(*b)
-        fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
-        return fxq.convert_fx(qat)
-
-
-def _expected(integer: nn.Module, inputs: dict | tuple) -> list[np.ndarray]:
-    if isinstance(inputs, dict):
-        with torch.no_grad():
-            out = integer(**inputs)
-        leaves = torch.utils._pytree.tree_flatten(out)[0]
-        return [v.numpy() for v in leaves if isinstance(v, torch.Tensor)]
-    return outputs(integer, inputs)
-
-
-def _arrays(inputs: dict | tuple, graph: fxq.export.IntegerGraph) -> list[np.ndarray]:
-    if isinstance(inputs, dict):
-        return [inputs[name].numpy() for name in graph.inputs]
-    return [t.numpy() for t in inputs]
-
-
-def _assert_exact(integer, graph, onnx_model, inputs) -> None:
-    """The numpy runtime and onnxruntime reproduce the integer model bit for bit."""
-    expected = _expected(integer, inputs)
-    assert_equal_outputs(expected, graph.run(*_arrays(inputs, graph)))
-    tensors = tuple(torch.from_numpy(a) for a in _arrays(inputs, graph))
-    assert_equal_outputs(expected, run_onnx(onnx_model, tensors))
-
-
 @pytest.fixture(scope="module")
 def hf() -> dict:
     """name -> (integer model, its graph, its integer ONNX), exported on a padded batch of 2."""
@@ -111,8 +56,8 @@ def hf() -> dict:
     def get(name: str):
         if name not in cache:
             torch.manual_seed(0)
-            model, extra = _hf_model(name)
-            integer = _convert(model, [_text(2, seed=1), _text(3, seed=2)], **extra)
+            model, extra = hf_model(name)
+            integer = convert_calibrated(model, [_text(2, seed=1), _text(3, seed=2)], **extra)
             graph = fxq.export.to_graph(integer, _text(2))
             cache[name] = integer, graph, graph_to_onnx(graph)
         return cache[name]
@@ -131,11 +76,11 @@ def test_hf_encoder_with_attention_mask_is_bit_exact_in_numpy_and_onnxruntime(hf
     softmax = [n for n in graph.nodes if n.op == "softmax"]
     assert softmax and all(len(n.inputs) == 2 and "keep" not in n.params for n in softmax)
     for inputs in (_text(2, seed=3), _text(3, seed=4), _text(1, seed=5)):
-        _assert_exact(integer, graph, onnx_model, inputs)
+        assert_exact_in_runtimes(integer, graph, onnx_model, inputs)
     # the mask is an input, not a constant: padding changes the kept tokens' outputs
     inputs = _text(2, seed=3)
     unpadded = {**inputs, "attention_mask": torch.ones_like(inputs["attention_mask"])}
-    a, b = graph.run(*_arrays(inputs, graph))[0], graph.run(*_arrays(unpadded, graph))[0]
+    a, b = graph.run(*graph_arrays(inputs, graph))[0], graph.run(*graph_arrays(unpadded, graph))[0]
     assert not np.array_equal(a[0, :4], b[0, :4]) and np.array_equal(a[1], b[1])
 
 
@@ -144,7 +89,7 @@ def test_gpt2_with_attention_mask_exports_at_its_batch_size(hf):
     ``Conv1D`` flattens the batch (``x.view(-1, H)``), so the graph has a fixed batch size."""
     integer, graph, onnx_model = hf("gpt2")
     assert not graph.dynamic_batch
-    _assert_exact(integer, graph, onnx_model, _text(2, seed=6))
+    assert_exact_in_runtimes(integer, graph, onnx_model, _text(2, seed=6))
 
 
 def test_saved_graph_keeps_the_input_dtypes(hf, tmp_path):
@@ -158,13 +103,13 @@ def test_saved_graph_keeps_the_input_dtypes(hf, tmp_path):
     loaded = fxq.export.load(tmp_path / "bert.fxq")
     assert [loaded.tensors[i].dtype for i in loaded.inputs] == ["int64", "int64"]
     inputs = _text(3, seed=7)
-    assert_equal_outputs(_expected(integer, inputs), loaded.run(*_arrays(inputs, loaded)))
+    assert_equal_outputs(outputs(integer, inputs), loaded.run(*graph_arrays(inputs, loaded)))
 
 
 def test_a_wrong_input_dtype_is_a_clear_error(hf):
     integer, graph, _ = hf("bert")
     inputs = _text(2, seed=8)
-    ids, mask = _arrays(inputs, graph)
+    ids, mask = graph_arrays(inputs, graph)
     with pytest.raises(
         GraphInputError,
         match=r"input 'attention_mask': got dtype float32, expected int64 \(an integer dtype\)",
@@ -175,7 +120,7 @@ def test_a_wrong_input_dtype_is_a_clear_error(hf):
     with pytest.raises(GraphInputError, match=r"input 'input_ids': got dtype uint64 with values"):
         graph.run(np.full_like(ids, 2**63, dtype=np.uint64), mask)
     # any integer dtype that holds the values runs as the exported int64
-    expected = _expected(integer, inputs)
+    expected = outputs(integer, inputs)
     assert_equal_outputs(expected, graph.run(ids.astype(np.int32), mask.astype(np.int8)))
 
 
@@ -210,14 +155,14 @@ def _mask_inputs(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
 
 def test_mask_ops_export_bit_exact():
     torch.manual_seed(0)
-    integer = _convert(_MaskOps(), [_mask_inputs(2, 1), _mask_inputs(2, 2)])
+    integer = convert_calibrated(_MaskOps(), [_mask_inputs(2, 1), _mask_inputs(2, 2)])
     graph = fxq.export.to_graph(integer, _mask_inputs(2))
     assert graph.dynamic_batch
     ops = {n.op for n in graph.nodes}
     assert {"compare", "logical", "cast", "where", "float", "constant"} <= ops
     onnx_model = graph_to_onnx(graph)
     for batch, seed in ((2, 3), (3, 4)):
-        _assert_exact(integer, graph, onnx_model, _mask_inputs(batch, seed))
+        assert_exact_in_runtimes(integer, graph, onnx_model, _mask_inputs(batch, seed))
 
 
 class _IdsView(nn.Module):
@@ -236,12 +181,12 @@ class _IdsView(nn.Module):
 def test_ids_view_on_the_int64_input_exports_with_a_dynamic_batch():
     torch.manual_seed(0)
     ids = [torch.randint(0, 50, (2, 5)) for _ in range(3)]
-    integer = _convert(_IdsView(), [(i,) for i in ids[:2]])
+    integer = convert_calibrated(_IdsView(), [(i,) for i in ids[:2]])
     graph = fxq.export.to_graph(integer, ids[2])
     assert graph.dynamic_batch and graph.tensors["input_ids"].dtype == "int64"
     onnx_model = graph_to_onnx(graph)
     for x in (ids[2], torch.randint(0, 50, (3, 5))):
-        _assert_exact(integer, graph, onnx_model, (x,))
+        assert_exact_in_runtimes(integer, graph, onnx_model, (x,))
 
 
 class _InPlace(nn.Module):
@@ -260,10 +205,10 @@ class _InPlace(nn.Module):
 
 def test_in_place_ops_export_and_item_assignment_is_refused_with_its_line():
     ids = torch.randint(0, 50, (2, 5))
-    integer = _convert(_InPlace(), [(ids,)])
+    integer = convert_calibrated(_InPlace(), [(ids,)])
     graph = fxq.export.to_graph(integer, ids)
-    _assert_exact(integer, graph, graph_to_onnx(graph), (torch.randint(0, 50, (3, 5)),))
-    integer = _convert(_InPlace(assign=True), [(ids,)])
+    assert_exact_in_runtimes(integer, graph, graph_to_onnx(graph), (torch.randint(0, 50, (3, 5)),))
+    integer = convert_calibrated(_InPlace(assign=True), [(ids,)])
     line = _InPlace.forward.__code__.co_firstlineno + 3
     with pytest.raises(
         fxq.export.ExportError, match=rf"'setitem_' .*{__file__}:{line}\): float op without"
@@ -287,19 +232,19 @@ def bool_graph() -> tuple[nn.Module, fxq.export.IntegerGraph, tuple]:
     torch.manual_seed(0)
     keep = torch.tensor([[True, True, False], [True, False, False]])
     data = [(torch.randn(2, 4, 3), keep) for _ in range(2)]
-    integer = _convert(_BoolMask(), data)
+    integer = convert_calibrated(_BoolMask(), data)
     return integer, fxq.export.to_graph(integer, data[0]), data[1]
 
 
 def test_a_bool_input_is_carried_as_bool(bool_graph, tmp_path):
     integer, graph, inputs = bool_graph
     assert graph.tensors["keep"].dtype == "bool"
-    _assert_exact(integer, graph, graph_to_onnx(graph), inputs)
+    assert_exact_in_runtimes(integer, graph, graph_to_onnx(graph), inputs)
     graph.save(tmp_path / "g.fxq")
     loaded = fxq.export.load(tmp_path / "g.fxq")
     assert loaded.tensors["keep"].dtype == "bool"
-    assert_equal_outputs(_expected(integer, inputs), loaded.run(*_arrays(inputs, loaded)))
-    x, keep = _arrays(inputs, graph)
+    assert_equal_outputs(outputs(integer, inputs), loaded.run(*graph_arrays(inputs, loaded)))
+    x, keep = graph_arrays(inputs, graph)
     with pytest.raises(GraphInputError, match=r"input 'keep': got dtype int64, expected bool"):
         loaded.run(x, keep.astype(np.int64))
 
@@ -318,7 +263,7 @@ def test_an_unsupported_op_on_a_mask_is_refused_at_export_with_its_line():
             return self.dq(self.embed(input_ids) + self.embed(positions))
 
     ids, mask = torch.randint(0, 8, (2, 4)), torch.ones(2, 4, dtype=torch.long)
-    integer = _convert(Positions(), [(ids, mask)])
+    integer = convert_calibrated(Positions(), [(ids, mask)])
     line = Positions.forward.__code__.co_firstlineno + 1
     with pytest.raises(
         fxq.export.ExportError, match=rf"'cumsum' .*{__file__}:{line}\).*float op without"
