@@ -1,8 +1,14 @@
 """``IntegerGraph`` -> QDQ ONNX (``mode="qdq"``): float ops between QuantizeLinear /
-DequantizeLinear pairs, the form accelerator compilers ingest (``docs/integer_graph.md``, 4)."""
+DequantizeLinear pairs, the form accelerator compilers ingest (``docs/integer_graph.md``, 4).
+
+Weights are int8 initializers behind a per-output-channel ``DequantizeLinear``, biases int32
+behind one at ``s_x * s_w``; the file has the lowest opset that expresses it (``lowest_opset``:
+13, or 21 where an int16 Q / DQ pair is needed), and it carries the Q / DQ pairs around shape
+ops that onnxruntime's QDQ propagation would otherwise insert itself (``close_propagation``)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -10,22 +16,52 @@ import numpy as np
 from fxq.export.graph import Node
 from fxq.export.onnx_integer import OPSET, IntegerWriter
 
-__all__ = ["QDQWriter"]
+__all__ = [
+    "INT16_OPSET",
+    "LOWEST_OPSET",
+    "PROPAGATING",
+    "QDQWriter",
+    "close_propagation",
+    "lowest_opset",
+]
+
+LOWEST_OPSET = 13  # a per-axis DequantizeLinear (weights per output channel) needs opset 13
+INT16_OPSET = 21  # an int16 QuantizeLinear / DequantizeLinear needs opset 21
+
+# the ops onnxruntime's QDQ propagation (ORT_ENABLE_BASIC and above) wraps in Q / DQ pairs of
+# their neighbour's scale (onnxruntime/core/optimizer/qdq_transformer/qdq_propagation.cc)
+PROPAGATING = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice", "MaxPool"})
+
+# reductions whose axes are an attribute before opset 18 (ReduceSum's: an input since 13)
+_AXES_ATTRIBUTE = frozenset(
+    {
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceMean",
+        "ReduceProd",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "ReduceSumSquare",
+    }
+)
 
 
 class QDQWriter(IntegerWriter):
-    """The QuantizeLinear / DequantizeLinear form (``mode="qdq"``, opset 21).
+    """The QuantizeLinear / DequantizeLinear form (``mode="qdq"``, opset 13; 21 with int16).
 
     Every tensor is float32. Each quantized tensor is ``DequantizeLinear(QuantizeLinear(v))``
-    at its scale (zero point 0, int8 / int16); weights are float initializers holding
-    ``int8 * scale`` exactly (see ``dq_weight``), biases int32 at ``s_x * s_w``; the ops between
-    compute in float (Conv, MatMul, Add, Mul, Sigmoid, ...). This is what other
+    at its scale (zero point 0, int8 / int16); weights are int8 initializers with a
+    per-output-channel ``DequantizeLinear`` (``dq_const``), biases int32 at ``s_x * s_w``; the
+    ops between compute in float (Conv, MatMul, Add, Mul, Sigmoid, ...). This is what other
     accelerator compilers ingest; onnxruntime runs it with QuantizeLinear's rounding
-    (half to even) and float arithmetic, so it differs from the integer model by a few
-    LSB on some elements (``docs/integer_graph.md`` gives the measured difference).
+    (half to even) and float arithmetic, or fuses it into its own integer kernels, so it
+    differs from the integer model by a few LSB on some elements (``docs/integer_graph.md``
+    gives the measured difference).
     """
 
-    opset = 21
+    opset = INT16_OPSET
 
     def store(self, ir_name: str) -> str:
         # tensors that are not quantized values (token ids, masks) keep their dtype
@@ -59,37 +95,70 @@ class QDQWriter(IntegerWriter):
         s = self.const(t.scale, np.float32, "scale")
         return self.op("DequantizeLinear", [self.op("QuantizeLinear", [v, s, zp]), s, zp], out)
 
-    def dq_weight(self, node: Node, transposed: bool = False) -> str:
-        """The weight as a float initializer holding ``int8 * scale`` exactly (what a
-        per-channel ``DequantizeLinear`` computes): onnxruntime 1.32 rewrites a per-channel
-        int8 weight pair into its own integer kernels wrongly (conv and linear came out
-        7 to 54 LSB off), so weights get no Q / DQ pair of their own."""
-        p = node.params
-        w, sw = p["weight"], p["weight_scale"].astype(np.float32)
-        wf = w.astype(np.float32) * sw.reshape(-1, *[1] * (w.ndim - 1))
-        if transposed:  # per-channel axis moves with the groups
-            g = node.attrs["groups"]
-            k = w.shape[2:]
-            wt = wf.reshape(g, w.shape[0] // g, w.shape[1], *k).swapaxes(1, 2)
-            return self.const(wt.reshape(g * w.shape[1], w.shape[0] // g, *k), hint="weight")
-        return self.const(wf, hint="weight")
+    def own(self, value: np.ndarray, hint: str) -> str:
+        """An initializer of its own (not shared like ``const``'s): onnxruntime 1.32's int8 ->
+        uint8 weight rewrite (``session.x64quantprecision``) fails on a weight, scale or zero
+        point that two ``DequantizeLinear`` nodes share (``Attempt to replace the existing
+        tensor``)."""
+        name = self.fresh(hint)
+        self.inits.append(self.nh.from_array(np.ascontiguousarray(value), name))
+        return name
 
-    def dq_bias(self, node: Node) -> str | None:
+    def dq_const(
+        self,
+        q: np.ndarray,
+        scale: Any,
+        axis: int = 0,
+        hint: str = "weight",
+        out: str | None = None,
+    ) -> str:
+        """``DequantizeLinear`` of the integer initializer ``q`` (int8, int16 or int32) at
+        ``scale``: a number (per tensor) or a 1-d array (one scale per slice of ``q`` along
+        ``axis``). The zero point is 0: int8 / int16 zeros, none for int32 (ONNX: an int32
+        input has no zero point). Its output is ``q * scale`` rounded once to float32, the
+        float values fxq's integers stand for."""
+        scale = np.asarray(scale, np.float32)
+        inputs = [self.own(q, hint), self.own(scale, f"{hint}_scale")]
+        if q.dtype != np.int32:
+            inputs.append(self.own(np.zeros(scale.shape, q.dtype), f"{hint}_zp"))
+        attrs = {"axis": axis} if scale.ndim else {}
+        return self.op("DequantizeLinear", inputs, out, **attrs)
+
+    def conv_weight(self, node: Node) -> str:
+        """The conv's weight: int8 with one scale per output channel, axis 0 for ``Conv``
+        (``(C_out, C_in / g, *k)``); ``ConvTranspose``'s weight is ``(C_in, C_out / g, *k)``, so
+        axis 1 where the groups share their scales (``groups == 1``), axis 0 where each group
+        has one scale (depthwise: ``C_out == groups``). Other grouped transposed convs have no
+        axis that holds their scales: their weight is the float initializer ``int8 * scale``
+        (the same float32 values)."""
+        a, w = node.attrs, node.params["weight"]
+        scale = node.params["weight_scale"].astype(np.float32)
+        if not a["transposed"]:
+            return self.dq_const(w, scale, axis=0)
+        g, c_out, c_in, k = a["groups"], w.shape[0], w.shape[1], w.shape[2:]
+        wt = w.reshape(g, c_out // g, c_in, *k).swapaxes(1, 2).reshape(g * c_in, c_out // g, *k)
+        per_group = scale.reshape(g, c_out // g)
+        if (per_group == per_group[:1]).all():
+            return self.dq_const(wt, per_group[0], axis=1)
+        if (per_group == per_group[:, :1]).all():
+            return self.dq_const(wt, np.repeat(per_group[:, 0], c_in), axis=0)
+        rows = np.repeat(per_group, c_in, axis=0).reshape(g * c_in, c_out // g, *[1] * len(k))
+        return self.const(wt.astype(np.float32) * rows, hint="weight")
+
+    def dq_bias(self, node: Node, shape: tuple[int, ...] | None = None) -> str | None:
+        """The int32 bias at ``s_x * s_w`` per output channel (axis 0), ``shape`` its layout."""
         p = node.params
         if "bias" not in p:
             return None
+        bias = p["bias"].astype(np.int32)
         s = np.float32(self.fscale(node.inputs[0])) * p["weight_scale"].astype(np.float32)
-        zp = self.const(np.zeros(s.shape, np.int32), hint="zp")
-        return self.op(
-            "DequantizeLinear",
-            [self.const(p["bias"], hint="bias"), self.const(s, hint="bscale"), zp],
-            axis=0,
-        )
+        s = np.broadcast_to(s.reshape(-1), bias.shape[:1])
+        return self.dq_const(bias.reshape(shape or bias.shape), s, axis=0, hint="bias")
 
     def _finish_float(self, node: Node, y: str, rank: int, axis: int, out: str) -> None:
         a = node.attrs
         if len(node.inputs) > 1:
-            y = self.op("Add", [y, self.name(node.inputs[1])])
+            y = self.op("Add", [y, self._residual(node, rank, axis)])
         t = self.graph.tensors[node.outputs[0]]
         s = 1.0 if t.scale is None else t.scale
         if a["lo"] is not None or a["hi"] is not None:
@@ -97,6 +166,27 @@ class QDQWriter(IntegerWriter):
             hi = a.get("float_max") or (np.inf if a["hi"] is None else a["hi"] * s)
             y = self.op("Clip", [y, self.const(lo, np.float32), self.const(hi, np.float32)])
         self.qdq(y, node.outputs[0], out)
+
+    def _residual(self, node: Node, rank: int, axis: int) -> str:
+        """The fused residual as the integer op adds it: times ``g[c] = m_r[c] 2**-k_r[c]
+        s_x s_w[c] / s_r`` per output channel, 1 within the multiplier's rounding unless
+        ``fxq.calibration.smooth_activations`` gave the layer a residual factor."""
+        r = self.name(node.inputs[1])
+        p = node.params
+        real = np.ldexp(
+            p["residual_multiplier"].astype(np.float64), -p["residual_shift"].astype(np.int64)
+        )
+        g = (
+            real
+            * self.fscale(node.inputs[0])
+            * p["weight_scale"].astype(np.float64)
+            / self.fscale(node.inputs[1])
+        )
+        if np.all(np.abs(g - 1) <= 2.0**-12):
+            return r
+        shape = [1] * rank
+        shape[axis] = -1
+        return self.op("Mul", [r, self.const(g.astype(np.float32).reshape(shape), np.float32)])
 
     _MOVES = (
         "reshape",
@@ -145,7 +235,7 @@ class QDQWriter(IntegerWriter):
         a = node.attrs
         d = a["dim"]
         x = self.name(node.inputs[0])
-        inputs = [x, self.dq_weight(node, a["transposed"])]
+        inputs = [x, self.conv_weight(node)]
         bias = self.dq_bias(node)
         if a["transposed"]:
             attrs = dict(
@@ -173,13 +263,19 @@ class QDQWriter(IntegerWriter):
         self._finish_float(node, y, d + 2, 1, outs[0])
 
     def op_linear(self, node: Node, outs: list[str]) -> None:
-        w = self.op("Transpose", [self.dq_weight(node)], perm=[1, 0])
+        """``MatMul`` by the int8 weight stored transposed, ``(in, out)``, with its scales on
+        axis 1 (the output channels), then the bias ``Add``.
+
+        An input of rank above 2 is multiplied as 2-d rows between ``Reshape`` nodes (the
+        rows with the input's Q / DQ pair): onnxruntime 1.32 rewrites ``MatMul`` + ``Add`` of
+        a rank-3 input of static shape into a ``Gemm`` between ``Reshape`` nodes and gives
+        that ``Reshape`` a Q / DQ pair of its own, which at opset 21 fails to load above
+        ORT_ENABLE_BASIC (``close_propagation``)."""
+        p = node.params
+        w = self.dq_const(np.ascontiguousarray(p["weight"].T), p["weight_scale"], axis=1)
         x = self.name(node.inputs[0])
         shape = self.graph.tensors[node.inputs[0]].shape
         if len(shape) > 2:
-            # a 2-d MatMul between Reshapes, the rows with their own Q / DQ pair: onnxruntime
-            # 1.32's MatMul + Add -> Gemm rewrite of a rank-3 input of static shape (a batch
-            # size fixed by a constant mask) inserts a QuantizeLinear it cannot type
             rows = self.const(np.array([-1, shape[-1]], np.int64))
             x = self.qdq(self.op("Reshape", [x, rows]), node.inputs[0], self.fresh("rows"))
         y = self.op("MatMul", [x, w])
@@ -187,7 +283,6 @@ class QDQWriter(IntegerWriter):
         if bias:
             y = self.op("Add", [y, bias])
         if len(shape) > 2:
-            n = node.params["weight"].shape[0]
             lead = self.op(
                 "Slice",
                 [
@@ -196,17 +291,20 @@ class QDQWriter(IntegerWriter):
                     self.const(np.array([-1], np.int64)),
                 ],
             )
-            dims = self.op("Concat", [lead, self.const(np.array([n], np.int64))], axis=0)
-            y = self.op("Reshape", [y, dims])
+            out = self.const(np.array([p["weight"].shape[0]], np.int64))
+            y = self.op("Reshape", [y, self.op("Concat", [lead, out], axis=0)])
         self._finish_float(node, y, self.rank(node.inputs[0]), -1, outs[0])
 
     def op_channel_affine(self, node: Node, outs: list[str]) -> None:
+        """``x * w + b`` per channel (axis 1), the int8 weight and int32 bias stored as
+        ``(C, 1, ...)`` so that they broadcast without a ``Reshape``."""
         rank = self.rank(node.inputs[0])
-        c = node.params["weight"].shape[0]
-        dims = self.const(np.array([c] + [1] * (rank - 2), np.int64))
-        w = self.op("Reshape", [self.dq_weight(node), dims])
+        p = node.params
+        shape = (p["weight"].shape[0],) + (1,) * (rank - 2)
+        scale = np.broadcast_to(p["weight_scale"].astype(np.float32).reshape(-1), shape[:1])
+        w = self.dq_const(p["weight"].reshape(shape), scale, axis=0)
         y = self.op("Mul", [self.name(node.inputs[0]), w])
-        y = self.op("Add", [y, self.op("Reshape", [self.dq_bias(node), dims])])
+        y = self.op("Add", [y, self.dq_bias(node, shape)])
         self._finish_float(node, y, rank, 1, outs[0])
 
     def op_add(self, node: Node, outs: list[str]) -> None:
@@ -352,12 +450,13 @@ class QDQWriter(IntegerWriter):
         if a["groups"] is not None:
             channels = p["bias"].shape[0]
             y = self.op("Reshape", [y, self.const(np.array([0, channels, -1], np.int64))])
-        s_w = p["weight_scale"].astype(np.float64)
-        w = (p["weight"].astype(np.float64) * s_w).astype(np.float32)
-        b = (p["bias"].astype(np.float64) * s_w * 2.0 ** -a["q_bits"]).astype(np.float32)
-        y = self.op(
-            "Add", [self.op("Mul", [y, self.const(w, hint="weight")]), self.const(b, hint="bias")]
-        )
+        # the int8 weight and the int32 bias (at s_w 2**-q_bits: a power of two from s_w) with
+        # one scale per element of their first axis
+        w, bias = p["weight"], p["bias"].astype(np.int32)
+        s_w = np.broadcast_to(p["weight_scale"].astype(np.float32).reshape(-1), w.shape[:1])
+        s_b = np.broadcast_to(np.ldexp(s_w, -a["q_bits"]), bias.shape[:1])
+        y = self.op("Mul", [y, self.dq_const(w, s_w, axis=0)])
+        y = self.op("Add", [y, self.dq_const(bias, s_b, axis=0, hint="bias")])
         y = self.op("Reshape", [y, self.op("Shape", [x])])
         self.qdq(y, node.outputs[0], outs[0])
 
@@ -417,8 +516,236 @@ class QDQWriter(IntegerWriter):
         op_type = "Max" if node.attrs["fn"] == "maximum" else "Min"
         self.qdq(self.op(op_type, [self.name(i) for i in node.inputs]), node.outputs[0], outs[0])
 
+    def op_embedding(self, node: Node, outs: list[str]) -> None:
+        """``Gather`` from the table as an int8 / int16 initializer behind a per-tensor
+        ``DequantizeLinear`` at the output's scale (the table is already at that scale)."""
+        t = self.graph.tensors[node.outputs[0]]
+        if t.scale is None:
+            super().op_embedding(node, outs)
+            return
+        table = self.dq_const(node.params["table"], t.scale, hint="table")
+        self.op("Gather", [table, self.name(node.inputs[0])], outs[0], axis=0)
+
+    def op_constant(self, node: Node, outs: list[str]) -> None:
+        """A quantized constant (e.g. a matmul's constant operand) as its int8 / int16
+        initializer behind a per-tensor ``DequantizeLinear``; other constants as in the
+        integer form."""
+        t, value = self.graph.tensors[node.outputs[0]], node.params["value"]
+        if t.scale is None or value.dtype not in (np.int8, np.int16):
+            super().op_constant(node, outs)
+            return
+        if not node.attrs["batch"]:
+            self.dq_const(value, t.scale, hint="constant", out=outs[0])
+            return
+        c = self.dq_const(value, t.scale, hint="constant")
+        batch = self.op("Shape", [self.name(node.inputs[0])], start=0, end=1)
+        rest = self.const(np.array(value.shape[1:], np.int64), hint="shape")
+        self.op("Expand", [c, self.op("Concat", [batch, rest], axis=0)], outs[0])
+
     def model(self) -> Any:
+        """The checked ``onnx.ModelProto``: written at opset 19 (21 with int16 Q / DQ pairs),
+        Q / DQ pairs added around shape ops (``close_propagation``), then lowered to the
+        lowest opset that expresses it (``lowest_opset``)."""
         self._sum_scales: dict[str, float] = {}
         wide = any(t.dtype == "int16" and t.scale is not None for t in self.graph.tensors.values())
-        self.opset = 21 if wide else OPSET  # int16 QuantizeLinear needs opset 21
-        return super().model()
+        self.opset = INT16_OPSET if wide else OPSET
+        model = super().model()
+        close_propagation(model.graph)
+        opset = lowest_opset(model.graph)
+        _lower(model.graph, opset)
+        _drop_unused_initializers(model.graph)
+        model.opset_import[0].version = opset
+        model.ir_version = self.h.find_min_ir_version_for(list(model.opset_import))
+        model.doc_string = (
+            f"fxq QDQ graph, march {self.graph.march}: float ops between QuantizeLinear / "
+            "DequantizeLinear, int8 weights per output channel (within a few LSB of the "
+            "integer model)"
+        )
+        self.onnx.checker.check_model(model, full_check=True)
+        return model
+
+
+# -- post-passes on the written graph ---------------------------------------------------------
+def _initializers(graph: Any) -> dict[str, Any]:
+    return {i.name: i for i in graph.initializer}
+
+
+def _per_tensor(node: Any, op_type: str, inits: dict[str, Any]) -> bool:
+    """``node`` is a ``op_type`` (QuantizeLinear / DequantizeLinear) with one constant scale
+    and zero point: the pairs onnxruntime propagates."""
+    if node is None or node.op_type != op_type:
+        return False
+    params = [inits.get(name) for name in node.input[1:] if name]
+    return all(p is not None and int(np.prod(p.dims)) == 1 for p in params)
+
+
+def _drop_identities(graph: Any) -> None:
+    """Remove ``Identity`` nodes that do not produce a graph output (onnxruntime removes them
+    too, so what is next to a Q / DQ node is seen as onnxruntime sees it)."""
+    outputs = {o.name for o in graph.output}
+    alias: dict[str, str] = {}
+    kept = []
+    for n in graph.node:
+        if n.op_type == "Identity" and n.output[0] not in outputs:
+            alias[n.output[0]] = alias.get(n.input[0], n.input[0])
+            continue
+        for i, name in enumerate(n.input):
+            if name in alias:
+                n.input[i] = alias[name]
+        kept.append(n)
+    del graph.node[:]
+    graph.node.extend(kept)
+
+
+def close_propagation(graph: Any) -> int:
+    """Add the Q / DQ pairs that onnxruntime's QDQ propagation would insert, so that it
+    inserts none: after a shape op (``PROPAGATING``) whose input comes from a per-tensor
+    ``DequantizeLinear``, a pair at that scale unless every reader is a ``QuantizeLinear``;
+    before a shape op whose one reader is a per-tensor ``QuantizeLinear``, a pair at that
+    scale unless its input comes from a ``DequantizeLinear``. Each pair is exact (the values
+    are already on that grid; a shape op only moves values, and max pooling commutes with
+    rounding). onnxruntime 1.32's own pairs carry an ``output_dtype`` attribute that its
+    int8 -> uint8 rewrite later contradicts: at opset 21 a session above ORT_ENABLE_BASIC
+    then fails to load (``output_dtype INT8 does not match y_zero_point type UINT8``).
+    Identity nodes that are not graph outputs are removed first. Returns the pairs added."""
+    from onnx import helper
+
+    _drop_identities(graph)
+    inits = _initializers(graph)
+    outputs = {o.name for o in graph.output}
+    names = {o for n in graph.node for o in [*n.output, n.name]} | set(inits)
+    names |= {i.name for i in graph.input}
+    producer = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, list[Any]] = defaultdict(list)
+    for n in graph.node:
+        for name in n.input:
+            readers[name].append(n)
+    added = 0
+
+    def fresh(base: str) -> str:
+        k = 0
+        while f"{base}__qdq{k}" in names:
+            k += 1
+        names.add(f"{base}__qdq{k}")
+        return f"{base}__qdq{k}"
+
+    def pair(x: str, like: Any, out: str) -> list[Any]:
+        q = fresh(x)
+        params = list(like.input[1:])
+        return [
+            helper.make_node("QuantizeLinear", [x, *params], [q], name=q),
+            helper.make_node("DequantizeLinear", [q, *params], [out], name=fresh(out)),
+        ]
+
+    nodes: list[Any] = []
+    for n in graph.node:  # forward, in topological order: DQ -> shape op -> Q
+        nodes.append(n)
+        dq = producer.get(n.input[0]) if n.op_type in PROPAGATING else None
+        if not _per_tensor(dq, "DequantizeLinear", inits):
+            continue
+        y = n.output[0]
+        quantizers = [r for r in readers[y] if r.op_type == "QuantizeLinear"]
+        others = [r for r in readers[y] if r.op_type != "QuantizeLinear"]
+        if not others and y not in outputs:
+            continue
+        raw = fresh(y)
+        n.output[0] = raw
+        for r in quantizers:
+            r.input[0] = raw
+        q, d = pair(raw, dq, y)
+        nodes += [q, d]
+        producer[raw], producer[y] = n, d
+        readers[raw], readers[y] = quantizers + [q], others
+        added += 1
+    for i in range(len(nodes) - 1, -1, -1):  # backward: a shape op's one reader is a Q
+        n = nodes[i]
+        if n.op_type not in PROPAGATING or n.output[0] in outputs:
+            continue
+        (q_node, *rest) = readers[n.output[0]] or [None]
+        if rest or not _per_tensor(q_node, "QuantizeLinear", inits):
+            continue
+        x = n.input[0]
+        src = producer.get(x)
+        if src is not None and src.op_type == "DequantizeLinear":
+            continue
+        moved = fresh(x)
+        q, d = pair(x, q_node, moved)
+        n.input[0] = moved
+        nodes[i:i] = [q, d]
+        readers[x] = [r for r in readers[x] if r is not n] + [q]
+        readers[moved] = [n]
+        producer[moved] = d
+        added += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return added
+
+
+def _drop_unused_initializers(graph: Any) -> None:
+    used = {name for n in graph.node for name in n.input} | {o.name for o in graph.output}
+    kept = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+
+
+def _node_opset(n: Any, inits: dict[str, Any], most: int) -> int:
+    """The lowest opset (from ``LOWEST_OPSET``) whose schema of ``n`` takes its inputs and
+    attributes with the same meaning (``_lower`` rewrites constant reduction axes)."""
+    import onnx
+
+    if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+        zp = inits.get(n.input[2]) if len(n.input) > 2 and n.input[2] else None
+        wide = zp is not None and zp.data_type in (onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
+        return INT16_OPSET if wide else LOWEST_OPSET
+    if n.op_type in _AXES_ATTRIBUTE and len(n.input) > 1:
+        return LOWEST_OPSET if n.input[1] in inits else 18
+    if n.op_type == "Shape":  # start / end (opset 15) become a Slice
+        return LOWEST_OPSET
+    attrs = {a.name: a for a in n.attribute}
+    if n.op_type == "Pad" and attrs.get("mode") and attrs["mode"].s == b"wrap":
+        return 19
+    for version in range(LOWEST_OPSET, most + 1):
+        try:
+            schema = onnx.defs.get_schema(n.op_type, version, n.domain)
+        except onnx.defs.SchemaError:
+            continue
+        if set(attrs) <= set(schema.attributes) and len(n.input) <= schema.max_input:
+            return version
+    return most
+
+
+def lowest_opset(graph: Any, most: int = INT16_OPSET) -> int:
+    """The lowest opset, at least ``LOWEST_OPSET``, that expresses every node of ``graph``:
+    13 for int8 Q / DQ pairs and per-channel weights; 21 where a Q / DQ pair is int16 (or
+    the op an opset introduced: ``LayerNormalization`` 17, ``Mish`` 18, ...)."""
+    inits = _initializers(graph)
+    return max([LOWEST_OPSET] + [_node_opset(n, inits, most) for n in graph.node])
+
+
+def _lower(graph: Any, opset: int) -> None:
+    """Rewrite the nodes whose form changed after ``opset``: below opset 18 reductions take
+    constant axes as an attribute; below 15 a ``Shape`` with ``start`` / ``end`` is a
+    ``Shape`` and a ``Slice``."""
+    from onnx import helper, numpy_helper
+
+    inits = _initializers(graph)
+    nodes = []
+    for n in graph.node:
+        nodes.append(n)
+        if opset < 18 and n.op_type in _AXES_ATTRIBUTE and len(n.input) > 1:
+            axes = numpy_helper.to_array(inits[n.input[1]]).astype(np.int64).tolist()
+            del n.input[1:]
+            n.attribute.append(helper.make_attribute("axes", axes))
+        if opset < 15 and n.op_type == "Shape" and n.attribute:
+            bounds = {a.name: a.i for a in n.attribute}
+            del n.attribute[:]
+            out, n.output[0] = n.output[0], f"{n.output[0]}__shape"
+            name, n.name = n.name, n.output[0]
+            args = []
+            for key, default in (("start", 0), ("end", np.iinfo(np.int64).max), ("axis", 0)):
+                value = np.array([bounds.get(key, default)], np.int64)
+                graph.initializer.append(numpy_helper.from_array(value, f"{out}__{key}"))
+                args.append(f"{out}__{key}")
+            nodes.append(helper.make_node("Slice", [n.output[0], *args], [out], name=name))
+    del graph.node[:]
+    graph.node.extend(nodes)
