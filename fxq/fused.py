@@ -29,6 +29,11 @@ class Fused(nn.Module):
         activation: ``"relu"``, ``"relu6"`` or None.
         add: whether a residual input is added before the activation.
         pattern: the fusion's name in the march spec, e.g. ``"conv_bn_add_relu"``.
+        dropout: an ``nn.Dropout`` between the op and the residual add (``linear -> dropout
+            -> + residual`` in Hugging Face encoders): applied in training, an identity at
+            inference and in the integer model.
+        residual_factor: a per-output-channel factor on the residual (``op(x) + g *
+            residual``; see ``fxq.calibration.smooth_activations``), or None.
     """
 
     _fxq_leaf = True
@@ -40,6 +45,8 @@ class Fused(nn.Module):
         activation: str | None = None,
         add: bool = False,
         pattern: str = "",
+        dropout: nn.Module | None = None,
+        residual_factor: Tensor | None = None,
     ) -> None:
         super().__init__()
         if activation is not None and activation not in ACTIVATIONS:
@@ -49,14 +56,23 @@ class Fused(nn.Module):
         self.activation = activation
         self.add = add
         self.pattern = pattern
+        self.dropout = dropout
+        self.register_buffer("residual_factor", residual_factor)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         y = self.op(x)
         if self.bn is not None:
             y = self.bn(y)
+        if self.dropout is not None:
+            y = self.dropout(y)
         if self.add:
             if residual is None:
                 raise ValueError(f"fused {self.pattern} expects a residual input")
+            if self.residual_factor is not None:
+                axis = -1 if isinstance(self.op, nn.Linear) else 1
+                shape = [1] * y.dim()
+                shape[axis] = -1
+                residual = residual * self.residual_factor.reshape(shape)
             y = y + residual
         if self.activation is not None:
             y = ACTIVATIONS[self.activation](y)

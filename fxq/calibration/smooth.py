@@ -13,10 +13,14 @@ take the channels' spread instead. ``s_c = max|x_c|^alpha / max|W[:, c]|^(1 - al
 (Xiao et al. 2023, SmoothQuant; ``alpha = 0.5``) balances the two.
 
 It applies where every reader of the LayerNorm output is a linear layer (pre-norm
-blocks: ViT, Swin, GPT-style encoders). Where the output also feeds a residual add
-(post-norm BERT), the add would read ``x / s`` too and the next LayerNorm, which is not
-invariant to a per-channel scale, would change: those LayerNorms are left alone
-(``docs/transformers.md``).
+blocks: ViT, Swin, GPT-style encoders), or a linear layer with a fused residual add
+(``linear_add``) that reads the output as its residual (post-norm BERT:
+``LayerNorm(dense(h) + x)``). Such a layer takes the factor back on its residual,
+``dense(h) + s * (x / s)``: in the integer model the residual is requantized into the
+accumulator with one multiplier per output channel anyway, so ``s`` folds into those
+multipliers exactly. Where the output feeds a plain residual add, the add would read
+``x / s`` and the next LayerNorm, which is not invariant to a per-channel scale, would
+change: those LayerNorms are left alone (``docs/transformers.md``).
 
 The change lives in the prepared model's parameters (QAT continues from it). ``ptq``
 runs it before its calibration pass (``smooth=True``) where the graph has such a
@@ -26,15 +30,17 @@ LayerNorm; it costs one float pass over the calibration batches.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from fxq.calibration.data import batch_list
 from fxq.calibration.runner import float_pass_with_hooks, keep_rank0_result
+from fxq.fx.graph_utils import reads_metadata_only
+from fxq.qat.base import QATModule
 from fxq.qat.normalization import LayerNorm
 from fxq.qat.weighted import Linear
 
@@ -50,15 +56,54 @@ class SmoothedNorm:
     linears: list[str]
     min_factor: float
     max_factor: float
+    residuals: list[str] = field(default_factory=list)
 
 
-def smoothing_pairs(model: nn.Module) -> list[tuple[str, list[str]]]:
-    """``(layernorm, [linear, ...])`` module names that ``smooth_activations`` can scale.
+def _through_dropout(node: object, stop: Node, modules: dict[str, nn.Module]) -> object:
+    """``node``'s source up to ``stop``, looking through dropout modules and functions."""
+    from fxq.registry import row_for
+
+    while isinstance(node, Node) and node is not stop and node.args:
+        if node.op == "call_module" and isinstance(modules.get(node.target), QATModule):
+            break
+        if node.op not in ("call_module", "call_function") or row_for(node, modules)[0].name != (
+            "dropout"
+        ):
+            break
+        node = node.args[0]
+    return node
+
+
+def _reads_as_residual_only(user: Node, norm: Node, modules: dict[str, nn.Module]) -> bool:
+    """``user`` (a fused linear + add) reads ``norm`` as its residual and not as its input."""
+    if (
+        len(user.args) != 2
+        or user.kwargs
+        or _through_dropout(user.args[1], norm, modules) is not norm
+    ):
+        return False
+    # the input must not be the LayerNorm's output itself (through ops that do not compute:
+    # the other readers take the factor, so whatever they compute from it is unchanged)
+    source = user.args[0]
+    while isinstance(source, Node) and source is not norm:
+        module = modules.get(source.target) if source.op == "call_module" else None
+        if isinstance(module, QATModule) or len(source.all_input_nodes) != 1:
+            break
+        source = source.all_input_nodes[0]
+    return source is not norm
+
+
+def smoothing_pairs(model: nn.Module) -> list[tuple[str, list[str], list[str]]]:
+    """``(layernorm, [linear, ...], [fused linear + add, ...])`` module names that
+    ``smooth_activations`` can scale.
 
     The LayerNorm has an affine weight and bias and is called once; each reader of its
-    output (through pass-through ops such as reshape or dropout) is a linear layer
+    output (through pass-through ops such as reshape or dropout; reads of its shape aside)
+    is either a linear layer
     without a folded BatchNorm, called once, reading it as its input, whose weight no
-    other module shares.
+    other module shares, or a linear layer with a fused residual add, called once, reading
+    it (through dropout at most) as its residual only, one output channel per LayerNorm
+    channel. At least one reader is of the first kind.
     """
     from fxq.calibration.range_search import _readers_through_passthrough
 
@@ -84,9 +129,21 @@ def smoothing_pairs(model: nn.Module) -> list[tuple[str, list[str]]]:
         if weight is None or bias is None:
             continue
         readers = _readers_through_passthrough(node, modules)
-        linears = []
+        linears, residuals = [], []
         for user in readers:
+            if reads_metadata_only(user):
+                continue
             m = modules.get(user.target) if user.op == "call_module" else None
+            if (
+                isinstance(m, Linear)
+                and m.add
+                and not m.standalone
+                and calls.get(user.target) == 1
+                and m.out_channels == weight.numel()
+                and _reads_as_residual_only(user, node, modules)
+            ):
+                residuals.append(user.target)
+                continue
             if (
                 not isinstance(m, Linear)
                 or m.bn is not None
@@ -100,7 +157,7 @@ def smoothing_pairs(model: nn.Module) -> list[tuple[str, list[str]]]:
             linears.append(user.target)
         else:
             if linears:
-                pairs.append((node.target, linears))
+                pairs.append((node.target, linears, residuals))
     return pairs
 
 
@@ -151,10 +208,10 @@ def smooth_activations(
     if not pairs:
         return []
     batches = batch_list(data, num_batches, "smooth_activations", ranks="nonempty")
-    peaks = _channel_peaks(model, [n for n, _ in pairs], batches, input_fn)
+    peaks = _channel_peaks(model, [n for n, _, _ in pairs], batches, input_fn)
     report = []
     with torch.no_grad():
-        for norm_name, linear_names in pairs:
+        for norm_name, linear_names, residual_names in pairs:
             if norm_name not in peaks:  # not run by these batches
                 continue
             norm: LayerNorm = model.get_submodule(norm_name)
@@ -173,9 +230,19 @@ def smooth_activations(
             bias.div_(factor.to(bias.dtype).reshape(bias.shape))
             for m in linears:
                 m.weight.mul_(factor.to(m.weight.dtype).reshape(1, -1))
+            for name in residual_names:
+                m = model.get_submodule(name)
+                before = m.residual_factor if m.residual_factor is not None else 1.0
+                m.set_residual_factor(before * factor.to(m.weight.device))
             norm.activation_post_process.activation_post_process.reset()
             report.append(
-                SmoothedNorm(norm_name, linear_names, float(factor.min()), float(factor.max()))
+                SmoothedNorm(
+                    norm_name,
+                    linear_names,
+                    float(factor.min()),
+                    float(factor.max()),
+                    residual_names,
+                )
             )
     keep_rank0_result(model)  # the peaks are each rank's own
     return report

@@ -59,6 +59,8 @@ PATTERNS: tuple[FusionPattern, ...] = (
     FusionPattern("conv_relu6", "conv", ("relu6",)),
     FusionPattern("linear_bn_relu", "linear", ("bn", "relu")),
     FusionPattern("linear_bn", "linear", ("bn",)),
+    FusionPattern("linear_add_relu", "linear", ("add", "relu")),
+    FusionPattern("linear_add", "linear", ("add",)),
     FusionPattern("linear_relu", "linear", ("relu",)),
     FusionPattern("convtranspose_bn_relu", "convtranspose", ("bn", "relu")),
     FusionPattern("convtranspose_bn", "convtranspose", ("bn",)),
@@ -123,6 +125,13 @@ def _is_relu6(node: Node, modules: dict[str, nn.Module], prev: Node) -> bool:
     return False
 
 
+def _is_dropout(node: Node, modules: dict[str, nn.Module], prev: Node) -> bool:
+    """``node`` is an ``nn.Dropout`` module called on ``prev`` (Hugging Face's
+    ``dense -> dropout -> + residual``): an identity at inference, kept in the fused module
+    for training."""
+    return node.args[:1] == (prev,) and _kind(_module(node, modules)) is nn.Dropout
+
+
 def _add_residual(node: Node, prev: Node) -> Node | None:
     """If ``node`` is ``prev + other`` (tensor other), return ``other``."""
     is_add = (node.op == "call_function" and node.target in _ADD_FUNCTIONS) or (
@@ -135,11 +144,25 @@ def _add_residual(node: Node, prev: Node) -> Node | None:
     a, b = node.args
     if not (isinstance(a, Node) and isinstance(b, Node)) or a is b:
         return None
-    if a is prev:
-        return b
-    if b is prev:
-        return a
-    return None
+    other = b if a is prev else a if b is prev else None
+    if other is None or not _reads_an_input(other):
+        # a parameter or buffer added to the output (``conv(x) + self.bias_map``) may
+        # broadcast: it is not a residual of the output's shape, and stays a separate add
+        return None
+    return other
+
+
+def _reads_an_input(node: Node) -> bool:
+    """Whether ``node``'s value depends on a model input (not on constants alone)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False
 
 
 @dataclass
@@ -149,18 +172,25 @@ class _Match:
     bn: Node | None
     residual: Node | None
     activation: str | None
+    dropout: Node | None = None
 
 
 def _match(anchor: Node, pattern: FusionPattern, modules: dict[str, nn.Module]) -> _Match | None:
     anchor_mod = _module(anchor, modules)
     nodes = [anchor]
-    bn = residual = None
+    bn = residual = dropout = None
     activation = None
     cur = anchor
     for step in pattern.steps:
         if len(cur.users) != 1:
             return None
         nxt = next(iter(cur.users))
+        if step == "add" and _is_dropout(nxt, modules, cur):
+            dropout, cur = nxt, nxt
+            nodes.append(nxt)
+            if len(cur.users) != 1:
+                return None
+            nxt = next(iter(cur.users))
         if step == "bn":
             m = _module(nxt, modules)
             if (
@@ -185,7 +215,7 @@ def _match(anchor: Node, pattern: FusionPattern, modules: dict[str, nn.Module]) 
             activation = "relu6"
         nodes.append(nxt)
         cur = nxt
-    return _Match(pattern, nodes, bn, residual, activation)
+    return _Match(pattern, nodes, bn, residual, activation, dropout)
 
 
 def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -238,6 +268,8 @@ def fuse_graph_module(gm: GraphModule, spec: MarchSpec) -> list[tuple[str, str]]
         consistent = len(ms) == len(sites) and all(
             m.pattern == first.pattern
             and (m.bn.target if m.bn else None) == (first.bn.target if first.bn else None)
+            and (m.dropout.target if m.dropout else None)
+            == (first.dropout.target if first.dropout else None)
             for m in ms
         )
         bn_shared_elsewhere = first.bn is not None and len(call_sites[first.bn.target]) != len(ms)
@@ -250,6 +282,7 @@ def fuse_graph_module(gm: GraphModule, spec: MarchSpec) -> list[tuple[str, str]]
             activation=first.activation,
             add=first.residual is not None,
             pattern=first.pattern.name,
+            dropout=modules[first.dropout.target] if first.dropout is not None else None,
         )
         _set_module(gm, target, fused_mod)
         for m in ms:

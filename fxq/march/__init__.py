@@ -35,6 +35,8 @@ _BERNOULLI2_FUSIONS = FUSIONS - {
     "convtranspose_relu",
     "linear_bn",
     "linear_bn_relu",
+    "linear_add",
+    "linear_add_relu",
     "bn_relu",
 }
 

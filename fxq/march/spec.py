@@ -63,6 +63,8 @@ FUSIONS = frozenset(
         "linear_bn",
         "linear_bn_relu",
         "linear_relu",
+        "linear_add",
+        "linear_add_relu",
         "convtranspose_bn",
         "convtranspose_bn_relu",
         "convtranspose_relu",

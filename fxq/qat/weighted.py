@@ -50,6 +50,8 @@ class WeightedQAT(QATModule):
         bn: a BatchNorm to fold, or None.
         activation: ``"relu"``, ``"relu6"`` or None.
         add: whether a residual is added before the activation.
+        dropout: an ``nn.Dropout`` applied to the op's output before the residual add
+            (training only: the integer model, like any model in eval mode, skips it).
     """
 
     _FLOAT: tuple[type[nn.Module], ...] = ()
@@ -63,6 +65,7 @@ class WeightedQAT(QATModule):
         bn: nn.Module | None = None,
         activation: str | None = None,
         add: bool = False,
+        dropout: nn.Module | None = None,
     ) -> None:
         super().__init__(qconfig)
         self._copy_hyperparameters(float_op)
@@ -77,6 +80,11 @@ class WeightedQAT(QATModule):
             raise ValueError(f"unknown activation {activation!r}")
         self.activation = activation
         self.add = add
+        self.dropout = dropout
+        # a per-output-channel factor on the fused residual (``y = op(x) + g * residual``),
+        # set by ``fxq.calibration.smooth_activations`` when the residual's producer divided
+        # its channels by ``g``; None (no buffer, nothing in the state dict) until then
+        self.register_buffer("residual_factor", None)
         self.freeze_bn = False
         self.weight_fake_quant = qconfig.weight(ch_axis=0, num_channels=self.out_channels)
 
@@ -85,7 +93,12 @@ class WeightedQAT(QATModule):
         """Build from a float op or a ``Fused`` chain around one."""
         if isinstance(module, Fused):
             return cls(
-                module.op, qconfig, bn=module.bn, activation=module.activation, add=module.add
+                module.op,
+                qconfig,
+                bn=module.bn,
+                activation=module.activation,
+                add=module.add,
+                dropout=module.dropout,
             )
         return cls(module, qconfig)
 
@@ -100,7 +113,15 @@ class WeightedQAT(QATModule):
             + (["add"] if self.add else [])
             + ([self.activation] if self.activation else [])
         )
-        return Fused(op, bn=self.bn, activation=self.activation, add=self.add, pattern=pattern)
+        return Fused(
+            op,
+            bn=self.bn,
+            activation=self.activation,
+            add=self.add,
+            pattern=pattern,
+            dropout=self.dropout,
+            residual_factor=self.residual_factor,
+        )
 
     _PATTERN_ANCHOR = "conv"
 
@@ -117,9 +138,31 @@ class WeightedQAT(QATModule):
             self.bias = nn.Parameter(
                 torch.zeros(self.out_channels, dtype=weight.dtype, device=weight.device)
             )
+        factor = state_dict.get(prefix + "residual_factor")
+        if self.residual_factor is None and isinstance(factor, Tensor):
+            self.set_residual_factor(torch.ones_like(factor, device=self.weight.device))
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing, unexpected, errors
         )
+
+    def set_residual_factor(self, factor: Tensor) -> None:
+        """Scale the fused residual per output channel: ``y = op(x) + factor * residual``.
+
+        Raises:
+            ValueError: the module has no fused add, or ``factor`` is not one positive finite
+                value per output channel.
+        """
+        if not self.add:
+            raise ValueError(f"{type(self).__name__} {self.name!r} has no fused residual add")
+        factor = factor.detach().reshape(-1)
+        if factor.numel() != self.out_channels or not bool(
+            ((factor > 0) & torch.isfinite(factor)).all()
+        ):
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r}: a residual factor needs "
+                f"{self.out_channels} positive finite values, got {factor.numel()}"
+            )
+        self.residual_factor = factor.to(device=self.weight.device, dtype=torch.float32)
 
     # -- subclass hooks ------------------------------------------------------------
     def _copy_hyperparameters(self, float_op: nn.Module) -> None:  # pragma: no cover
@@ -222,7 +265,11 @@ class WeightedQAT(QATModule):
                     b, self.input_scale(0), self.weight_fake_quant.scale, self.state, self.march
                 )
             y = self.float_op_forward(x, w_q, b)
+        if self.dropout is not None:
+            y = self.dropout(y)
         if self.add:
+            if self.residual_factor is not None:
+                residual = residual * self.residual_factor.reshape(self._channel_shape(y.dim()))
             y = y + residual
         if self.activation is not None:
             # in place when no gradient flows (y is this module's own tensor); under autograd

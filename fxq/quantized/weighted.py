@@ -8,7 +8,8 @@ Per output channel ``c`` (``docs/arithmetic.md``, "Conv and linear")::
     Y[c]   = clamp( shift_round(acc[c] * M[c], S[c]), lo, hi )
 
 with ``W = round(w_folded / s_w)`` (int8), ``B = round(b_folded / (s_x s_w))``
-(int32), ``M[c] 2**-S[c] ~ s_x s_w[c] / s_y``, ``mr[c] 2**-kr[c] ~ s_r / (s_x s_w[c])``,
+(int32), ``M[c] 2**-S[c] ~ s_x s_w[c] / s_y``, ``mr[c] 2**-kr[c] ~ g[c] s_r / (s_x s_w[c])``
+(``g``: the residual factor that ``fxq.calibration.smooth_activations`` may set, else 1),
 and ``lo = 0`` for ReLU, ``hi = round(6 / s_y)`` for ReLU6. A high-precision
 (qint32) output returns ``float32(acc * s_x * s_w)`` instead.
 """
@@ -168,6 +169,10 @@ class _Weighted(QuantizedModule):
             self.residual_dtype_name = qat.input_quants[1].dtype.name
             self.residual_bits = qat.input_quants[1].dtype.bits
         self.register_buffer("residual_scale", residual_scale)
+        factor = getattr(qat, "residual_factor", None)
+        self.register_buffer(
+            "residual_factor", None if factor is None else factor.detach().clone().float()
+        )
         self._weight_statistics()
         p = self._derive(self.input_scale, residual_scale)
         self.register_buffer("bias", p.bias)
@@ -273,6 +278,8 @@ class _Weighted(QuantizedModule):
             )
         if self.add:
             real = s_r.to(torch.float64) / acc_scale
+            if self.residual_factor is not None:  # op(x) + g * residual, g per output channel
+                real = real * self.residual_factor.to(torch.float64)
             mr, kr = multiplier_for(
                 self, real, {"residual": s_r, "input": s_x, "weight": s_w}, left_shift=True
             )

@@ -1,6 +1,9 @@
 """``mixed_precision`` on a small post-norm encoder: the residual adds (functional ops, whose
 fake quants live in modules ``prepare_qat_fx`` created) are chosen through their owner."""
 
+import math
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,7 +19,9 @@ D, TOKENS, VOCAB = 32, 16, 50
 
 
 class Residual(nn.Module):
-    """``norm(x + dense(y))``: a BERT-style output block, its residual add in its own forward."""
+    """``norm(x + gelu(dense(y)))``: a post-norm output block, its residual add in its own
+    forward (a GELU between them: a linear layer right before the add would fuse with it,
+    ``linear_add``, and the add would be no functional op of its own)."""
 
     def __init__(self, d_in: int) -> None:
         super().__init__()
@@ -24,7 +29,7 @@ class Residual(nn.Module):
         self.norm = nn.LayerNorm(D)
 
     def forward(self, y, x):
-        return self.norm(x + self.dense(y))
+        return self.norm(x + F.gelu(self.dense(y)))
 
 
 class Layer(nn.Module):
@@ -123,3 +128,23 @@ def test_an_owner_with_its_own_entry_is_not_reached(bayes):
     assert not any(p.startswith(r"layers\.0") for p in patterns)
     wide = _int16_names(_prepare(model, chosen))
     assert {n for n in wide if ".add" in n} == {f"layers.1.{p}.add" for p in ("mix", "out")} & wide
+
+
+def test_quantize_one_ranking_takes_each_activations_own_noise(bayes):
+    """``ranking="quantize_one"``: each activation's noise alone at int8, everything else
+    float; raising it removes that share of the summed noise."""
+    from fxq.calibration.mixed_precision import _as_raised
+
+    rows = _as_raised([{"name": "a", "sqnr": 20.0}, {"name": "b", "sqnr": 10.0}])
+    assert [r["name"] for r in rows] == ["b", "a"]  # b's noise (0.1) is the larger share
+    assert all(abs(r["baseline"] - (-10 * math.log10(0.11))) < 1e-9 for r in rows)
+    assert [round(r["sqnr"], 9) for r in rows] == [20.0, 10.0]  # what is left: a's, b's
+    model, calib, base = _model_and_base()
+    chosen = mixed_precision(
+        model, base, calib[:1], int16_budget=0.2, budget_unit="bytes", ranking="quantize_one"
+    )
+    held = _data(2)
+    int8 = _integer_sqnr(model, {"": q8}, calib, held)
+    assert _integer_sqnr(model, chosen, calib, held) > int8 + 1.5  # 28.74 -> 31.34 dB
+    with pytest.raises(ValueError, match=r"ranking must be one of \('raise_one', 'quantize_one'\)"):
+        mixed_precision(model, base, calib[:1], ranking="best")
