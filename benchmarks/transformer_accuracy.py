@@ -393,9 +393,12 @@ def fxq_ptq_default(model: nn.Module, calib: Sequence[Batch]) -> GraphModule:
         return fxq.convert_fx(prepared)
 
 
-def fxq_mixed(model: nn.Module, calib: Sequence[Batch], budget: float = 0.1) -> GraphModule:
+def fxq_mixed(
+    model: nn.Module, calib: Sequence[Batch], budget: float = 0.1, ranking: str = "raise_one"
+) -> GraphModule:
     """int8, then ``mixed_precision`` with ``budget`` of the activation bytes int16 (ranked on
-    ``calib[0]`` with the ``int8`` method's ranges), then ``fxq_quantize`` with its result."""
+    ``calib[0]`` with the ``int8`` method's ranges, by ``ranking``), then ``fxq_quantize`` with
+    its result."""
     from fxq.calibration import mixed_precision
 
     with warnings.catch_warnings():
@@ -403,7 +406,13 @@ def fxq_mixed(model: nn.Module, calib: Sequence[Batch], budget: float = 0.1) -> 
         prepared = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=calib[0])
         ptq(prepared, list(calib), "default", bias_correction=False, iters=0, show_progress=False)
         qconfig_dict = mixed_precision(
-            model, prepared, list(calib[:1]), budget, qconfig_dict={"": q8}, budget_unit="bytes"
+            model,
+            prepared,
+            list(calib[:1]),
+            budget,
+            qconfig_dict={"": q8},
+            budget_unit="bytes",
+            ranking=ranking,
         )
     return fxq_quantize(model, qconfig_dict, calib)
 
@@ -416,9 +425,10 @@ FXQ_METHODS: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
-#: every fxq row: ``int8_ptq_default`` is ``fxq_ptq_default``, ``mixed10`` is ``fxq_mixed``,
-#: the others ``fxq_quantize`` with the qconfig of ``FXQ_METHODS``
-ALL_METHODS = ["int8_ptq_default", *FXQ_METHODS, "mixed10"]
+#: every fxq row: ``int8_ptq_default`` is ``fxq_ptq_default``, ``mixed10`` is ``fxq_mixed``
+#: (``mixed10_quantize_one`` with ``ranking="quantize_one"``), the others ``fxq_quantize`` with
+#: the qconfig of ``FXQ_METHODS``
+ALL_METHODS = ["int8_ptq_default", *FXQ_METHODS, "mixed10", "mixed10_quantize_one"]
 
 
 def torch_ao_fx(model: nn.Module, calib: Sequence[Batch]) -> nn.Module:
@@ -511,6 +521,8 @@ def run(
             converted = fxq_ptq_default(model, calib)
         elif name == "mixed10":
             converted = fxq_mixed(model, calib, 0.1)
+        elif name == "mixed10_quantize_one":
+            converted = fxq_mixed(model, calib, 0.1, ranking="quantize_one")
         else:
             converted = fxq_quantize(model, FXQ_METHODS[name](), calib)
         got = embed(converted, evaluation)
