@@ -45,8 +45,9 @@ __all__ = [
 
 if importlib.util.find_spec("torch") is not None:
     from fxq.export.build import ExportError, to_graph
+    from fxq.export.dynamic import Dim
 
-    __all__ += ["to_graph", "to_onnx", "ExportError"]
+    __all__ += ["to_graph", "to_onnx", "ExportError", "Dim"]
 
 
 def to_onnx(
@@ -57,8 +58,10 @@ def to_onnx(
     input_names: list[str] | None = None,
     output_names: list[str] | None = None,
     outputs: list[Any] | None = None,
+    dynamic_dims: Any = None,
 ) -> Any:
-    """Export a converted fxq model to ONNX (opset 19, dynamic batch axis ``"N"``).
+    """Export a converted fxq model to ONNX (dynamic batch axis ``"N"``, and the dimensions
+    ``dynamic_dims`` declares as ``dim_param`` symbols).
 
     Args:
         quantized: the model returned by ``fxq.convert_fx``.
@@ -67,10 +70,14 @@ def to_onnx(
         mode: ``"integer"``: integer tensors and exact integer arithmetic, equal to
             the integer model bit for bit in onnxruntime (opset 19). ``"qdq"``: float
             ops between QuantizeLinear / DequantizeLinear pairs (zero point 0,
-            per-channel int8 weights, int8 / int16 activations; opset 21), the form other
-            compilers ingest; within a few LSB of the integer model (not bit-exact).
+            int8 weights behind a per-channel DequantizeLinear, int8 / int16 activations;
+            opset 13, 21 where an int16 pair is needed), the form other compilers ingest;
+            within a few LSB of the integer model (not bit-exact).
         input_names, output_names: names of the ONNX graph's inputs and outputs.
         outputs: FX nodes (or names) whose values are the outputs (see ``to_graph``).
+        dynamic_dims: dynamic dimensions besides the batch (see ``to_graph``), e.g.
+            ``{"x": {2: "H", 3: "W"}}``; the integer ONNX runs at other sizes there (a QDQ file
+            may keep them fixed).
 
     Returns:
         the ``onnx.ModelProto`` (checked with ``onnx.checker`` full checking).
@@ -83,5 +90,5 @@ def to_onnx(
         raise ValueError(f"fxq.export.to_onnx: unknown mode {mode!r}; use 'integer' or 'qdq'")
     from fxq.export.onnx import graph_to_onnx
 
-    graph = to_graph(quantized, example_inputs, outputs)
+    graph = to_graph(quantized, example_inputs, outputs, dynamic_dims)
     return graph_to_onnx(graph, path, input_names, output_names, mode)

@@ -37,6 +37,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_flatten
 
 from fxq import registry
+from fxq.export.dynamic import Dim, merge_probes, probe_inputs, probe_size, resolve_dims
 from fxq.export.float_ops import float_op_rule
 from fxq.export.graph import IntegerGraph, TensorInfo
 from fxq.export.graph import Node as IRNode
@@ -56,7 +57,7 @@ from fxq.qtensor import QTensor
 from fxq.quantized.base import Standalone
 from fxq.registry import Kind
 
-__all__ = ["to_graph", "ExportError", "RULES", "VALUE_RULES", "FLOAT_RULES", "rule_for_row"]
+__all__ = ["to_graph", "Dim", "ExportError", "RULES", "VALUE_RULES", "FLOAT_RULES", "rule_for_row"]
 
 
 class ExportError(RuntimeError):
@@ -82,6 +83,8 @@ class _Exporter(Interpreter):
         self.batch: int | None = None
         self.fixed: list[str] = []  # why the batch dimension is not dynamic
         self.fx_node: Node | None = None
+        # requantize node -> its multiplier and shift for other element counts (dynamic dims)
+        self.counts: dict[str, Any] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------
     def error(self, reason: str) -> ExportError:
@@ -388,6 +391,7 @@ def to_graph(
     quantized: GraphModule,
     example_inputs: tuple | Tensor | Mapping[str, Tensor],
     outputs: list[str | Node] | None = None,
+    dynamic_dims: Mapping[str | int, Mapping[int, str | Dim]] | None = None,
 ) -> IntegerGraph:
     """Export a converted fxq model to an ``IntegerGraph``.
 
@@ -405,6 +409,12 @@ def to_graph(
             graph's outputs, in this order; what comes after them is not exported
             (e.g. a detector's ``@fxq.fx_wrap`` post-processing, which runs on the host).
             None: the model's own outputs.
+        dynamic_dims: more dynamic dimensions than the batch: input (name, or position) ->
+            {axis: symbol}, a symbol being a name or ``fxq.export.Dim(name, min, max)``; the
+            same symbol in two inputs is one size, e.g. ``{"x": {2: "H", 3: "W"}}`` or
+            ``{"input_ids": {1: Dim("L", max=512)}, "attention_mask": {1: "L"}}``. The model
+            is exported once more per symbol at a second size (``max``, else twice the example
+            size) to prove every node size-independent (``fxq.export.dynamic``).
 
     Returns:
         the ``IntegerGraph``; ``graph.run(*numpy_inputs)`` equals
@@ -415,7 +425,8 @@ def to_graph(
     Raises:
         TypeError: ``quantized`` is not a GraphModule.
         ExportError: a node has no export rule (naming the node, its op and source line),
-            or a name in ``outputs`` is not a node of the graph.
+            a name in ``outputs`` is not a node of the graph, or a declared dynamic dimension
+            cannot stay dynamic (naming the node, its source line and the symbol).
     """
     if not isinstance(quantized, GraphModule):
         raise TypeError(
@@ -436,9 +447,58 @@ def to_graph(
         raise ExportError(f"fxq.export: no node named {unknown} in the converted graph")
     if any(t.device.type != "cpu" for t in (*quantized.parameters(), *quantized.buffers())):
         quantized = copy.deepcopy(quantized).cpu()  # the integer arithmetic is device-independent
+    example_inputs = tuple(t.detach().cpu() if isinstance(t, Tensor) else t for t in example_inputs)
+    graph, ex = _export(quantized, example_inputs, names, march)
+    if not dynamic_dims:
+        return graph
+    placeholders = [n.target for n in quantized.graph.nodes if n.op == "placeholder"]
+    by_input, dims, sizes = resolve_dims(
+        dynamic_dims, placeholders, example_inputs, lambda m: ExportError(f"fxq.export: {m}")
+    )
+    where = {
+        s: ", ".join(
+            f"dimension {a} of input {placeholders[p]!r}"
+            for p, axes in sorted(by_input.items())
+            for a, t in sorted(axes.items())
+            if t == s
+        )
+        for s in sizes
+    }
+    probes = {}
+    for sym in sizes:
+        size = probe_size(dims[sym], sizes[sym])
+        try:
+            probes[sym], _ = _export(
+                quantized, probe_inputs(example_inputs, by_input, sym, size), names, march
+            )
+        except Exception as e:  # the model itself does not run at that size
+            n = getattr(e, "fx_node", None)
+            at = (
+                f"node {n.name!r} ({n.meta.get('fxq_source', '') or 'unknown source'})"
+                if n
+                else "a node"
+            )
+            raise ExportError(
+                f"fxq.export: cannot keep {sym!r} ({where[sym]}) dynamic: the model fails at "
+                f"{sym}={size} (exported at {sym}={sizes[sym]}) in {at}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}; an op fixes the size there (e.g. a "
+                "reshape to a fixed size): leave it out of dynamic_dims, or pass "
+                f"fxq.export.Dim({sym!r}, max=...) with a size the model runs at"
+            ) from e
+    return merge_probes(graph, probes, dims, sizes, where, ex.counts, lambda m: ExportError(m))
+
+
+def _export(
+    quantized: GraphModule, example_inputs: tuple, names: list[str] | None, march: set
+) -> tuple[IntegerGraph, _Exporter]:
+    """One export at the sizes of ``example_inputs`` (the graph and its exporter)."""
     ex = _Exporter(quantized, names)
     with torch.no_grad():
-        ex.run(*[t.detach().cpu() if isinstance(t, Tensor) else t for t in example_inputs])
+        try:
+            ex.run(*example_inputs)
+        except Exception as e:
+            e.fx_node = ex.fx_node  # type: ignore[attr-defined]  # where it failed
+            raise
     if names is not None:
         for name in names:
             ex.fx_node = next(n for n in quantized.graph.nodes if n.name == name)
@@ -450,4 +510,4 @@ def to_graph(
             if ex.batched.get(name):
                 info.shape = ["N", *info.shape[1:]]
     march_name = getattr(next(iter(march)), "value", str(next(iter(march)))) if march else ""
-    return IntegerGraph(ex.nodes, tensors, ex.inputs, ex.outputs, march_name, dynamic)
+    return IntegerGraph(ex.nodes, tensors, ex.inputs, ex.outputs, march_name, dynamic), ex

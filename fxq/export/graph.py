@@ -53,12 +53,17 @@ __all__ = [
 #: with the lowest version that holds it (``IntegerGraph.format_version``), so that a graph
 #: without version-2 features still loads in an fxq that reads version 1 only
 FORMAT = "fxq.integer_graph"
-VERSION = 3
+VERSION = 4
 
 #: ops that version 2 added (``docs/integer_graph.md``, 1): plain tensors from graph inputs
 VERSION_2_OPS = frozenset({"constant", "cast", "compare", "logical"})
 #: ops that version 3 added: the float ops of float regions (``fxq.export.runtime_float``)
 VERSION_3_OPS = FLOAT_OPS
+
+#: what version 4 added: declared dynamic dimensions besides the batch (``IntegerGraph.dims``), with
+#: their node forms (``constant`` ``dynamic``, ``axis_matmul`` ``ones``, ``requantize``
+#: ``count_axes``)
+VERSION_4_ATTRS = frozenset({"dynamic", "ones", "count_axes"})
 
 #: op name -> numpy kernel: the integer ops and plain-tensor ops (``runtime``) and the float ops
 #: (``runtime_float``)
@@ -71,7 +76,9 @@ class TensorInfo:
 
     Attributes:
         dtype: ``"int8"``, ``"int16"``, ``"int32"``, ``"int64"``, ``"float32"`` or ``"bool"``.
-        shape: sizes; ``"N"`` is the batch dimension (any size at run time).
+        shape: sizes; ``"N"`` is the batch dimension (any size at run time); other strings are
+            the declared dynamic dimensions (``IntegerGraph.dims``), their products (``"H*W"``)
+            or sizes that follow them (``"H.1"``: e.g. after a strided convolution).
         scale: the quantization scale (value = (integer + offset) * scale), None for floats.
         offset: not 0 on an unsigned range stored shifted (``QTensor.offset``); the
             convolutions and linear layers that read it undo the shift (their
@@ -132,6 +139,8 @@ class IntegerGraph:
         inputs, outputs: names of the graph's input and output tensors.
         march: the march the integer arithmetic follows (``"bayes"`` ...).
         dynamic_batch: whether dimension 0 of the inputs may take any size.
+        dims: the declared dynamic dimensions besides the batch: symbol -> ``{"min": int,
+            "max": int | None}`` (``to_graph(..., dynamic_dims=...)``); empty when none.
     """
 
     nodes: list[Node]
@@ -140,6 +149,7 @@ class IntegerGraph:
     outputs: list[str]
     march: str
     dynamic_batch: bool = True
+    dims: dict[str, dict[str, int | None]] = field(default_factory=dict)
 
     # -- running -------------------------------------------------------------------------
     def run(self, *inputs: np.ndarray) -> list[np.ndarray]:
@@ -217,12 +227,22 @@ class IntegerGraph:
                             f"{want_d!r} is {size} in input {first!r}; give every input the "
                             "same size there"
                         )
+                    bounds = self.dims.get(want_d)
+                    if bounds is not None and not (
+                        bounds["min"] <= got_d and (bounds["max"] is None or got_d <= bounds["max"])
+                    ):
+                        raise GraphInputError(
+                            f"input {name!r}: dimension {axis} ({want_d!r}) is {got_d}, outside "
+                            f"the range declared at export ({bounds['min']} to "
+                            f"{bounds['max'] if bounds['max'] is not None else 'any'})"
+                        )
                 elif want_d != got_d:
                     fixed = (
                         "; the graph was exported with a fixed batch size (dynamic_batch "
                         "false): export it again with the batch size you run"
                         if axis == 0 and not self.dynamic_batch
-                        else "; this size is fixed at export"
+                        else "; this size is fixed at export (declare it in dynamic_dims "
+                        "to make it dynamic)"
                     )
                     raise GraphInputError(
                         f"input {name!r}: got shape {list(x.shape)}, expected {shape} "
@@ -270,10 +290,13 @@ class IntegerGraph:
 
     # -- files ---------------------------------------------------------------------------------
     def format_version(self) -> int:
-        """The lowest format version that holds this graph: 3 when it has a float op of a float
+        """The lowest format version that holds this graph: 4 when it declares dynamic dimensions
+        besides the batch (``dims``); 3 when it has a float op of a float
         region (``VERSION_3_OPS``); 2 when it has a bool tensor, an op of ``VERSION_2_OPS``,
         integer ``float`` arithmetic, a ``where`` whose condition is an input, or a ``softmax``
         whose keep-mask is an input; 1 otherwise."""
+        if self.dims or any(VERSION_4_ATTRS & n.attrs.keys() for n in self.nodes):
+            return 4
         if any(n.op in VERSION_3_OPS for n in self.nodes):
             return 3
         v2 = any(t.dtype == "bool" for t in self.tensors.values()) or any(
@@ -287,11 +310,16 @@ class IntegerGraph:
 
     def to_json(self) -> dict[str, Any]:
         """The graph without its arrays (parameters are named ``params/<node>/<param>.npy``)."""
-        return {
+        out: dict[str, Any] = {
             "format": FORMAT,
             "version": self.format_version(),
             "march": self.march,
             "dynamic_batch": self.dynamic_batch,
+        }
+        if self.dims:
+            out["dims"] = {k: dict(v) for k, v in self.dims.items()}
+        return {
+            **out,
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
             "tensors": {k: v.to_json() for k, v in self.tensors.items()},
@@ -361,8 +389,9 @@ def load(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> IntegerGrap
         k: TensorInfo(v["dtype"], list(v["shape"]), v.get("scale"), v.get("offset", 0))
         for k, v in meta["tensors"].items()
     }
+    dims = {k: dict(v) for k, v in meta.get("dims", {}).items()}
     return IntegerGraph(
-        nodes, tensors, meta["inputs"], meta["outputs"], meta["march"], meta["dynamic_batch"]
+        nodes, tensors, meta["inputs"], meta["outputs"], meta["march"], meta["dynamic_batch"], dims
     )
 
 

@@ -249,6 +249,19 @@ class IntegerWriter:
     def op_requantize(self, node: Node, outs: list[str]) -> None:
         a, p = node.attrs, node.params
         x = self.as_int(node.inputs[0])
+        if a.get("count_axes") is not None:  # multiplier and shift by element count
+            shape = self.op("Shape", [self.name(node.inputs[1])])
+            sizes = self.op("Gather", [shape, self.const(np.array(a["count_axes"], np.int64))])
+            count = self.op("ReduceProd", [sizes], keepdims=0)
+            m = self.op("Gather", [self.const(p["multiplier"].astype(np.int64)), count], axis=0)
+            shift = self.op("Gather", [self.const(p["shift"].astype(np.int64)), count], axis=0)
+            v = self.shift_round_var(self.op("Mul", [x, m]), shift, a["rounding"])
+            from .runtime import _bounds
+
+            lo, hi = _bounds(a["dtype"], a["lo"], a["hi"])
+            v = self.op("Clip", [v, self.int_const(lo), self.int_const(hi)])
+            self.cast(v, a["dtype"], outs[0])
+            return
         self.requant(
             x, p["multiplier"], p["shift"], a["dtype"], a["rounding"], a["lo"], a["hi"], outs[0]
         )
@@ -607,6 +620,10 @@ class IntegerWriter:
         bounds the values after each step), int64 after."""
         rank = self.rank(node.inputs[0])
         x = self.name(node.inputs[0])
+        if node.attrs.get("ones"):  # whole axes summed, at any size
+            axes = self.const(np.array(node.attrs["axes"], np.int64))
+            self.op("ReduceSum", [self.cast(x, "int64"), axes], outs[0], keepdims=1)
+            return
         mag = 1 << (self._bits(node.inputs[0]) - 1)
         dtype = None
         for i, axis in enumerate(node.attrs["axes"]):
@@ -706,7 +723,16 @@ class IntegerWriter:
         dims = len(a["kernel"])
         from .runtime import pool_end_pads
 
-        right = pool_end_pads(a, t.shape[-dims:])
+        sizes = t.shape[-dims:]
+        if all(isinstance(n, int) for n in sizes):
+            right = pool_end_pads(a, sizes)
+        elif not a["ceil_mode"]:  # ONNX's floor count with torch's padding is torch's count
+            right = list(a["padding"])
+        else:
+            raise ValueError(
+                f"node {node.name!r} ({node.source}): max pooling with ceil_mode over a dynamic "
+                f"size ({sizes}) has no fixed ONNX padding; export with that size fixed"
+            )
         x = self.as_float(node.inputs[0])
         if len(t.shape) == dims + 1:  # unbatched (C, *spatial)
             x = self.op("Unsqueeze", [x, self.const([0], np.int64)])
@@ -799,6 +825,16 @@ class IntegerWriter:
         if self.store(node.outputs[0]) == "float32" and value.dtype != np.float32:  # QDQ
             value = value.astype(np.float32) * np.float32(self.graph.tensors[node.outputs[0]].scale)
         c = self.const(value, hint="constant")
+        dynamic = node.attrs.get("dynamic") or []
+        for axis, i, in_axis in dynamic:  # cut to the input's size along the axis
+            end = self.op("Shape", [self.name(node.inputs[i])], start=in_axis, end=in_axis + 1)
+            zero, at = self.const(np.array([0], np.int64)), self.const(np.array([axis], np.int64))
+            c = self.op("Slice", [c, zero, end, at])
+        if dynamic and node.attrs["batch"]:
+            batch = self.op("Shape", [self.name(node.inputs[0])], start=0, end=1)
+            ones = self.const(np.ones(value.ndim - 1, np.int64), hint="shape")
+            self.op("Expand", [c, self.op("Concat", [batch, ones], axis=0)], outs[0])
+            return
         if not node.attrs["batch"]:
             self.op("Identity", [c], outs[0])
             return

@@ -478,6 +478,15 @@ def _sum_then_requant(
     if distinct.numel() > 1:  # one multiplier per output position
         mult, shift = mult[inverse], shift[inverse]
     _emit_requantize(ex, name, result, m, mult, shift)
+    if distinct.numel() == 1:  # the multiplier for any other count (dynamic dims)
+        s_x = x.scale
+
+        def by_count(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            r = s_x.to(torch.float64).cpu() / (torch.from_numpy(counts) * s_y)
+            mm, ss = multiplier_for(m, r, {"input": s_x, "output": s_y})
+            return _np(mm, np.int64).reshape(-1), _np(ss, np.int64).reshape(-1)
+
+        ex.counts[ex.nodes[-1].name] = by_count
 
 
 def _window_matrix(n: int, o: int, windows: list[tuple[int, int]]) -> np.ndarray:

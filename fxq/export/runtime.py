@@ -151,12 +151,19 @@ def _k_dequantize(node, inputs):
 
 
 def _k_requantize(node, inputs):
+    """With ``count_axes`` (a dynamic mean / global pooling), the multiplier and shift are
+    tables indexed by the element count: the product of those axes of the second input."""
     a, p = node.attrs, node.params
-    return [
-        _requant(
-            inputs[0], p["multiplier"], p["shift"], a["dtype"], a["rounding"], a["lo"], a["hi"]
-        )
-    ]
+    mult, shift = p["multiplier"], p["shift"]
+    if a.get("count_axes") is not None:
+        count = int(np.prod([inputs[1].shape[k] for k in a["count_axes"]]))
+        if not 0 < count < mult.size:
+            raise ValueError(
+                f"the mean is over {count} elements; the graph's multipliers cover 1 to "
+                f"{mult.size - 1} (export with a larger Dim(..., max=...))"
+            )
+        mult, shift = mult[count : count + 1], shift[count : count + 1]
+    return [_requant(inputs[0], mult, shift, a["dtype"], a["rounding"], a["lo"], a["hi"])]
 
 
 # -- conv / linear / affine ---------------------------------------------------------------
@@ -358,9 +365,18 @@ FLOAT_FNS = ("neg", *_FLOAT_BINARY)
 
 # -- plain tensors: constants, casts, comparisons, logical ops ----------------------------------
 def _k_constant(node, inputs):
-    """The ``value`` parameter; with ``batch``, its one row repeated along axis 0 to the batch
-    size of the input (``N`` of a dynamic-batch graph)."""
+    """The ``value`` parameter; with ``dynamic`` (``[axis, input, input_axis]`` entries), cut
+    along ``axis`` to that input's size; with ``batch``, its one row repeated along axis 0 to
+    the batch size of the input (``N`` of a dynamic-batch graph)."""
     value = node.params["value"]
+    for axis, i, in_axis in node.attrs.get("dynamic") or ():
+        size = inputs[i].shape[in_axis]
+        if size > value.shape[axis]:
+            raise ValueError(
+                f"a size of {size} along axis {axis}; the constant holds {value.shape[axis]} "
+                "(the dimension's declared max)"
+            )
+        value = value[(slice(None),) * axis + (slice(0, size),)]
     if node.attrs["batch"]:
         value = np.broadcast_to(value, (inputs[0].shape[0], *value.shape[1:]))
     return [np.array(value)]
@@ -449,6 +465,8 @@ def _k_segment_lut(node, inputs):
 def _k_axis_matmul(node, inputs):
     """``y = x`` contracted with an integer matrix ``A_i [n_in, n_out]`` along each axis."""
     x = inputs[0].astype(np.int64)
+    if node.attrs.get("ones"):  # whole axes summed, at any size (exact in int64)
+        return [x.sum(tuple(node.attrs["axes"]), keepdims=True)]
     for i, axis in enumerate(node.attrs["axes"]):
         m = node.params[f"matrix_{i}"].astype(np.int64)
         moved = np.moveaxis(x, axis, -1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 import struct
 import zipfile
 import zlib
@@ -227,6 +228,7 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "float": (_is_float, "a finite number"),
     "float?": (_opt(_is_float), "a finite number or null"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "bool?": (_opt(lambda v: isinstance(v, bool)), "true, false or null"),
     "str": (lambda v: isinstance(v, str), "a string"),
     "ints": (_ints, "a list of integers"),
     "ints?": (_opt(_ints), "a list of integers or null"),
@@ -464,7 +466,33 @@ def _check_segment_lut(c: _Ctx) -> None:
     c.size("sparse", 65)
 
 
+def _check_requantize(c: _Ctx) -> None:
+    axes = c.attrs.get("count_axes")
+    if axes is None:
+        if len(c.node["inputs"]) != 1:
+            raise c.fail("two inputs without count_axes")
+        return
+    if len(c.node["inputs"]) != 2:
+        raise c.fail("count_axes needs a second input (the tensor whose elements are counted)")
+    rank = len(c.in_shapes[1])
+    if not axes or any(not 0 <= a < rank for a in axes):
+        raise c.fail(f"count_axes {axes} outside the rank {rank} of the second input")
+    for k in ("multiplier", "shift"):
+        if c.params[k].ndim != 1 or not 2 <= c.params[k].size <= _MAX_COUNT_TABLE:
+            raise c.fail(f"{k} is not a table of 2 to {_MAX_COUNT_TABLE} entries")
+
+
+#: the longest multiplier table of a requantize by element count (``count_axes``)
+_MAX_COUNT_TABLE = 1 << 24
+
+
 def _check_axis_matmul(c: _Ctx) -> None:
+    if c.attrs.get("ones"):
+        for i, axis in enumerate(c.attrs["axes"]):
+            c.axis(f"axes[{i}]", axis)
+        if any(k.startswith("matrix_") for k in c.params):
+            raise c.fail("matrices with ones (whole axes summed)")
+        return
     for i, axis in enumerate(c.attrs["axes"]):
         c.axis(f"axes[{i}]", axis)
         m = c.params.get(f"matrix_{i}")
@@ -558,9 +586,25 @@ def _check_constant(c: _Ctx) -> None:
     if value.dtype.name != out["dtype"]:
         raise c.fail(f"a {value.dtype.name} value for a {out['dtype']} output")
     batch = c.attrs["batch"]
-    if len(c.node["inputs"]) != batch:
-        raise c.fail(f"batch {batch} with {len(c.node['inputs'])} inputs (one when batch)")
-    shape = [1 if batch and i == 0 else d for i, d in enumerate(out["shape"])]
+    dynamic = c.attrs.get("dynamic") or []
+    n_in = len(c.node["inputs"])
+    if not isinstance(dynamic, list) or not all(
+        isinstance(e, list) and len(e) == 3 and all(_is_int(v) for v in e) for e in dynamic
+    ):
+        raise c.fail(f"dynamic {dynamic!r} (a list of [axis, input, input_axis])")
+    if not dynamic and n_in != batch:
+        raise c.fail(f"batch {batch} with {n_in} inputs (one when batch)")
+    used = {i for _, i, _ in dynamic} | ({0} if batch else set())
+    if n_in < batch or used != set(range(n_in)):
+        raise c.fail(f"batch {batch} and dynamic {dynamic} with {n_in} inputs")
+    for axis, i, in_axis in dynamic:
+        if not 0 <= axis < value.ndim or not 0 <= in_axis < len(c.in_shapes[i]):
+            raise c.fail(f"dynamic entry {[axis, i, in_axis]} outside the ranks")
+    cut = {axis for axis, _, _ in dynamic}
+    shape = [
+        1 if batch and i == 0 else (value.shape[i] if i in cut else d)
+        for i, d in enumerate(out["shape"])
+    ]
     if len(shape) != value.ndim or any(_is_int(d) and d != v for d, v in zip(shape, value.shape)):
         raise c.fail(f"a value of shape {list(value.shape)} for an output of shape {out['shape']}")
 
@@ -904,7 +948,10 @@ OP_SPECS: dict[str, _OpSpec] = {
     "quantize": _OpSpec((1,), {"scale": "float", **_QR}, {}),
     "dequantize": _OpSpec((1,), {"scale": "float"}, {}),
     "requantize": _OpSpec(
-        (1,), {**_QR, "lo": "int?", "hi": "int?"}, {"multiplier": _SHIFT, "shift": _SHIFT}
+        (1, 2),
+        {**_QR, "lo": "int?", "hi": "int?", "count_axes": "ints?"},
+        {"multiplier": _SHIFT, "shift": _SHIFT},
+        _check_requantize,
     ),
     "conv": _OpSpec(
         (1, 2),
@@ -953,7 +1000,9 @@ OP_SPECS: dict[str, _OpSpec] = {
         {"dense": _Param(_I, (1,)), "sparse": _Param(_I, (1,))},
         _check_segment_lut,
     ),
-    "axis_matmul": _OpSpec((1,), {"axes": "ints"}, {}, _check_axis_matmul, extra_params="matrix_"),
+    "axis_matmul": _OpSpec(
+        (1,), {"axes": "ints", "ones": "bool?"}, {}, _check_axis_matmul, extra_params="matrix_"
+    ),
     "grid_sample": _OpSpec(
         (1, 2),
         {"mode": "str", "padding_mode": "str", "fraction_bits": "int", "rounding": "rounding"},
@@ -992,7 +1041,10 @@ OP_SPECS: dict[str, _OpSpec] = {
         _check_float,
     ),
     "constant": _OpSpec(
-        (0, 1), {"batch": "bool"}, {"value": _Param(_ARRAY_DTYPES[:-1])}, _check_constant
+        (0, 1, 2),
+        {"batch": "bool", "dynamic": "any"},
+        {"value": _Param(_ARRAY_DTYPES[:-1])},
+        _check_constant,
     ),
     "cast": _OpSpec((1,), {"dtype": "str"}, {}, _check_cast),
     "compare": _OpSpec(
@@ -1088,6 +1140,9 @@ _TOP = {
     "tensors": dict,
     "nodes": list,
 }
+#: a tensor size may be a symbol: "N" (the batch), a declared dim, a product "H*W" of them, or
+#: a size that follows them ("H.1")
+_SYMBOL = re.compile(r"(N|[A-Za-z_][A-Za-z0-9_]*(\*[A-Za-z_][A-Za-z0-9_]*)*(\.[0-9]+)?)\Z")
 _TENSOR_DTYPES = ("int8", "int16", "int32", "int64", "float32", "float64", "bool")
 
 
@@ -1129,8 +1184,22 @@ def check_graph(
     if meta["march"] not in (*MARCH_LIMITS, ""):
         raise fail(f"unknown march {meta['march']!r} (known: {', '.join(MARCH_LIMITS)})")
     tensors = meta["tensors"]
+    dims = _check_dims(fail, meta.get("dims", {}), v)
     for name, t in tensors.items():
         _check_tensor(fail, name, t)
+        for s in t["shape"]:
+            if isinstance(s, str) and not _symbol_known(s, dims):
+                raise fail(
+                    f"tensor {name!r} has size {s!r}, which is not 'N' nor made of the declared "
+                    f"dims {sorted(dims)}"
+                )
+    for name in meta.get("inputs", []):
+        if isinstance(name, str) and isinstance(tensors.get(name), dict):
+            bad = [
+                s for s in tensors[name]["shape"] if isinstance(s, str) and s not in (*dims, "N")
+            ]
+            if bad:
+                raise fail(f"input {name!r} has size {bad[0]!r} (inputs take 'N' or declared dims)")
     for k in ("inputs", "outputs"):
         for name in meta[k]:
             if not isinstance(name, str) or name not in tensors:
@@ -1149,6 +1218,32 @@ def check_graph(
             f"{where}: member {unused[0]!r} is named by no node ({len(unused)} such member(s)); "
             "the file is damaged or was written by another fxq: export it again"
         )
+
+
+def _check_dims(fail: Callable[[str], Exception], dims: Any, version: int) -> dict:
+    """The top-level ``dims`` (version 4): symbol -> ``{"min": int >= 0, "max": int | null}``."""
+    if not isinstance(dims, dict) or (dims and version < 4):
+        raise fail(f"'dims' is {dims!r} (an object, in version 4 and later)")
+    for k, d in dims.items():
+        if (
+            not isinstance(k, str)
+            or not re.match(r"[A-Za-z_][A-Za-z0-9_]*\Z", k)
+            or k == "N"
+            or not isinstance(d, dict)
+            or set(d) != {"min", "max"}
+            or not (_is_int(d["min"]) and d["min"] >= 0)
+            or not (d["max"] is None or (_is_int(d["max"]) and d["max"] >= d["min"]))
+        ):
+            raise fail(
+                f"dims[{k!r}] is {d!r} (a name other than 'N' -> {{'min': int, 'max': int or null}})"
+            )
+    return dims
+
+
+def _symbol_known(s: str, dims: dict) -> bool:
+    if not _SYMBOL.match(s):
+        return False
+    return s == "N" or all(p in dims for p in s.split(".")[0].split("*"))
 
 
 def _check_tensor(fail: Callable[[str], Exception], name: str, t: Any) -> None:

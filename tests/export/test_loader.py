@@ -280,8 +280,8 @@ def test_a_header_too_long_for_numpy_is_refused_without_advising_allow_pickle(sa
         (lambda m: m.pop("tensors"), r"graph\.json: no key 'tensors'"),
         (lambda m: m.update(version="1"), r"graph\.json: version '1' is not a positive integer"),
         (
-            lambda m: m.update(version=4),
-            r"integer graph version 4 is newer than this fxq reads \(3\); upgrade fxq$",
+            lambda m: m.update(version=5),
+            r"integer graph version 5 is newer than this fxq reads \(4\); upgrade fxq$",
         ),
         (lambda m: m.update(format="onnx"), r"not an fxq integer graph \(format 'onnx'"),
         (lambda m: m["nodes"].__setitem__(0, 7), r"graph\.json: nodes\[0\] is int, not an object"),

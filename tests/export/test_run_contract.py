@@ -89,7 +89,7 @@ def test_a_dynamic_batch_graph_takes_any_batch_but_fixed_other_sizes(conv):
     with pytest.raises(
         GraphInputError,
         match=r"^input 'x': got shape \[2, 3, 9, 8\], expected Nx3x8x8 \(dimension 2 is 9, "
-        r"expected 8\); this size is fixed at export$",
+        r"expected 8\); this size is fixed at export \(declare it in dynamic_dims to make it dynamic\)$",
     ):
         graph.run(np.zeros((2, 3, 9, 8), np.float32))
 
