@@ -25,7 +25,7 @@ from torch.fx import Node
 
 from fxq.export.rules import _Exporter, _ints, rule_in
 from fxq.fused import Fused
-from fxq.quantized.pooling import _AVG_PARAMS
+from fxq.quantized.pooling import AVG_POOL_PARAMS
 
 __all__ = ["FLOAT_OP_RULES", "float_op_rule"]
 
@@ -279,7 +279,7 @@ def _rule_softmax(log: bool) -> Callable[..., None]:
 
 # -- pooling and resampling -----------------------------------------------------------------------
 _MAX_POOL = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
-_AVG_POOL = _AVG_PARAMS  # torch's avg_pool arguments, in order
+_AVG_POOL = AVG_POOL_PARAMS  # torch's avg_pool arguments, in order
 
 
 def _pool_rule(fn: str, dims: int) -> Callable[..., None]:

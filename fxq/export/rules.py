@@ -101,12 +101,12 @@ def _emit_requantize(
     )
 
 
-def _on_output_grid(ex: _Exporter, m, t: QTensor, derive, suffix: str) -> str:
+def _on_output_grid(ex: _Exporter, m, t: QTensor, suffix: str) -> str:
     """The name of ``t`` on ``m``'s output scale and dtype: ``t`` itself when it is already
-    there, else a ``requantize`` node with ``derive(t.scale)``'s multiplier and shift."""
+    there, else a ``requantize`` node with ``m.rescale(t.scale)``'s multiplier and shift."""
     if torch.equal(t.scale, m.output_scale.to(t.scale.device)) and t.qdtype is m.out_dtype:
         return ex.name_of(t)
-    mult, shift = derive(t.scale)
+    mult, shift = m.rescale(t.scale)
     moved = _placeholder(t.shape, m.output_scale, m.out_dtype)
     (name,) = _emit_requantize(ex, ex.name_of(t), moved, m, mult, shift, suffix=suffix)
     return name
@@ -150,7 +150,7 @@ def _rule_dequantize(ex: _Exporter, m: nn.Module, args, kwargs, result) -> None:
 
 
 # -- rules: weighted ------------------------------------------------------------------------
-def _weighted_params(m: weighted._Weighted, p) -> tuple[dict, dict]:
+def _weighted_params(m: weighted.Weighted, p) -> tuple[dict, dict]:
     params: dict[str, np.ndarray] = {
         "weight": _np(m.weight_out_major(), np.int8),
         "weight_scale": _np(m.weight_scale, np.float32).reshape(-1),
@@ -178,23 +178,23 @@ def _weighted_params(m: weighted._Weighted, p) -> tuple[dict, dict]:
     return params, attrs
 
 
-def _rule_conv(ex: _Exporter, m: weighted._Conv, args, kwargs, result) -> None:
+def _rule_conv(ex: _Exporter, m: weighted.ConvNd, args, kwargs, result) -> None:
     x = args[0]
     residual = args[1] if len(args) > 1 else kwargs.get("residual")
-    if x.dim() != m._DIM + 2:
+    if x.dim() != m.spatial_dims + 2:
         raise ex.error("unbatched convolution inputs are not exported; add a batch dimension")
     p = m.requantization(x, residual)
     params, attrs = _weighted_params(m, p)
-    d = m._DIM
+    d = m.spatial_dims
     attrs.update(
         dim=d,
-        transposed=m._TRANSPOSED,
+        transposed=m.transposed,
         stride=_ints(m.stride, d),
         dilation=_ints(m.dilation, d),
         groups=int(m.groups),
         pad_mode="zeros",
     )
-    if m._TRANSPOSED:
+    if m.transposed:
         attrs.update(padding=_ints(m.padding, d), output_padding=_ints(m.output_padding, d))
     elif m.padding_mode != "zeros":
         rp = list(m.reversed_padding)
@@ -202,7 +202,7 @@ def _rule_conv(ex: _Exporter, m: weighted._Conv, args, kwargs, result) -> None:
         attrs["pad_mode"] = m.padding_mode
     else:
         attrs["pads"] = m.zero_padding()
-    if not m._TRANSPOSED:
+    if not m.transposed:
         # an input stored with an offset pads with the stored form of 0
         attrs["pad_value"] = -m.input_offset
     inputs = [ex.name_of(x)] + ([ex.name_of(residual)] if m.add else [])
@@ -220,10 +220,7 @@ def _rule_linear(ex: _Exporter, m: weighted.Linear, args, kwargs, result) -> Non
 
 def _rule_batchnorm(ex: _Exporter, m: batchnorm.BatchNorm, args, kwargs, result) -> None:
     x = args[0]
-    if torch.equal(x.scale, m.input_scale.to(x.scale.device)):
-        bias, mult, shift = m.bias, m.multiplier, m.shift
-    else:
-        bias, mult, shift = m._derive(x.scale)
+    p = m.requantization(x)
     ex.emit(
         "channel_affine",
         [ex.name_of(x)],
@@ -232,34 +229,27 @@ def _rule_batchnorm(ex: _Exporter, m: batchnorm.BatchNorm, args, kwargs, result)
         {
             "weight": _np(m.weight, np.int8),
             "weight_scale": _np(m.weight_scale, np.float32).reshape(-1),
-            "bias": _np(bias, np.int32),
-            "multiplier": _np(mult, np.int32),
-            "shift": _np(shift, np.int32),
+            "bias": _np(p.bias, np.int32),
+            "multiplier": _np(p.multiplier, np.int32),
+            "shift": _np(p.shift, np.int32),
         },
     )
 
 
 # -- rules: elementwise ---------------------------------------------------------------------
 def _rule_add(ex: _Exporter, m: elementwise.Add, args, kwargs, result) -> None:
-    a, b, alpha = elementwise._operands(args, kwargs)
-    tensors, factors, scalars = [], [], 0.0
-    for value, factor in ((a, 1.0), (b, m._SIGN * alpha)):
-        if isinstance(value, QTensor):
-            tensors.append(value)
-            factors.append(factor)
-        else:
-            scalars += float(value) * factor
-    ms, n, constant = m._derive([t.scale for t in tensors], factors, scalars)
+    terms = m.terms(*args, **kwargs)
+    p = m.requantization(terms)
     ex.emit(
         "add",
-        [ex.name_of(t) for t in tensors],
+        [ex.name_of(t) for t in terms.tensors],
         [result],
         {
-            "multipliers": [int(v) for v in ms],
-            "shift": int(n.reshape(-1)[0]),
-            "constant": None if constant is None else int(constant.reshape(-1)[0]),
-            "factors": [float(f) for f in factors],
-            "scalar": float(scalars),
+            "multipliers": [int(v) for v in p.multipliers],
+            "shift": int(p.shift.reshape(-1)[0]),
+            "constant": None if p.constant is None else int(p.constant.reshape(-1)[0]),
+            "factors": [float(f) for f in terms.factors],
+            "scalar": float(terms.scalar),
             "dtype": _dtype(result),
             "rounding": _rounding(m),
         },
@@ -267,14 +257,13 @@ def _rule_add(ex: _Exporter, m: elementwise.Add, args, kwargs, result) -> None:
 
 
 def _rule_mul(ex: _Exporter, m: elementwise.Mul, args, kwargs, result) -> None:
-    a, b, _ = elementwise._operands(args, kwargs)
+    a, b, _ = elementwise.binary_operands(args, kwargs)
+    mult, s = m.requantization(a, b)
     if isinstance(a, QTensor) and isinstance(b, QTensor):
-        mult, s = m._derive([a.scale, b.scale], 1.0)
         inputs, sign, c = [ex.name_of(a), ex.name_of(b)], None, None
     else:
         q, c = (a, b) if isinstance(a, QTensor) else (b, a)
         c = float(c)
-        mult, s = m._derive([q.scale], abs(c))
         inputs, sign = [ex.name_of(q)], -1 if c < 0 else 1
     ex.emit(
         "mul",
@@ -294,7 +283,7 @@ def _rule_mul(ex: _Exporter, m: elementwise.Mul, args, kwargs, result) -> None:
 def _rule_cat(ex: _Exporter, m: elementwise.Cat, args, kwargs, result) -> None:
     tensors = args[0] if args else kwargs["tensors"]
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    names = [_on_output_grid(ex, m, t, m._derive, f"_requant{i}") for i, t in enumerate(tensors)]
+    names = [_on_output_grid(ex, m, t, f"_requant{i}") for i, t in enumerate(tensors)]
     if isinstance(m, elementwise.Stack):  # each input gets the new axis, then one concat
         axis = int(dim) % result.dim()
         stacked = []
@@ -313,7 +302,7 @@ def _rule_cat(ex: _Exporter, m: elementwise.Cat, args, kwargs, result) -> None:
 
 def _rule_matmul(ex: _Exporter, m: matmul.MatMul, args, kwargs, result) -> None:
     a, b = args[0], args[1]
-    _, mult, s = m._derive(a, b, a.shape[-1])
+    _, mult, s = m.requantization(a, b)
     ex.emit(
         "matmul",
         [ex.name_of(a), ex.name_of(b)],
@@ -352,7 +341,7 @@ def _rule_einsum(ex: _Exporter, m: matmul.Einsum, args, kwargs, result) -> None:
     if plan.transpose_out:
         shape = [*result.shape[:-2], result.shape[-1], result.shape[-2]]
         product = _placeholder(shape, result.scale, result.qdtype)
-    _, mult, s = m._derive(a, b, a.shape[-1])
+    _, mult, s = m.requantization(a, b)
     (p_name,) = ex.emit(
         "matmul",
         names,
@@ -375,12 +364,8 @@ def _swap_last(rank: int) -> list[int]:
 
 # -- rules: clamps and tables ---------------------------------------------------------------
 def _rule_clamp(ex: _Exporter, m: activation.Clamp, args, kwargs, result) -> None:
-    x, rest = args[0], args[1:]
-    kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
-    if rest and isinstance(rest[-1], bool):
-        rest = rest[:-1]
-    lo, hi = activation._clamp_bounds(m.op, m.fn, rest, kwargs)
-    mult, s, q_lo, q_hi = m._derive(x.scale, lo, hi)
+    x = args[0]
+    mult, s, q_lo, q_hi = m.requantization(x, *m.bounds(*args[1:], **kwargs))
     _emit_requantize(ex, ex.name_of(x), result, m, mult, s, q_lo, q_hi)
 
 
@@ -498,8 +483,8 @@ def _window_matrix(n: int, o: int, windows: list[tuple[int, int]]) -> np.ndarray
 
 def _rule_avg_pool(ex: _Exporter, m: pooling.AvgPool, args, kwargs, result) -> None:
     x = args[0]
-    params = m._arguments(args[1:], kwargs)
-    dims = pooling._pool_dims(m, pooling._AVG, pooling._AVG_MODULES) or x.dim() - 2
+    params = m.arguments(args[1:], kwargs)
+    dims = m.pool_dims(x)
     k = _ints(params["kernel_size"], dims)
     stride = params["stride"]
     st = k if stride is None or stride == [] or stride == () else _ints(stride, dims)
@@ -512,26 +497,13 @@ def _rule_avg_pool(ex: _Exporter, m: pooling.AvgPool, args, kwargs, result) -> N
         for n, o, s, p, kk in zip(in_sizes, out_sizes, st, pad, k)
     ]
     # torch's divisor of every output position, as the integer module computes it
-    fn = pooling._AVG[dims]
-    shaped = dict(params)
-    ones = torch.ones((1, 1, *in_sizes), dtype=torch.float64)
-    if dims == 1:
-        fn = pooling._AVG[2]
-        ones = ones.unsqueeze(2)
-        shaped = {
-            kk: (pooling._as_2d(v) if kk in ("kernel_size", "stride", "padding") else v)
-            for kk, v in params.items()
-        }
-        if shaped["padding"] is not None:
-            shaped["padding"] = (0, shaped["padding"][1])
-    counts = torch.round(fn(ones, **dict(shaped, divisor_override=1)) / fn(ones, **shaped))
-    counts = counts.reshape(out_sizes)
+    counts = m.window_counts(in_sizes, params).reshape(out_sizes)
     _sum_then_requant(ex, m, x, result, axes, mats, counts)
 
 
 def _rule_adaptive_avg_pool(ex: _Exporter, m: pooling.AdaptiveAvgPool, args, kwargs, result):
     x = args[0]
-    dims = pooling._pool_dims(m, pooling._ADAPTIVE, pooling._ADAPTIVE_MODULES) or x.dim() - 2
+    dims = m.pool_dims(x)
     out_sizes = list(result.shape[-dims:])
     in_sizes = list(x.shape[-dims:])
     axes = [x.dim() - dims + i for i in range(dims)]
@@ -551,7 +523,7 @@ def _reduction(ex: _Exporter, m: nn.Module, args, kwargs, result, mean: bool) ->
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis"))
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    dims = sorted(pooling._reduce_dims(x, dim))
+    dims = sorted(pooling.reduce_dims(x, dim))
     mats = [np.ones((x.shape[d], 1), dtype=np.int64) for d in dims]
     count = math.prod(x.shape[d] for d in dims) if mean else 1
     counts = torch.full(tuple(result.shape), float(count))
@@ -590,7 +562,7 @@ def _rule_interpolate(ex: _Exporter, m: interpolate.Interpolate, args, kwargs, r
         {f"matrix_{i}": a.astype(np.int32) for i, a in enumerate(mats)},
         suffix="_sum",
     )
-    mult, s = m._derive(x.scale, dims)
+    mult, s = m.requantization(x)
     _emit_requantize(ex, name, result, m, mult, s)
 
 
@@ -633,7 +605,7 @@ def _rule_grid_sample(ex: _Exporter, m: grid_sample.GridSample, args, kwargs, re
 
 
 # -- rules: normalization and softmax -------------------------------------------------------
-def _rule_normalization(ex: _Exporter, m: normalization._Normalization, args, kwargs, result):
+def _rule_normalization(ex: _Exporter, m: normalization.Normalization, args, kwargs, result):
     x = args[0]
     if isinstance(m, normalization.LayerNorm):
         shape, eps = normalization.layer_norm_arguments(m.op, args[1:], kwargs)
@@ -1070,7 +1042,7 @@ def _rule_where(ex: _Exporter, m: where.Where, args, kwargs, result) -> None:
             constants.append(int(m.operand(value)))
             continue
         constants.append(None)
-        inputs.append(_on_output_grid(ex, m, value, m._derive, f"_operand{i}"))
+        inputs.append(_on_output_grid(ex, m, value, f"_operand{i}"))
     if id(condition) in ex.names:  # computed from the graph's inputs: the first input
         inputs.insert(0, ex.name_of(condition))
         params = {}
@@ -1100,7 +1072,7 @@ def _rule_div(ex: _Exporter, m: division.Div, args, kwargs, result) -> None:
 def _rule_extremum(ex: _Exporter, m: elementwise.Maximum, args, kwargs, result) -> None:
     a = args[0] if args else kwargs["input"]
     b = args[1] if len(args) > 1 else kwargs["other"]
-    names = [_on_output_grid(ex, m, t, m.rescale, f"_requant{i}") for i, t in enumerate((a, b))]
+    names = [_on_output_grid(ex, m, t, f"_requant{i}") for i, t in enumerate((a, b))]
     fn = "minimum" if isinstance(m, elementwise.Minimum) else "maximum"
     ex.emit("extremum", names, [result], {"fn": fn})
 

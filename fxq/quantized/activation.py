@@ -49,15 +49,28 @@ def _clamp_bounds(op: Any, fn: Any, args: tuple, kwargs: dict) -> tuple[float | 
 class Clamp(FunctionalQuantized):
     """Integer ReLU6 / Hardtanh / clamp with constant bounds."""
 
-    def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
-        kwargs.pop("inplace", None)
-        if args and isinstance(
-            args[-1], bool
-        ):  # F.relu6(x, inplace) / F.hardtanh(x, lo, hi, inplace)
+    def bounds(self, *args: Any, **kwargs: Any) -> tuple[float | None, float | None]:
+        """The float bounds ``(lo, hi)`` of a call with these arguments after the input (None:
+        unbounded on that side); ``inplace`` flags are ignored."""
+        kwargs = {k: v for k, v in kwargs.items() if k != "inplace"}
+        if args and isinstance(args[-1], bool):  # F.relu6(x, inplace) / F.hardtanh(..., inplace)
             args = args[:-1]
-        lo, hi = _clamp_bounds(self.op, self.fn, args, kwargs)
+        return _clamp_bounds(self.op, self.fn, args, kwargs)
+
+    def requantization(
+        self, x: QTensor, lo: float | None, hi: float | None
+    ) -> tuple[Tensor, Tensor, int | None, int | None]:
+        """Multiplier, shift (``M 2**-S ~ s_x / s_y``) and the integer bounds of ``lo`` and
+        ``hi`` on the output grid, for ``x``'s scale (cached per scale and bounds).
+
+        Raises:
+            TypeError / ValueError: ``x`` is not a per-tensor QTensor.
+        """
         (s_x,) = self.scale_values(x)
-        m, s, q_lo, q_hi = self.derived((s_x, lo, hi), lambda: self._derive(x.scale, lo, hi))
+        return self.derived((s_x, lo, hi), lambda: self._derive(x.scale, lo, hi))
+
+    def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
+        m, s, q_lo, q_hi = self.requantization(x, *self.bounds(*args, **kwargs))
         q = qf.requantize_exact(
             x.values(), m, s, self.out_dtype, self.rounding, None, q_lo, q_hi, as_float=True
         )

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -21,7 +23,17 @@ from fxq.quantized.base import (
     warn_rescaled,
 )
 
-__all__ = ["BatchNorm"]
+__all__ = ["BatchNorm", "AffineRequantization"]
+
+
+@dataclass(frozen=True)
+class AffineRequantization:
+    """What a BatchNorm computes with for one input scale:
+    ``Y[c] = clamp(shift_round((X W[c] + bias[c]) multiplier[c], shift[c]))``."""
+
+    bias: Tensor  # int32 at s_x s_w[c]
+    multiplier: Tensor
+    shift: Tensor
 
 
 class BatchNorm(QuantizedModule):
@@ -74,10 +86,10 @@ class BatchNorm(QuantizedModule):
         self.register_buffer("output_scale", fq.scale.detach().clone().reshape(1))
         self.input_dtype_name = qat.input_quants[0].dtype.name
         self.out_dtype_name = fq.dtype.name
-        bias, m, s = self._derive(self.input_scale)
-        self.register_buffer("bias", bias)
-        self.register_buffer("multiplier", m)
-        self.register_buffer("shift", s)
+        p = self._derive(self.input_scale)
+        self.register_buffer("bias", p.bias)
+        self.register_buffer("multiplier", p.multiplier)
+        self.register_buffer("shift", p.shift)
         self.activation = qat.activation
         self.lo = 0 if self.activation in ("relu", "relu6") else None
         self.hi = None
@@ -93,7 +105,7 @@ class BatchNorm(QuantizedModule):
     def out_dtype(self) -> QDType:
         return as_qdtype(self.out_dtype_name)
 
-    def _derive(self, s_x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _derive(self, s_x: Tensor) -> AffineRequantization:
         """The int32 bias, multiplier and shift convert gives for input scale ``s_x``."""
         acc_scale = s_x.double() * self.weight_scale.double()
         bias = qf.quantize(self.float_bias, acc_scale, qint32, self.rounding, ch_axis=0)
@@ -101,17 +113,25 @@ class BatchNorm(QuantizedModule):
         m, s = multiplier_for(
             self, real, {"input": s_x, "weight": self.weight_scale, "output": self.output_scale}
         )
-        return bias, m, s
+        return AffineRequantization(bias, m, s)
+
+    def requantization(self, x: QTensor) -> AffineRequantization:
+        """The bias, multipliers and shifts for ``x``'s scale: the module's buffers at the
+        scale it was converted for, else derived for ``x``'s scale as convert would (cached;
+        warns once, ``warn_rescaled``).
+
+        Raises:
+            fxq.quantized.functional.MultiplierRangeError: a factor does not fit the march.
+        """
+        if same_scale(x, self.input_scale):
+            return AffineRequantization(self.bias, self.multiplier, self.shift)
+        warn_rescaled(self, 0, self.input_scale, x.scale)
+        return self.derived((qf.host_float(x.scale),), lambda: self._derive(x.scale))
 
     def forward(self, x: QTensor) -> QTensor:
         check_input(self, x, 0, self.input_dtype_name)
-        if same_scale(x, self.input_scale):
-            bias, multiplier, shift = self.bias, self.multiplier, self.shift
-        else:
-            warn_rescaled(self, 0, self.input_scale, x.scale)
-            bias, multiplier, shift = self.derived(
-                (qf.host_float(x.scale),), lambda: self._derive(x.scale)
-            )
+        p = self.requantization(x)
+        bias, multiplier, shift = p.bias, p.multiplier, p.shift
         shape = [1] * x.dim()
         shape[1] = -1
         acc = x.values().to(torch.float64) * self.weight.to(torch.float64).reshape(shape)

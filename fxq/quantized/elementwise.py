@@ -12,6 +12,7 @@ cat: every input is requantized to the output scale, then concatenated.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,10 +23,22 @@ from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
 from fxq.quantized.ops_base import FunctionalQuantized
 
-__all__ = ["Add", "Sub", "Mul", "Cat", "Stack", "Maximum", "Minimum"]
+__all__ = [
+    "Add",
+    "AddRequantization",
+    "AddTerms",
+    "Sub",
+    "Mul",
+    "Cat",
+    "Stack",
+    "Maximum",
+    "Minimum",
+    "binary_operands",
+]
 
 
-def _operands(args: tuple, kwargs: dict) -> tuple[Any, Any, float]:
+def binary_operands(args: tuple, kwargs: dict) -> tuple[Any, Any, float]:
+    """``(input, other, alpha)`` of an add / sub / mul call (``alpha`` 1 where not given)."""
     a = args[0] if args else kwargs["input"]
     b = args[1] if len(args) > 1 else kwargs["other"]
     alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
@@ -36,14 +49,38 @@ def _roles(scales: list[Tensor]) -> dict[str, Tensor]:
     return {f"input {i}": s for i, s in enumerate(scales)}
 
 
+@dataclass(frozen=True)
+class AddTerms:
+    """An add / sub call as a sum: ``sum(factors[i] * tensors[i]) + scalar``."""
+
+    tensors: list[QTensor]  # the quantized operands, in call order
+    factors: list[float]  # 1.0 for ``input``, +-alpha for ``other``
+    scalar: float  # the Python-number operands, times their factors, summed
+
+
+@dataclass(frozen=True)
+class AddRequantization:
+    """What an add / sub computes with for its terms' scales:
+    ``Y = clamp(shift_round(sum(Q_i * multipliers[i]) (+ constant), shift))``."""
+
+    multipliers: list[int]  # one per quantized operand
+    shift: Tensor  # the common right shift
+    constant: Tensor | None  # the scalar term on the shifted grid; None without one
+
+
 class Add(FunctionalQuantized):
     """Integer ``input + alpha * other``."""
 
     _SIGN = 1.0
 
-    def forward(self, *args: Any, **kwargs: Any) -> QTensor:
-        a, b, alpha = _operands(args, kwargs)
-        tensors, factors, scalars = [], [], 0.0
+    def terms(self, *args: Any, **kwargs: Any) -> AddTerms:
+        """The call's operands as ``AddTerms`` (Sub negates ``other``'s factor).
+
+        Raises:
+            TypeError: an operand is a float tensor (quantize it first).
+        """
+        a, b, alpha = binary_operands(args, kwargs)
+        tensors, factors, scalar = [], [], 0.0
         for value, factor in ((a, 1.0), (b, self._SIGN * alpha)):
             if isinstance(value, QTensor):
                 tensors.append(value)
@@ -53,18 +90,31 @@ class Add(FunctionalQuantized):
                     f"{type(self).__name__} {self.name!r} got a float tensor; expected QTensors"
                 )
             else:
-                scalars += float(value) * factor
-        scales = self.scale_values(*tensors)
-        ms, n, constant = self.derived(
-            (scales, tuple(factors), scalars),
-            lambda: self._derive([t.scale for t in tensors], factors, scalars),
+                scalar += float(value) * factor
+        return AddTerms(tensors, factors, scalar)
+
+    def requantization(self, terms: AddTerms) -> AddRequantization:
+        """Multipliers, shift and constant for the terms' scales (cached per scale).
+
+        Raises:
+            TypeError / ValueError: an operand is not a per-tensor QTensor.
+            fxq.quantized.functional.MultiplierRangeError: a ratio does not fit the march.
+        """
+        scales = self.scale_values(*terms.tensors)
+        return self.derived(
+            (scales, tuple(terms.factors), terms.scalar),
+            lambda: self._derive([t.scale for t in terms.tensors], terms.factors, terms.scalar),
         )
-        terms = [(t.values(), m) for t, m in zip(tensors, ms)]
-        return self.wrap(qf.add_requant(terms, constant, n, self.out_dtype, self.rounding))
+
+    def forward(self, *args: Any, **kwargs: Any) -> QTensor:
+        terms = self.terms(*args, **kwargs)
+        p = self.requantization(terms)
+        values = [(t.values(), m) for t, m in zip(terms.tensors, p.multipliers)]
+        return self.wrap(qf.add_requant(values, p.constant, p.shift, self.out_dtype, self.rounding))
 
     def _derive(
         self, scales: list[Tensor], factors: list[float], scalars: float
-    ) -> tuple[list[int], Tensor, Tensor | None]:
+    ) -> AddRequantization:
         """Multipliers (one per tensor), the common shift and the scalar term for these scales."""
         s_y = self.output_scale.to(torch.float64)
         ratios = [qf.scale_ratio(s, s_y) * f for s, f in zip(scales, factors)]
@@ -79,7 +129,7 @@ class Add(FunctionalQuantized):
             constant = torch.floor(
                 qf.ldexp(torch.tensor(scalars, dtype=torch.float64) / s_y.cpu(), n.cpu()) + 0.5
             )
-        return [int(m.reshape(-1)[0]) for m in ms], n, constant
+        return AddRequantization([int(m.reshape(-1)[0]) for m in ms], n, constant)
 
 
 class Sub(Add):
@@ -91,18 +141,31 @@ class Sub(Add):
 class Mul(FunctionalQuantized):
     """Integer ``input * other``."""
 
-    def forward(self, *args: Any, **kwargs: Any) -> QTensor:
-        a, b, _ = _operands(args, kwargs)
+    def requantization(self, a: Any, b: Any) -> tuple[Tensor, Tensor]:
+        """Multiplier and shift for operands ``a``, ``b`` (two QTensors, or a QTensor and a
+        Python number ``c``): ``M 2**-S ~ s_a s_b / s_y``, or ``s_q |c| / s_y`` (the sign of
+        ``c`` negates the operand). Cached per scale (and ``c``).
+
+        Raises:
+            TypeError / ValueError: a tensor operand is not a per-tensor QTensor.
+            fxq.quantized.functional.MultiplierRangeError: the factor does not fit the march.
+        """
         if isinstance(a, QTensor) and isinstance(b, QTensor):
             key = self.scale_values(a, b)
-            m, s = self.derived(key, lambda: self._derive([a.scale, b.scale], 1.0))
+            return self.derived(key, lambda: self._derive([a.scale, b.scale], 1.0))
+        q, c = (a, b) if isinstance(a, QTensor) else (b, a)
+        c = float(c)
+        key = (*self.scale_values(q), c)
+        return self.derived(key, lambda: self._derive([q.scale], abs(c)))
+
+    def forward(self, *args: Any, **kwargs: Any) -> QTensor:
+        a, b, _ = binary_operands(args, kwargs)
+        m, s = self.requantization(a, b)
+        if isinstance(a, QTensor) and isinstance(b, QTensor):
             product = a.values().to(torch.float64) * b.values().to(torch.float64)
         else:
             q, c = (a, b) if isinstance(a, QTensor) else (b, a)
-            c = float(c)
-            key = (*self.scale_values(q), c)
-            m, s = self.derived(key, lambda: self._derive([q.scale], abs(c)))
-            product = q.values().to(torch.float64) * (-1.0 if c < 0 else 1.0)
+            product = q.values().to(torch.float64) * (-1.0 if float(c) < 0 else 1.0)
         return self.wrap(
             qf.requantize_exact(product, m, s, self.out_dtype, self.rounding, as_float=True)
         )
@@ -117,7 +180,7 @@ class Mul(FunctionalQuantized):
 
 
 class Cat(FunctionalQuantized):
-    """Integer ``torch.cat``: inputs requantized to the output scale."""
+    """Integer ``torch.cat``: inputs requantized to the output scale (``rescale``)."""
 
     _JOIN = staticmethod(torch.cat)
 
@@ -129,17 +192,13 @@ class Cat(FunctionalQuantized):
             if torch.equal(t.scale, s_y) and t.qdtype is self.out_dtype:
                 datas.append(t.values())
             else:
-                m, n = self.derived((s,), lambda t=t: self._derive(t.scale))
+                m, n = self.derived((s,), lambda t=t: self.rescale(t.scale))
                 datas.append(
                     qf.requantize_exact(
                         t.values(), m, n, self.out_dtype, self.rounding, as_float=True
                     )
                 )
         return self.wrap(self._JOIN(datas, dim))
-
-    def _derive(self, s_x: Tensor) -> tuple[Tensor, Tensor]:
-        s_y = self.output_scale
-        return multiplier_for(self, qf.scale_ratio(s_x, s_y), {"input": s_x, "output": s_y})
 
 
 class Stack(Cat):
@@ -169,11 +228,6 @@ class Maximum(FunctionalQuantized):
                 qf.requantize_exact(t.values(), m, n, self.out_dtype, self.rounding, as_float=True)
             )
         return self.wrap(self._PICK(*values))
-
-    def rescale(self, s_x: Tensor) -> tuple[Tensor, Tensor]:
-        """Multiplier and shift of ``s_x / s_y``."""
-        s_y = self.output_scale
-        return multiplier_for(self, qf.scale_ratio(s_x, s_y), {"input": s_x, "output": s_y})
 
 
 class Minimum(Maximum):

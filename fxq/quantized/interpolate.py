@@ -55,6 +55,17 @@ class Interpolate(FunctionalQuantized):
         real = s_x.to(torch.float64) / (float(1 << (qf.INTERP_FRACTION_BITS * dims)) * s_y)
         return multiplier_for(self, real, {"input": s_x, "output": s_y})
 
+    def requantization(self, x: QTensor) -> tuple[Tensor, Tensor]:
+        """Multiplier and shift of the output (``M 2**-S ~ s_x / (2**(8 d) s_y)`` for the
+        ``d = x.dim() - 2`` resampled axes) for ``x``'s scale (cached per scale).
+
+        Raises:
+            TypeError / ValueError: ``x`` is not a per-tensor QTensor.
+        """
+        dims = x.dim() - 2
+        (s_x,) = self.scale_values(x)
+        return self.derived((s_x, dims), lambda: self._derive(x.scale, dims))
+
     def plan(
         self, in_sizes: list[int], args: tuple, kwargs: dict
     ) -> tuple[list[int], list[float | None], bool]:
@@ -91,8 +102,7 @@ class Interpolate(FunctionalQuantized):
         acc = x.values().to(torch.float64)
         for d in range(dims):
             acc = _resample_axis(acc, 2 + d, out_sizes[d], scales[d], align)
-        (s_x,) = self.scale_values(x)
-        m, s = self.derived((s_x, dims), lambda: self._derive(x.scale, dims))
+        m, s = self.requantization(x)
         return self.wrap(
             qf.requantize_exact(acc, m, s, self.out_dtype, self.rounding, as_float=True)
         )

@@ -28,10 +28,21 @@ def _matmul(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 class MatMul(FunctionalQuantized):
     """Integer ``a @ b`` (``torch.matmul`` / ``torch.bmm`` / ``@``)."""
 
-    def forward(self, a: QTensor, b: QTensor) -> QTensor:
+    def requantization(self, a: QTensor, b: QTensor) -> tuple[qf.AccumulationPlan, Tensor, Tensor]:
+        """The accumulation plan, multiplier and shift (``M 2**-S ~ s_a s_b / s_y``) for these
+        operands' dtypes, scales and inner size ``k = a.shape[-1]`` (cached per them).
+
+        Raises:
+            TypeError / ValueError: an operand is not a per-tensor QTensor.
+            fxq.quantized.functional.MultiplierRangeError: the factor does not fit the march.
+        """
         k = a.shape[-1]
         key = (*self.scale_values(a, b), a.qdtype.bits, b.qdtype.bits, k)
-        plan, m, s = self.derived(key, lambda: self._derive(a, b, k))
+        return self.derived(key, lambda: self._derive(a, b, k))
+
+    def forward(self, a: QTensor, b: QTensor) -> QTensor:
+        k = a.shape[-1]
+        plan, m, s = self.requantization(a, b)
         acc = qf.accumulate(_matmul, a.values(), b.values(), None, plan)
         if plan.bound >= 1 << 31 or plan.limbs > 1:
             warn_if_saturated(self, acc, lambda: self._saturation_cause(a, b, k))

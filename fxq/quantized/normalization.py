@@ -31,6 +31,7 @@ from fxq.quantized.base import check_input, multiplier_for, require_finite
 from fxq.quantized.ops_base import FunctionalQuantized
 
 __all__ = [
+    "Normalization",
     "LayerNorm",
     "GroupNorm",
     "L2Normalize",
@@ -99,7 +100,7 @@ class NormPlan:
     shift: Tensor
 
 
-class _Normalization(FunctionalQuantized):
+class Normalization(FunctionalQuantized):
     """Shared by LayerNorm and GroupNorm: the int8 affine weight, its scale and the float bias."""
 
     def __init__(self, qat: nn.Module) -> None:
@@ -165,7 +166,7 @@ class _Normalization(FunctionalQuantized):
         return out.clamp_(dt.qmin, dt.qmax).to(torch.float32)
 
 
-class LayerNorm(_Normalization):
+class LayerNorm(Normalization):
     """Integer ``nn.LayerNorm`` / ``F.layer_norm`` (the float affine of ``F.layer_norm`` must be
     absent: the registry keeps a functional call with weight tensors in float)."""
 
@@ -183,7 +184,7 @@ class LayerNorm(_Normalization):
         return self.wrap(self.normalize(rows, plan, [n], x.shape))
 
 
-class GroupNorm(_Normalization):
+class GroupNorm(Normalization):
     """Integer ``nn.GroupNorm`` / ``F.group_norm`` (no weight tensors in the functional form)."""
 
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from fxq.dtypes import QDType, as_qdtype
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
-from fxq.quantized.base import QuantizedModule, check_input, warn_rescaled
+from fxq.quantized.base import QuantizedModule, check_input, multiplier_for, warn_rescaled
 
 __all__ = ["FunctionalQuantized"]
 
@@ -88,6 +88,18 @@ class FunctionalQuantized(QuantizedModule):
 
     def wrap(self, q: Tensor) -> QTensor:
         return QTensor(q, self.output_scale, self.out_dtype)
+
+    def rescale(self, s_x: Tensor) -> tuple[Tensor, Tensor]:
+        """Multiplier and shift that move an input of scale ``s_x`` onto the output grid
+        (``M 2**-S ~ s_x / s_y``): what cat, stack, maximum / minimum and where do to each
+        operand whose scale or dtype is not the output's, and what their export rules emit.
+
+        Raises:
+            fxq.quantized.functional.MultiplierRangeError: the ratio does not fit the march's
+                multiplier (the message names the layer and both scales).
+        """
+        s_y = self.output_scale
+        return multiplier_for(self, qf.scale_ratio(s_x, s_y), {"input": s_x, "output": s_y})
 
     def extra_repr(self) -> str:
         name = getattr(self.fn, "__name__", None)

@@ -19,7 +19,15 @@ from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
 from fxq.quantized.ops_base import FunctionalQuantized
 
-__all__ = ["AvgPool", "AdaptiveAvgPool", "Mean", "Sum", "window_sums_adaptive"]
+__all__ = [
+    "AVG_POOL_PARAMS",
+    "AvgPool",
+    "AdaptiveAvgPool",
+    "Mean",
+    "Sum",
+    "reduce_dims",
+    "window_sums_adaptive",
+]
 
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 _AVG_MODULES = {1: nn.AvgPool1d, 2: nn.AvgPool2d, 3: nn.AvgPool3d}
@@ -69,7 +77,8 @@ def _pool_dims(module: FunctionalQuantized, ops: dict[int, Any], modules: dict[i
     return 0
 
 
-_AVG_PARAMS = (
+#: torch's ``avg_pool1d/2d/3d`` arguments after the input, in order
+AVG_POOL_PARAMS = (
     "kernel_size",
     "stride",
     "padding",
@@ -94,42 +103,67 @@ def _as_2d(value: Any) -> Any:
     return (1, v)
 
 
+def _params_2d(params: dict[str, Any]) -> dict[str, Any]:
+    """1-d ``avg_pool`` arguments as those of a 2-d pooling of a height-1 image."""
+    out = {
+        k: (_as_2d(v) if k in ("kernel_size", "stride", "padding") else v)
+        for k, v in params.items()
+    }
+    if out["padding"] is not None:
+        out["padding"] = (0, out["padding"][1])
+    return out
+
+
 class AvgPool(FunctionalQuantized):
     """Integer ``avg_pool1d/2d/3d`` with torch's padding and ``ceil_mode`` counting."""
 
-    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+    def arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The pooling arguments (``AVG_POOL_PARAMS``, torch's defaults filled in) of a call
+        with ``args`` / ``kwargs`` after the input, or of the wrapped ``nn.AvgPool*d``."""
         if self.op is not None:
             m = self.op
-            params = {k: getattr(m, k, _AVG_DEFAULTS.get(k)) for k in _AVG_PARAMS}
+            params = {k: getattr(m, k, _AVG_DEFAULTS.get(k)) for k in AVG_POOL_PARAMS}
         else:
             params = dict(_AVG_DEFAULTS)
-            params.update(zip(_AVG_PARAMS, args))
+            params.update(zip(AVG_POOL_PARAMS, args))
             params.update(kwargs)
         return params
 
+    def pool_dims(self, x: QTensor) -> int:
+        """1, 2 or 3: the spatial dims pooled (from the op; else ``x.dim() - 2``)."""
+        return _pool_dims(self, _AVG, _AVG_MODULES) or x.dim() - 2
+
+    @staticmethod
+    def window_counts(in_sizes: list[int], params: dict[str, Any]) -> Tensor:
+        """torch's divisor of every output position (padding, ``ceil_mode`` and
+        ``count_include_pad`` as torch counts them) for spatial input sizes ``in_sizes`` and
+        the pooling arguments ``params`` (``arguments``): float64 on the host, shaped
+        ``(1, 1, *output_sizes)``. Depends on shapes only.
+        """
+        one_d = len(in_sizes) == 1
+        if one_d:  # avg_pool1d has no divisor_override: a height-1 image
+            in_sizes, params = [1, *in_sizes], _params_2d(params)
+        fn = _AVG[len(in_sizes)]
+        ones = torch.ones((1, 1, *in_sizes), dtype=torch.float64)
+        counts = torch.round(fn(ones, **dict(params, divisor_override=1)) / fn(ones, **params))
+        return counts.squeeze(2) if one_d else counts
+
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
-        params = self._arguments(args, kwargs)
+        params = self.arguments(args, kwargs)
         data = x.values()
-        dims = _pool_dims(self, _AVG, _AVG_MODULES) or data.dim() - 2
+        dims = self.pool_dims(x)
         unbatched = data.dim() == dims + 1  # (C, *spatial), as torch's pooling accepts
         if unbatched:
             data = data.unsqueeze(0)
+        counts = self.window_counts(list(data.shape[2:]), params)  # shapes only: host
         one_d = dims == 1
         if one_d:  # avg_pool1d has no divisor_override: pool a height-1 image instead
             data = data.unsqueeze(2)
-            params = {
-                k: (_as_2d(v) if k in ("kernel_size", "stride", "padding") else v)
-                for k, v in params.items()
-            }
-            if params["padding"] is not None:
-                params["padding"] = (0, params["padding"][1])
+            params = _params_2d(params)
         fn = _AVG[data.dim() - 2]
-        summed = dict(params, divisor_override=1)
-        ones = torch.ones((1, 1, *data.shape[2:]), dtype=torch.float64)  # shapes only: host
-        counts = torch.round(fn(ones, **summed) / fn(ones, **params))  # torch's divisor per output
-        sums = fn(data.to(torch.float64), **summed)
+        sums = fn(data.to(torch.float64), **dict(params, divisor_override=1))
         if one_d:
-            sums, counts = sums.squeeze(2), counts.squeeze(2)
+            sums = sums.squeeze(2)
         if unbatched:
             sums, counts = sums.squeeze(0), counts.squeeze(0)
         return _requant_by_count(self, sums, counts, x)
@@ -170,18 +204,24 @@ def window_sums_adaptive(
 class AdaptiveAvgPool(FunctionalQuantized):
     """Integer ``adaptive_avg_pool1d/2d/3d`` (batched or unbatched input, as in torch)."""
 
+    def pool_dims(self, x: QTensor) -> int:
+        """1, 2 or 3: the spatial dims pooled (from the op; else ``x.dim() - 2``)."""
+        return _pool_dims(self, _ADAPTIVE, _ADAPTIVE_MODULES) or x.dim() - 2
+
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
         if self.op is not None:
             size = self.op.output_size
         else:
             size = args[0] if args else kwargs["output_size"]
-        dims = _pool_dims(self, _ADAPTIVE, _ADAPTIVE_MODULES) or x.dim() - 2
+        dims = self.pool_dims(x)
         size = (size,) * dims if isinstance(size, int) or size is None else tuple(size)
         sums, counts = window_sums_adaptive(x.values(), size, expand=False)
         return _requant_by_count(self, sums, counts, x)
 
 
-def _reduce_dims(x: QTensor, dim: Any) -> list[int]:
+def reduce_dims(x: QTensor, dim: Any) -> list[int]:
+    """The non-negative dims a ``mean`` / ``sum`` over ``dim`` (an int, a sequence, or None
+    for all) of ``x`` reduces."""
     if dim is None:
         return list(range(x.dim()))
     dims = [dim] if isinstance(dim, int) else list(dim)
@@ -192,7 +232,7 @@ class Mean(FunctionalQuantized):
     """Integer ``mean(dim, keepdim)``."""
 
     def forward(self, x: QTensor, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> QTensor:
-        dims = _reduce_dims(x, kwargs.pop("axis", dim))
+        dims = reduce_dims(x, kwargs.pop("axis", dim))
         count = math.prod(x.shape[d] for d in dims)
         sums = x.values().to(torch.float64).sum(dims, keepdim=keepdim)
         return _requant_by_count(self, sums, torch.tensor(float(count), dtype=torch.float64), x)
@@ -202,6 +242,6 @@ class Sum(FunctionalQuantized):
     """Integer ``sum(dim, keepdim)``."""
 
     def forward(self, x: QTensor, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> QTensor:
-        dims = _reduce_dims(x, kwargs.pop("axis", dim))
+        dims = reduce_dims(x, kwargs.pop("axis", dim))
         sums = x.values().to(torch.float64).sum(dims, keepdim=keepdim)
         return _requant_by_count(self, sums, torch.ones((), dtype=torch.float64), x)

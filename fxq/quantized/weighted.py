@@ -37,6 +37,9 @@ from fxq.quantized.base import (
 )
 
 __all__ = [
+    "ConvNd",
+    "Requantization",
+    "Weighted",
     "Conv1d",
     "Conv2d",
     "Conv3d",
@@ -118,7 +121,7 @@ class Requantization:
     """Everything a weighted layer derives from its input scale(s).
 
     At the scales it was converted for these are the module's buffers; for
-    other input scales ``_Weighted.requantization`` derives them again, the same
+    other input scales ``Weighted.requantization`` derives them again, the same
     way, and caches them per scale.
     """
 
@@ -136,8 +139,9 @@ def _magnitude(v: float) -> str:
     return f"{v:,.0f} (2^{math.log2(v):.1f})" if v >= 1 else f"{v:g}"
 
 
-class _Weighted(QuantizedModule):
-    """Shared implementation; subclasses provide ``_op`` and ``_channel_axis``."""
+class Weighted(QuantizedModule):
+    """Base of the integer Linear and convolutions; subclasses provide ``_op`` and
+    ``_channel_axis``. What forward computes with for given inputs is ``requantization``."""
 
     _channel_axis = 1
 
@@ -203,7 +207,7 @@ class _Weighted(QuantizedModule):
             )
             self.hi = int(qf.round_float(six, self.rounding).item()) - k
 
-    def _check_offset_input(self) -> None:  # what takes a shifted input: see _Conv
+    def _check_offset_input(self) -> None:  # what takes a shifted input: see ConvNd
         pass
 
     def _input_values(self, x: QTensor) -> Tensor:
@@ -288,7 +292,7 @@ class _Weighted(QuantizedModule):
 
     def requantization(
         self, x: QTensor, residual: QTensor | None = None
-    ) -> _Weighted | Requantization:
+    ) -> Weighted | Requantization:
         """The parameters for the inputs' scales: the module itself (its buffers) at the
         scales it was converted for, else ``Requantization`` derived for them (cached).
 
@@ -337,7 +341,7 @@ class _Weighted(QuantizedModule):
         return self._accumulator(x, residual, self.requantization(x, residual))
 
     def _accumulator(
-        self, x: QTensor, residual: QTensor | None, p: _Weighted | Requantization
+        self, x: QTensor, residual: QTensor | None, p: Weighted | Requantization
     ) -> Tensor:
         acc = qf.accumulate(
             self._op, self._input_values(x), self.weight, p.bias, p.plan, self._channel_axis
@@ -389,7 +393,7 @@ class _Weighted(QuantizedModule):
             q = qf.requantize_exact(acc, p.multiplier, p.shift, *args, as_float=True)
         return QTensor(q, self.output_scale, self.out_dtype, offset=self.output_offset)
 
-    def _saturation_cause(self, p: _Weighted | Requantization, x: QTensor) -> str:
+    def _saturation_cause(self, p: Weighted | Requantization, x: QTensor) -> str:
         """What the accumulator sums (operand dtypes, worst cases) and what to do."""
         products = (1 << (self.input_bits - 1)) * self.weight_l1
         bias = float(p.bias.abs().max()) if p.bias is not None and p.bias.numel() else 0.0
@@ -424,7 +428,7 @@ class _Weighted(QuantizedModule):
         return text + ", or keep the layer in float with a qconfig of None"
 
     @classmethod
-    def from_qat(cls, qat: nn.Module) -> _Weighted:
+    def from_qat(cls, qat: nn.Module) -> Weighted:
         return cls(qat)
 
     def fused_description(self) -> str:
@@ -467,14 +471,23 @@ def _tuple(v, d: int) -> tuple[int, ...]:
     return (int(v),) * d
 
 
-class _Conv(_Weighted):
-    _DIM = 2
-    _TRANSPOSED = False
+class ConvNd(Weighted):
+    """Base of the integer convolutions and transposed convolutions.
+
+    Attributes:
+        spatial_dims: 1, 2 or 3 (set by each subclass); a batched input has
+            ``spatial_dims + 2`` dims.
+        transposed: whether it is a ``ConvTranspose*d`` (its weight is stored in torch's
+            transposed layout; ``weight_out_major`` gives it output channel first).
+    """
+
+    spatial_dims: int = 2
+    transposed: bool = False
 
     @property
     def _channel_axis(self) -> int:
         """The output channel axis counted from the end, so unbatched inputs work too."""
-        return -(self._DIM + 1)
+        return -(self.spatial_dims + 1)
 
     def __init__(self, qat: nn.Module) -> None:
         self.stride = qat.stride
@@ -489,8 +502,8 @@ class _Conv(_Weighted):
         super().__init__(qat)
 
     def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-        if self._TRANSPOSED:
-            return _CONVT[self._DIM](
+        if self.transposed:
+            return _CONVT[self.spatial_dims](
                 x, w, b, self.stride, self.padding, self.output_padding, self.groups, self.dilation
             )
         if self.padding_mode != "zeros":
@@ -499,25 +512,25 @@ class _Conv(_Weighted):
         else:
             padding = 0 if self.input_offset else self.padding  # padded in _input_values
         depthwise = self.groups > 1 and w.shape[1] == 1  # torch's CUDA kernel: direct, exact
-        if x.device.type == "cuda" and x.dim() == self._DIM + 2 and not depthwise:
-            d = self._DIM
+        if x.device.type == "cuda" and x.dim() == self.spatial_dims + 2 and not depthwise:
+            d = self.spatial_dims
             pads = [[0, 0]] * d if padding == 0 else self.zero_padding()
             return qf.conv_as_gemm(
                 x, w, b, _tuple(self.stride, d), pads, _tuple(self.dilation, d), self.groups
             )
-        return _CONV[self._DIM](x, w, b, self.stride, padding, self.dilation, self.groups)
+        return _CONV[self.spatial_dims](x, w, b, self.stride, padding, self.dilation, self.groups)
 
     def _check_offset_input(self) -> None:
-        if self._TRANSPOSED or self.padding_mode != "zeros":
+        if self.transposed or self.padding_mode != "zeros":
             raise ValueError(
                 f"{type(self).__name__} {self.name!r}: an input stored with an offset needs a "
                 f"convolution that pads with zeros (this one is "
-                f"{'transposed' if self._TRANSPOSED else self.padding_mode})"
+                f"{'transposed' if self.transposed else self.padding_mode})"
             )
 
     def zero_padding(self) -> list[list[int]]:
         """``[before, after]`` per spatial axis of the zero padding (first axis first)."""
-        d = self._DIM
+        d = self.spatial_dims
         if isinstance(self.padding, str):
             if self.padding == "valid":
                 return [[0, 0]] * d
@@ -539,52 +552,52 @@ class _Conv(_Weighted):
         return F.pad(v, pads, value=float(-self.input_offset))
 
     def weight_out_major(self) -> Tensor:
-        return qf.swap_group_axes(self.weight, self.groups) if self._TRANSPOSED else self.weight
+        return qf.swap_group_axes(self.weight, self.groups) if self.transposed else self.weight
 
     def _hyper(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, kernel_size={tuple(self.weight.shape[2:])}, stride={self.stride}, groups={self.groups}"
 
 
-class Conv1d(_Conv):
+class Conv1d(ConvNd):
     """Integer Conv1d."""
 
-    _DIM = 1
+    spatial_dims = 1
 
 
-class Conv2d(_Conv):
+class Conv2d(ConvNd):
     """Integer Conv2d."""
 
-    _DIM = 2
+    spatial_dims = 2
 
 
-class Conv3d(_Conv):
+class Conv3d(ConvNd):
     """Integer Conv3d."""
 
-    _DIM = 3
+    spatial_dims = 3
 
 
-class ConvTranspose1d(_Conv):
+class ConvTranspose1d(ConvNd):
     """Integer ConvTranspose1d."""
 
-    _DIM = 1
-    _TRANSPOSED = True
+    spatial_dims = 1
+    transposed = True
 
 
-class ConvTranspose2d(_Conv):
+class ConvTranspose2d(ConvNd):
     """Integer ConvTranspose2d."""
 
-    _DIM = 2
-    _TRANSPOSED = True
+    spatial_dims = 2
+    transposed = True
 
 
-class ConvTranspose3d(_Conv):
+class ConvTranspose3d(ConvNd):
     """Integer ConvTranspose3d."""
 
-    _DIM = 3
-    _TRANSPOSED = True
+    spatial_dims = 3
+    transposed = True
 
 
-class Linear(_Weighted):
+class Linear(Weighted):
     """Integer Linear."""
 
     _channel_axis = -1

@@ -15,7 +15,6 @@ from torch import Tensor
 
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
-from fxq.quantized.base import multiplier_for
 from fxq.quantized.ops_base import FunctionalQuantized
 
 __all__ = ["Where", "where_operands"]
@@ -40,7 +39,7 @@ class Where(FunctionalQuantized):
             if torch.equal(value.scale, s_y) and value.qdtype is self.out_dtype:
                 return value.values()
             (s_x,) = self.scale_values(value)
-            m, s = self.derived(("operand", s_x), lambda: self._derive(value.scale))
+            m, s = self.derived(("operand", s_x), lambda: self.rescale(value.scale))
             return qf.requantize_exact(
                 value.values(), m, s, self.out_dtype, self.rounding, as_float=True
             )
@@ -57,10 +56,6 @@ class Where(FunctionalQuantized):
         return qf.quantize(value, self.output_scale, self.out_dtype, self.rounding).to(
             torch.float32
         )
-
-    def _derive(self, s_x: Tensor) -> tuple[Tensor, Tensor]:
-        s_y = self.output_scale
-        return multiplier_for(self, qf.scale_ratio(s_x, s_y), {"input": s_x, "output": s_y})
 
     def forward(self, *args: Any, **kwargs: Any) -> QTensor:
         condition, a, b = where_operands(args, kwargs)
