@@ -41,7 +41,8 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   5. **transformers** (a graph where a LayerNorm feeds a linear layer): before the pass,
      each LayerNorm whose output only linear layers read moves its per-channel spread into
      their weights (``smooth=True``, ``fxq.calibration.smooth``, SmoothQuant; pre-norm
-     blocks); after it, the ranges of the residual stream before each normalization (the
+     blocks; in post-norm blocks the linear layer that adds it back as its residual,
+     ``linear_add``, takes the factor on that residual); after it, the ranges of the residual stream before each normalization (the
      adds and the layers writing into them) are clipped where the error after that
      normalization is smaller (``search_ranges``, ``fxq.calibration.range_search``; a few
      extreme values, such as BERT's first-token outliers, otherwise take every level from
@@ -342,7 +343,8 @@ def ptq(
             after the calibration pass, before any learned rounding); ``None``: where a
             normalization layer feeds a linear layer (transformers), never in CNNs.
         smooth: for ``"default"`` and ``"best"``, move the per-channel spread of each
-            LayerNorm output that only linear layers read into their weights
+            LayerNorm output that only linear layers read (as input, or as the residual of
+            a fused ``linear_add``) into their weights (and residual factors)
             (``fxq.calibration.smooth``, SmoothQuant; before the calibration pass, with a
             float pass of its own; nothing to do in models without such a LayerNorm).
         num_batches: use only the first batches.
