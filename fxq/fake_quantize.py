@@ -911,11 +911,15 @@ def training_rounding(model: nn.Module) -> Iterator[nn.Module]:
 
 
 def weight_quants(model: nn.Module) -> list[FakeQuantize]:
-    """The weights' fake quants (the ``weight_fake_quant`` of ``model``'s QAT modules)."""
+    """The weights' fake quants: the ``weight_fake_quant`` of ``model``'s QAT modules and
+    their other ``*_weight_fake_quant`` children (``nn.MultiheadAttention``'s
+    ``in_proj_weight_fake_quant`` and ``out_proj_weight_fake_quant``)."""
     return [
-        m.weight_fake_quant
+        child
         for m in model.modules()
-        if isinstance(getattr(m, "weight_fake_quant", None), FakeQuantize)
+        for name, child in m.named_children()
+        if isinstance(child, FakeQuantize)
+        and (name == "weight_fake_quant" or name.endswith("_weight_fake_quant"))
     ]
 
 

@@ -552,3 +552,29 @@ def test_calibration_outputs_are_the_float_models(bayes, pretrained):
     bypassed = _outputs(prepared, calib, None, fxq.fake_quantize.bypass)
     assert len(recorded) == len(bypassed) == _COMPARED_BATCHES == 1
     assert all(torch.equal(a, b) for a, b in zip(recorded, bypassed))
+
+
+def test_ptq_default_on_a_torchvision_vit_keeps_per_channel_attention_weights(bayes):
+    """``nn.MultiheadAttention``'s projection weights have fake quants of their own names
+    (``in_proj_weight_fake_quant``): ``ptq`` once took them for activations, swapped in a
+    per-tensor observer, and the range search then failed ("The size of tensor a (32) must
+    match the size of tensor b (0)")."""
+    from tests.helpers import assert_validation_equals_converted
+    from tests.models.test_model_families import CASES
+
+    case = CASES["vit (torchvision VisionTransformer)"]
+    torch.manual_seed(0)
+    model = case.build().eval()
+    with torch.no_grad():  # torchvision zeroes the head
+        model.heads.head.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(case.shape, generator=g) for _ in range(3)]
+    prepared = fxq.prepare_qat_fx(model, {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
+    ptq(prepared, data, show_progress=False)
+    attention = [m for m in prepared.modules() if hasattr(m, "in_proj_weight_fake_quant")]
+    assert attention and all(
+        m.in_proj_weight_fake_quant.scale.shape == (3 * m.op.embed_dim,) for m in attention
+    )
+    assert_validation_equals_converted(prepared, data)
+    with torch.no_grad():
+        assert sqnr(model(data[0]), fxq.convert_fx(prepared)(data[0])) > 15
