@@ -37,7 +37,7 @@ import numpy as np
 
 from .graph import IntegerGraph, Node
 from .onnx_float import FLOAT_WRITERS
-from .onnx_requant import F32Plan, plan_f32_requant, write_f32_requant
+from .onnx_requant import F32Plan, MulPlan, plan_f32_requant, plan_mul_requant, write_f32_requant
 
 __all__ = ["IntegerWriter", "OPSET"]
 
@@ -327,7 +327,7 @@ class IntegerWriter:
 
     def _plan_f32(
         self, node: Node, rank: int, axis: int, bound: int
-    ) -> tuple[F32Plan, tuple[np.ndarray, np.ndarray] | None] | None:
+    ) -> tuple[F32Plan | MulPlan, tuple[np.ndarray, np.ndarray] | None] | None:
         """The float32 requantization of conv / linear / affine for an accumulator of exact
         integers with the bias in (``|acc| <= bound``), as ``fxq.export.onnx_requant`` plans
         it, and the residual term's float32 multiplier and shift; None where that plan does
@@ -350,6 +350,10 @@ class IntegerWriter:
             bound += int((-(-rmax // (np.int64(1) << rs))).max()) + 1
             term = (np.ldexp(rm.astype(np.float64), -rs).astype(np.float32), rs)
         lo, hi = _bounds(a["out_dtype"], a["lo"], a["hi"])
+        if a["out_dtype"] == "int8":  # one Mul and QuantizeLinear where that is exact
+            fast = plan_mul_requant(p["multiplier"], p["shift"], bound, lo, hi)
+            if fast is not None:
+                return fast, term
         plan = plan_f32_requant(
             p["multiplier"], p["shift"], bound, lo, hi, a["out_dtype"] == "int8"
         )
@@ -362,7 +366,7 @@ class IntegerWriter:
         rank: int,
         axis: int,
         out: str,
-        planned: tuple[F32Plan, tuple[np.ndarray, np.ndarray] | None],
+        planned: tuple[F32Plan | MulPlan, tuple[np.ndarray, np.ndarray] | None],
         scaled: bool = False,
     ) -> None:
         """``_finish`` in float32 for a float32 accumulator ``acc`` (scaled by ``2**-k``

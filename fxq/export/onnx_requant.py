@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["F32Plan", "plan_f32_requant", "write_f32_requant"]
+__all__ = ["F32Plan", "MulPlan", "plan_f32_requant", "plan_mul_requant", "write_f32_requant"]
 
 _EXACT = 1 << 24  # float32 holds every integer below 2**24
 
@@ -64,6 +64,111 @@ class F32Plan:
     low: np.ndarray | None
     high: np.ndarray | None
     in_range: bool
+
+
+@dataclass(frozen=True)
+class MulPlan:
+    """The two-op requantization ``QuantizeLinear(acc c + e, 1)`` of ``plan_mul_requant``
+    (arrays per channel).
+
+    Attributes:
+        scale: ``c``, float32.
+        tie: ``e``, float32, or None (no ``Add``).
+        split: all 0 (nothing folded into the conv's weights; as ``F32Plan.split``).
+    """
+
+    scale: np.ndarray
+    tie: np.ndarray | None
+    split: np.ndarray
+
+
+def _mul_checks(m: np.ndarray, s: np.ndarray, lo: int, hi: int, v: int) -> np.ndarray:
+    """Per channel (rows), the accumulators in ``[-v, v]`` on both sides of every step of
+    ``clamp(floor((acc m + h) / 2**s), lo, hi)`` and the two ends."""
+    h = np.where(s > 0, np.int64(1) << np.maximum(s - 1, 0), 0)[:, None]
+    n = np.arange(lo + 1, hi + 1, dtype=np.int64)[None, :]
+    mm = np.where(m == 0, 1, m)[:, None]
+    q = ((n << s[:, None]) - h) // mm  # floor of the step's real position
+    cand = np.concatenate([q - 1, q, q + 1, q + 2], 1)
+    ends = np.broadcast_to(np.array([-v, 0, v], np.int64), (m.size, 3))
+    return np.clip(np.concatenate([cand, ends], 1), -v, v)
+
+
+def _mul_ok(
+    acc: np.ndarray, exact: np.ndarray, c: np.ndarray, e: np.ndarray | None, lo: int, hi: int
+) -> np.ndarray:
+    """Which rows give ``exact`` as onnxruntime computes ``QuantizeLinear(acc c + e, 1)``
+    (IEEE float32 products and sums, round half to even, int8 saturation), then the
+    clamp."""
+    x = acc.astype(np.float32) * c[:, None]
+    if e is not None:
+        x = x + e[:, None]
+    y = np.clip(np.clip(np.rint(x), -128, 127), lo, hi).astype(np.int64)
+    return (y == exact).all(1)
+
+
+def plan_mul_requant(multiplier: Any, shift: Any, bound: int, lo: int, hi: int) -> MulPlan | None:
+    """A float32 multiplier ``c`` (and tie offset ``e``) per channel with
+    ``clamp(QuantizeLinear(acc c + e, 1), lo, hi) == clamp(shift_round(acc m, s), lo, hi)``
+    (half up, int8) for every ``|acc| <= bound < 2**24``, or None.
+
+    Both sides are monotone in ``acc`` (float32 rounding is monotone), so they agree on
+    every accumulator when they agree on both sides of each step of the integer result and
+    at the ends: that is what is checked, for ``c = m 2**-s`` and its float32 neighbours
+    (up to 16 units in the last place either way), first without ``e``, then (a tie
+    ``acc m = (q + 1/2) 2**s`` needs it: ``c`` alone would round it to even) with
+    ``e = 2**-(s' + 1)``, ``s'`` the shift of ``m`` with its trailing zero bits taken out."""
+    if bound >= _EXACT:
+        return None
+    m = np.atleast_1d(np.asarray(multiplier, np.int64))
+    s = np.atleast_1d(np.asarray(shift, np.int64))
+    m, s = (np.array(v).ravel() for v in np.broadcast_arrays(m, s))
+    if (s < -16).any() or (s > 40).any():
+        return None
+    m = m * (np.int64(1) << np.maximum(-s, 0))
+    s = np.maximum(s, 0)
+    if (np.abs(m) >= 1 << 22).any():
+        return None
+    acc = _mul_checks(m, s, lo, hi, bound)
+    h = np.where(s > 0, np.int64(1) << np.maximum(s - 1, 0), 0)[:, None]
+    exact = np.clip((acc * m[:, None] + h) >> s[:, None], lo, hi)
+    base = np.ldexp(m.astype(np.float64), -s).astype(np.float32)  # exact: |m| < 2**22
+    tz = np.zeros_like(m)
+    odd = m.copy()
+    while ((odd % 2 == 0) & (odd != 0)).any():
+        even = (odd % 2 == 0) & (odd != 0)
+        tz += even
+        odd = np.where(even, odd // 2, odd)
+    ties = np.ldexp(1.0, -(np.maximum(s - tz, 0) + 1)).astype(np.float32)
+    c = np.full(m.size, np.nan, np.float32)
+    e = np.zeros(m.size, np.float32)
+    for tie in (None, ties):
+        left = np.isnan(c)
+        if not left.any():
+            break
+        up = down = base
+        for i in range(33):
+            if not left.any():
+                break
+            if i == 0:
+                trial = base
+            elif i % 2:
+                up = np.nextafter(up, np.float32(np.inf))
+                trial = up
+            else:
+                down = np.nextafter(down, np.float32(-np.inf))
+                trial = down
+            rows = np.flatnonzero(left)
+            ok = _mul_ok(
+                acc[rows], exact[rows], trial[rows], None if tie is None else tie[rows], lo, hi
+            )
+            c[rows[ok]] = trial[rows[ok]]
+            if tie is not None:
+                e[rows[ok]] = tie[rows[ok]]
+            left[rows[ok]] = False
+    if np.isnan(c).any():
+        return None
+    return MulPlan(c, e if e.any() else None, np.zeros(m.size, np.int64))
 
 
 def _saturation(m: int, s: int, lo: int, hi: int, v: int) -> tuple[int, int]:
@@ -184,10 +289,29 @@ def _side(
     return own, widened
 
 
+def _write_mul(
+    w: Any, acc: str, plan: MulPlan, rank: int, axis: int, lo: int, hi: int, out: str
+) -> str:
+    def ch(v: np.ndarray) -> np.ndarray:
+        v = np.asarray(v, np.float32)
+        return v.reshape(()) if v.size == 1 else w.channel(v, rank, axis)
+
+    # the constant first: onnxruntime folds a Conv's Mul by a constant second input into
+    # the conv's weights, which would lose the exact integer accumulator
+    v = w.op("Mul", [w.const(ch(plan.scale)), acc])
+    if plan.tie is not None:
+        v = w.op("Add", [v, w.const(ch(plan.tie))])
+    inputs = [v, w.const(np.float32(1.0)), w.const(np.int8(0))]
+    if (lo, hi) == (-128, 127):
+        return w.op("QuantizeLinear", inputs, out)
+    y = w.op("QuantizeLinear", inputs)
+    return w.op("Clip", [y, w.const(np.int8(lo)), w.const(np.int8(hi))], out)
+
+
 def write_f32_requant(
     w: Any,
     acc: str,
-    plan: F32Plan,
+    plan: F32Plan | MulPlan,
     rank: int,
     axis: int,
     dtype: str,
@@ -200,6 +324,8 @@ def write_f32_requant(
     ``scaled``, ``acc 2**-k`` already, as a conv with its weights scaled gives it) into the
     ``IntegerWriter`` ``w``; the result (``dtype``) is named ``out``."""
     f32 = np.float32
+    if isinstance(plan, MulPlan):
+        return _write_mul(w, acc, plan, rank, axis, lo, hi, out)
     size = plan.multiplier.size
 
     def ch(v: np.ndarray) -> np.ndarray:

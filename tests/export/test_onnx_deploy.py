@@ -14,7 +14,7 @@ import fxq
 import fxq.export
 from fxq.export.onnx import graph_to_onnx
 from fxq.export.onnx_integer import IntegerWriter
-from fxq.export.onnx_requant import plan_f32_requant, write_f32_requant
+from fxq.export.onnx_requant import plan_f32_requant, plan_mul_requant, write_f32_requant
 from fxq.export.runtime import _requant
 from tests.export.helpers import assert_equal_outputs, outputs, torchvision_model
 
@@ -204,6 +204,30 @@ def test_float32_requantization_is_exact_on_adversarial_accumulators(seed, scale
     assert (feed.astype(np.float32) == feed).all()
     for level in (LEVELS[0], LEVELS[-1]):
         (got,) = run_at(model, {"acc": feed.astype(np.float32)}, level)
+        assert_equal_outputs([expected], [got])
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize(("lo", "hi"), [(-128, 127), (0, 90), (0, 127)])
+def test_mul_requantization_is_exact_where_planned(seed, lo, hi):
+    """``QuantizeLinear(acc c + e, 1)`` (``plan_mul_requant``) on adversarial accumulators,
+    wherever the planner accepts the multipliers (ties included: ``m = 2**14``)."""
+    rng = np.random.default_rng(seed)
+    channels = 5
+    m = rng.integers(1 << 14, 1 << 15, channels)
+    m[0] = 1 << 14 if seed % 2 else m[0]
+    m[1] = -m[1] if seed % 3 == 0 else m[1]
+    s = rng.integers(12 + seed, 14 + seed, channels)
+    bound = int(rng.integers(1 << 12, 1 << 20))
+    plan = plan_mul_requant(m, s, bound, lo, hi)
+    if plan is None:
+        pytest.skip("no float32 multipliers for these (the writer uses the split)")
+    acc = _adversarial(m, s, bound, rng)
+    model = _requant_model(plan, acc.shape, "int8", lo, hi)
+    shape = (1, channels, 1)
+    expected = _requant(acc, m.reshape(shape), s.reshape(shape), "int8", "half_up", lo, hi)
+    for level in LEVELS:
+        (got,) = run_at(model, {"acc": acc.astype(np.float32)}, level)
         assert_equal_outputs([expected], [got])
 
 
