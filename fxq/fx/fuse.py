@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 
 from fxq.fused import Fused
 from fxq.fx.functional_layers import modularize_functional_layers
-from fxq.fx.graph_utils import take_name
+from fxq.fx.graph_utils import data_dependent_nodes, take_name
 from fxq.fx.tracer import symbolic_trace
 from fxq.march import MarchSpec, get_march_spec
 from fxq.registry import fusion_members, registry_class
@@ -132,8 +132,9 @@ def _is_dropout(node: Node, modules: dict[str, nn.Module], prev: Node) -> bool:
     return node.args[:1] == (prev,) and _kind(_module(node, modules)) is nn.Dropout
 
 
-def _add_residual(node: Node, prev: Node) -> Node | None:
-    """If ``node`` is ``prev + other`` (tensor other), return ``other``."""
+def _add_residual(node: Node, prev: Node, dependent: set[Node]) -> Node | None:
+    """If ``node`` is ``prev + other`` (``other`` a tensor computed from the inputs' data, one
+    of ``dependent``), return ``other``."""
     is_add = (node.op == "call_function" and node.target in _ADD_FUNCTIONS) or (
         node.op == "call_method" and node.target in _ADD_METHODS
     )
@@ -145,24 +146,11 @@ def _add_residual(node: Node, prev: Node) -> Node | None:
     if not (isinstance(a, Node) and isinstance(b, Node)) or a is b:
         return None
     other = b if a is prev else a if b is prev else None
-    if other is None or not _reads_an_input(other):
+    if other is None or other not in dependent:
         # a parameter or buffer added to the output (``conv(x) + self.bias_map``) may
         # broadcast: it is not a residual of the output's shape, and stays a separate add
         return None
     return other
-
-
-def _reads_an_input(node: Node) -> bool:
-    """Whether ``node``'s value depends on a model input (not on constants alone)."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n.op == "placeholder":
-            return True
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return False
 
 
 @dataclass
@@ -175,7 +163,9 @@ class _Match:
     dropout: Node | None = None
 
 
-def _match(anchor: Node, pattern: FusionPattern, modules: dict[str, nn.Module]) -> _Match | None:
+def _match(
+    anchor: Node, pattern: FusionPattern, modules: dict[str, nn.Module], dependent: set[Node]
+) -> _Match | None:
     anchor_mod = _module(anchor, modules)
     nodes = [anchor]
     bn = residual = dropout = None
@@ -202,7 +192,7 @@ def _match(anchor: Node, pattern: FusionPattern, modules: dict[str, nn.Module]) 
                 return None
             bn = nxt
         elif step == "add":
-            residual = _add_residual(nxt, cur)
+            residual = _add_residual(nxt, cur, dependent)
             if residual is None:
                 return None
         elif step == "relu":
@@ -244,6 +234,7 @@ def fuse_graph_module(gm: GraphModule, spec: MarchSpec) -> list[tuple[str, str]]
         if node.op == "call_module":
             call_sites[node.target].append(node)
 
+    dependent = data_dependent_nodes(gm)  # a residual is one of these, not a constant
     claimed: set[Node] = set()
     matches: dict[str, list[_Match]] = defaultdict(list)
     for node in gm.graph.nodes:
@@ -253,7 +244,7 @@ def fuse_graph_module(gm: GraphModule, spec: MarchSpec) -> list[tuple[str, str]]
         for pattern in PATTERNS:
             if not allowed(pattern) or _kind(mod) not in _ANCHOR_TYPES[pattern.anchor]:
                 continue
-            m = _match(node, pattern, modules)
+            m = _match(node, pattern, modules, dependent)
             if m is not None and not (set(m.nodes) & claimed):
                 matches[node.target].append(m)
                 claimed.update(m.nodes)
