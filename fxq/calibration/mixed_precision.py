@@ -263,26 +263,18 @@ def mixed_precision(
                 chosen.update(dict.fromkeys(targets[row["name"]].members))
                 float_rows.append(row)
     if int16_budget > 0:
+        how = {"dtype": qint16} if ranking == "raise_one" else {"mode": "quantize_one"}
         with bypassed(weights):
-            if ranking == "raise_one":
-                rows = sensitivity(
-                    float_model,
-                    calib_model,
-                    batches,
-                    dtype=qint16,
-                    kinds=("activation",),
-                    input_fn=input_fn,
-                )
-            else:
-                alone = sensitivity(
-                    float_model,
-                    calib_model,
-                    batches,
-                    mode="quantize_one",
-                    kinds=("activation",),
-                    input_fn=input_fn,
-                )
-                rows = _as_raised(alone)
+            rows = sensitivity(
+                float_model,
+                calib_model,
+                batches,
+                kinds=("activation",),
+                input_fn=input_fn,
+                **how,
+            )
+        if ranking == "quantize_one":
+            rows = _as_raised(rows)
         budget = _Budget(int16_budget, rows, sizes, targets)
         for row in budget.order(rows):
             if budget.spent:
