@@ -82,13 +82,37 @@ class MulPlan:
     split: np.ndarray
 
 
+def _folded(
+    multiplier: Any, shift: Any, bound: int, max_shift: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per channel (1-d), ``m`` and ``s >= 0`` with a left shift (``s < 0``) folded into
+    ``m``; None where a planner cannot be exact: ``bound`` not below ``2**24``, a shift
+    outside ``[-16, max_shift]`` or ``|m| >= 2**22``."""
+    if bound >= _EXACT:
+        return None
+    m = np.atleast_1d(np.asarray(multiplier, np.int64))
+    s = np.atleast_1d(np.asarray(shift, np.int64))
+    m, s = (np.array(v).ravel() for v in np.broadcast_arrays(m, s))
+    if (s < -16).any() or (s > max_shift).any():
+        return None
+    m = m * (np.int64(1) << np.maximum(-s, 0))
+    s = np.maximum(s, 0)
+    if (np.abs(m) >= 1 << 22).any():
+        return None
+    return m, s
+
+
+def _half(s: np.ndarray) -> np.ndarray:
+    """The rounding term ``h = 2**(s - 1)`` (0 for ``s = 0``), a column per channel."""
+    return np.where(s > 0, np.int64(1) << np.maximum(s - 1, 0), 0)[:, None]
+
+
 def _mul_checks(m: np.ndarray, s: np.ndarray, lo: int, hi: int, v: int) -> np.ndarray:
     """Per channel (rows), the accumulators in ``[-v, v]`` on both sides of every step of
     ``clamp(floor((acc m + h) / 2**s), lo, hi)`` and the two ends."""
-    h = np.where(s > 0, np.int64(1) << np.maximum(s - 1, 0), 0)[:, None]
     n = np.arange(lo + 1, hi + 1, dtype=np.int64)[None, :]
     mm = np.where(m == 0, 1, m)[:, None]
-    q = ((n << s[:, None]) - h) // mm  # floor of the step's real position
+    q = ((n << s[:, None]) - _half(s)) // mm  # floor of the step's real position
     cand = np.concatenate([q - 1, q, q + 1, q + 2], 1)
     ends = np.broadcast_to(np.array([-v, 0, v], np.int64), (m.size, 3))
     return np.clip(np.concatenate([cand, ends], 1), -v, v)
@@ -118,20 +142,12 @@ def plan_mul_requant(multiplier: Any, shift: Any, bound: int, lo: int, hi: int) 
     (up to 16 units in the last place either way), first without ``e``, then (a tie
     ``acc m = (q + 1/2) 2**s`` needs it: ``c`` alone would round it to even) with
     ``e = 2**-(s' + 1)``, ``s'`` the shift of ``m`` with its trailing zero bits taken out."""
-    if bound >= _EXACT:
+    folded = _folded(multiplier, shift, bound, max_shift=40)
+    if folded is None:
         return None
-    m = np.atleast_1d(np.asarray(multiplier, np.int64))
-    s = np.atleast_1d(np.asarray(shift, np.int64))
-    m, s = (np.array(v).ravel() for v in np.broadcast_arrays(m, s))
-    if (s < -16).any() or (s > 40).any():
-        return None
-    m = m * (np.int64(1) << np.maximum(-s, 0))
-    s = np.maximum(s, 0)
-    if (np.abs(m) >= 1 << 22).any():
-        return None
+    m, s = folded
     acc = _mul_checks(m, s, lo, hi, bound)
-    h = np.where(s > 0, np.int64(1) << np.maximum(s - 1, 0), 0)[:, None]
-    exact = np.clip((acc * m[:, None] + h) >> s[:, None], lo, hi)
+    exact = np.clip((acc * m[:, None] + _half(s)) >> s[:, None], lo, hi)
     base = np.ldexp(m.astype(np.float64), -s).astype(np.float32)  # exact: |m| < 2**22
     tz = np.zeros_like(m)
     odd = m.copy()
@@ -220,17 +236,10 @@ def plan_f32_requant(
         int8_out: finished by ``QuantizeLinear`` (``|Z| < 2**23``); else by ``Floor``
             (``|Z| + 2**(j-1) < 2**24``).
     """
-    if bound >= _EXACT:
+    folded = _folded(multiplier, shift, bound, max_shift=62)
+    if folded is None:
         return None
-    m = np.atleast_1d(np.asarray(multiplier, np.int64))
-    s = np.atleast_1d(np.asarray(shift, np.int64))
-    m, s = (np.array(v) for v in np.broadcast_arrays(m, s))
-    if (s < -16).any() or (s > 62).any():
-        return None
-    m = m * (np.int64(1) << np.maximum(-s, 0))
-    s = np.maximum(s, 0)
-    if (np.abs(m) >= 1 << 22).any():
-        return None
+    m, s = folded
     ms, ss = m.tolist(), s.tolist()
     ranges = [_saturation(mc, sc, lo, hi, bound) for mc, sc in zip(ms, ss)]
     ks = []

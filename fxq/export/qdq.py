@@ -184,9 +184,7 @@ class QDQWriter(IntegerWriter):
         )
         if np.all(np.abs(g - 1) <= 2.0**-12):
             return r
-        shape = [1] * rank
-        shape[axis] = -1
-        return self.op("Mul", [r, self.const(g.astype(np.float32).reshape(shape), np.float32)])
+        return self.op("Mul", [r, self.const(self.channel(g.astype(np.float32), rank, axis))])
 
     _MOVES = (
         "reshape",
