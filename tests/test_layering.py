@@ -16,11 +16,13 @@ ROOT = pathlib.Path(fxq.__file__).parent
 #: bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("fxq.dtypes", "fxq.march", "fxq.utils.warning_summary"),  # the last imports no fxq
+    ("fxq.primitives.core", "fxq.primitives.schema", "fxq.primitives.arith"),  # no torch
     (  # pure integer math, no nn.Module
         "fxq.quantized.functional",
         "fxq.quantized.native",
         "fxq.quantized._requant_triton",  # native's kernels on CUDA
     ),
+    ("fxq.primitives",),  # one module per primitive family: torch, numpy, ONNX side by side
     (
         "fxq.qtensor",
         "fxq.observer",

@@ -2,12 +2,15 @@
 
 The converted GraphModule runs once on the example inputs under an
 ``torch.fx.Interpreter``; every node is turned into IR nodes by an export
-rule that reads the integer module's parameters *for the scales its inputs
+rule, with what the integer module computed *for the scales its inputs
 actually carry* (so a graph edit that changes a scale is exported as the
 model computes it). The rules:
 
-* ``RULES``: integer module class -> rule (one per ``fxq.quantized`` class
-  that the registry names);
+* ``record_calls``: an integer module whose forward computes with
+  ``fxq.primitives`` runs while its primitive calls are recorded, and each call
+  becomes one IR node: export is what forward did;
+* ``RULES``: the integer classes not yet written in primitives -> a rule that
+  reads the module's public plan and emits the IR nodes;
 * ``VALUE_RULES``: pass-through registry rows that compute on values (ReLU,
   max pooling);
 * every other pass-through row only moves integers: its rule applies the float
@@ -53,11 +56,37 @@ from fxq.export.plain import CAST_METHODS, TORCH_DTYPES, cast_rule, materialize,
 from fxq.export.rules import RULES, _dtype
 from fxq.fx.graph_utils import reads_metadata_only
 from fxq.fx.tracer import SELF, call_wrapped_method
+from fxq.primitives import Call, recording
 from fxq.qtensor import QTensor
-from fxq.quantized.base import Standalone
+from fxq.quantized.base import QuantizedModule, Standalone
 from fxq.registry import Kind
 
-__all__ = ["to_graph", "Dim", "ExportError", "RULES", "VALUE_RULES", "FLOAT_RULES", "rule_for_row"]
+__all__ = [
+    "to_graph",
+    "Dim",
+    "ExportError",
+    "RULES",
+    "VALUE_RULES",
+    "FLOAT_RULES",
+    "rule_for_row",
+    "rule_for_module",
+    "record_calls",
+]
+
+
+def _array(v: Any) -> np.ndarray:
+    """A recorded parameter as the numpy array the IR stores."""
+    if isinstance(v, Tensor):
+        return v.detach().cpu().numpy().copy()
+    return np.asarray(v)
+
+
+def _held(v: Any) -> list[int]:
+    """The ids of the torch tensors a value holds: a tensor itself, or a QTensor's integers in
+    both forms (storage and exact float32: a primitive made one of them)."""
+    if isinstance(v, QTensor):
+        return [id(v.values()), id(v.data)]
+    return [id(v)]
 
 
 class ExportError(RuntimeError):
@@ -85,6 +114,8 @@ class _Exporter(Interpreter):
         self.fx_node: Node | None = None
         # requantize node -> its multiplier and shift for other element counts (dynamic dims)
         self.counts: dict[str, Any] = {}
+        # FX node -> the primitive calls its integer module made (fxq.primitives.recording)
+        self.captures: dict[str, list[Call]] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------
     def error(self, reason: str) -> ExportError:
@@ -110,19 +141,11 @@ class _Exporter(Interpreter):
             )
         return name
 
-    def register(self, obj: Any, name: str, batched: bool) -> str:
-        if isinstance(obj, QTensor):
-            info = TensorInfo(_dtype(obj), list(obj.shape), float(obj.scale), obj.offset)
-        elif isinstance(obj, Tensor):
-            dtype = TORCH_DTYPES.get(obj.dtype)
-            if dtype is None:
-                raise self.error(
-                    f"tensors of {obj.dtype} are not exported (float32, and int32 / int64 / bool "
-                    "for ids and masks)"
-                )
-            info = TensorInfo(dtype, list(obj.shape), None)
-        else:
-            raise self.error(f"cannot export a value of type {type(obj).__name__}")
+    def register(self, obj: Any, name: str, batched: bool, info: TensorInfo | None = None) -> str:
+        """Name ``obj`` as an IR tensor; ``info`` (a primitive's output) overrides what its type
+        says."""
+        if info is None:
+            info = self._info(obj)
         base, i = name, 1
         while name in self.tensors:
             i += 1
@@ -132,6 +155,19 @@ class _Exporter(Interpreter):
         self.names[id(obj)] = name
         self.keep.append(obj)
         return name
+
+    def _info(self, obj: Any) -> TensorInfo:
+        if isinstance(obj, QTensor):
+            return TensorInfo(_dtype(obj), list(obj.shape), float(obj.scale), obj.offset)
+        if isinstance(obj, Tensor):
+            dtype = TORCH_DTYPES.get(obj.dtype)
+            if dtype is None:
+                raise self.error(
+                    f"tensors of {obj.dtype} are not exported (float32, and int32 / int64 / bool "
+                    "for ids and masks)"
+                )
+            return TensorInfo(dtype, list(obj.shape), None)
+        raise self.error(f"cannot export a value of type {type(obj).__name__}")
 
     def alias(self, obj: Any, name: str) -> None:
         self.names[id(obj)] = name
@@ -146,6 +182,7 @@ class _Exporter(Interpreter):
         params: dict[str, np.ndarray] | None = None,
         batched: bool | None = None,
         suffix: str = "",
+        infos: list[TensorInfo] | None = None,
     ) -> list[str]:
         n = self.fx_node
         if batched is None:
@@ -153,7 +190,12 @@ class _Exporter(Interpreter):
             # after a constant first operand: ConvNeXt's ``layer_scale * x``)
             batched = any(self.batched.get(i, False) for i in inputs)
         names = [
-            self.register(o, n.name + suffix + (f"_{i}" if len(outputs) > 1 else ""), batched)
+            self.register(
+                o,
+                n.name + suffix + (f"_{i}" if len(outputs) > 1 else ""),
+                batched,
+                infos[i] if infos is not None else None,
+            )
             for i, o in enumerate(outputs)
         ]
         node_name = n.name + suffix
@@ -182,7 +224,13 @@ class _Exporter(Interpreter):
         if n.op == "call_function" and n.target is call_wrapped_method:
             # the generated code passes the GraphModule where the graph says ``self``
             args = tuple(self.module if a is SELF else a for a in args)
-        result = getattr(self, n.op)(n.target, args, kwargs)
+        if n.op == "call_module" and rule_for_module(self.modules[n.target]) is record_calls:
+            calls: list[Call] = []
+            with recording(calls.append):
+                result = self.call_module(n.target, args, kwargs)
+            self.captures[n.name] = calls
+        else:
+            result = getattr(self, n.op)(n.target, args, kwargs)
         if self.stop_at is not None:
             if all(name in self.values for name in self.stop_at):
                 return result  # the rest (host post-processing) is not exported
@@ -253,7 +301,7 @@ class _Exporter(Interpreter):
             self._constant(n, result)
             return
         if module is not None:
-            rule = RULES.get(type(module))
+            rule = rule_for_module(module)
             if rule is not None:
                 rule(self, module, args, kwargs, result)
                 return
@@ -294,6 +342,52 @@ class _Exporter(Interpreter):
             rule(self, n, module, args, kwargs, result)
             return
         self._call_plain(n, module, args, kwargs, result, leaves)
+
+    def emit_calls(self, args, kwargs, result: Any) -> None:
+        """The IR nodes of the primitive calls the current node's integer module made: each
+        call's inputs are graph tensors (or constants), its outputs new tensors; the module's
+        results take their scales from the QTensors it returned."""
+        n = self.fx_node
+        calls = self.captures.pop(n.name)
+        known: dict[int, str] = {}
+        for v in tree_flatten((args, kwargs))[0]:
+            if isinstance(v, QTensor) and id(v) in self.names:
+                known.update(dict.fromkeys(_held(v), self.names[id(v)]))
+        results = [v for v in tree_flatten(result)[0] if isinstance(v, (Tensor, QTensor))]
+        final = {k: r for r in results for k in _held(r)}
+        for k, call in enumerate(calls):
+            inputs = []
+            for t in call.inputs:
+                name = known.get(id(t))
+                inputs.append(name if name is not None else self.name_of(t))
+            outputs = []
+            for t, dtype in zip(call.outputs, call.dtypes):
+                r = final.get(id(t))
+                if isinstance(r, QTensor):
+                    info = TensorInfo(dtype, list(t.shape), float(r.scale), r.offset)
+                else:
+                    info = TensorInfo(dtype, list(t.shape), None)
+                outputs.append((t, info))
+            suffix = "" if any(id(t) in final for t, _ in outputs) else f"_{call.op}{k}"
+            names = self.emit(
+                call.op,
+                inputs,
+                [t for t, _ in outputs],
+                call.attrs,
+                {key: _array(v) for key, v in call.params.items()},
+                suffix=suffix,
+                infos=[info for _, info in outputs],
+            )
+            for (t, _), name in zip(outputs, names):
+                known[id(t)] = name
+        for r in results:
+            name = next((known[k] for k in _held(r) if k in known), None)
+            if name is None:
+                raise self.error(
+                    f"{type(self.modules[n.target]).__name__} returned a tensor that none of its "
+                    "primitive calls made (compute integer results with fxq.primitives)"
+                )
+            self.alias(r, name)
 
     def _call_plain(self, n: Node, module, args, kwargs, result, leaves: list[Any]) -> None:
         """An op on plain tensors (float regions; ids and masks from graph inputs)."""
@@ -341,18 +435,35 @@ class _Exporter(Interpreter):
         )
 
 
+def record_calls(ex: _Exporter, module: Any, args, kwargs, result) -> None:
+    """The export rule of an integer module whose ``forward`` computes with
+    ``fxq.primitives``: ``to_graph`` records the primitive calls while the module runs, and
+    each becomes one IR node (what forward did, not a re-derivation of it)."""
+    ex.emit_calls(args, kwargs, result)
+
+
+def rule_for_module(module: Any) -> Any:
+    """The export rule of an integer module: its class's ``RULES`` entry, else
+    ``record_calls`` (any other integer module, ``Standalone`` excepted); None for other
+    modules."""
+    rule = RULES.get(type(module))
+    if rule is None and isinstance(module, QuantizedModule) and not isinstance(module, Standalone):
+        return record_calls
+    return rule
+
+
 def rule_for_row(row: registry.OpRow) -> Any:
     """The export rule of a registry row (``OpRow.export`` reads it here), or None.
 
-    * a row with an integer class: ``RULES[row.integer_class]``, called as
-      ``rule(exporter, module, args, kwargs, result)``;
+    * a row with an integer class: ``RULES[row.integer_class]``, else ``record_calls`` (its
+      forward's primitive calls), called as ``rule(exporter, module, args, kwargs, result)``;
     * a pass-through row: its ``VALUE_RULES`` entry, else the movement rule (a
       ``"custom"`` row only when listed in ``MOVEMENT_CUSTOM_ROWS``), called as
       ``rule(exporter, node, module, args, kwargs, result)``;
     * any other row (float ops, shapes, rows refined per call): None.
     """
     if row.integer is not None:
-        return RULES.get(row.integer_class)
+        return RULES.get(row.integer_class, record_calls)
     if row.kind is not Kind.PASSTHROUGH:
         return None
     rule = value_rule(row.name)

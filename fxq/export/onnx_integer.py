@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from fxq.primitives import PRIMITIVES, Primitive
+
 from .graph import IntegerGraph, Node
 from .onnx_float import FLOAT_WRITERS
 from .onnx_requant import F32Plan, MulPlan, plan_f32_requant, plan_mul_requant, write_f32_requant
@@ -218,9 +220,23 @@ class IntegerWriter:
 
     # -- ops ---------------------------------------------------------------------------------
     def write(self, node: Node) -> None:
+        outs = [self.name(o) for o in node.outputs]
         if node.op in FLOAT_WRITERS:  # float regions: fxq.export.onnx_float
-            return FLOAT_WRITERS[node.op](self, node, [self.name(o) for o in node.outputs])
-        getattr(self, f"op_{node.op}")(node, [self.name(o) for o in node.outputs])
+            return FLOAT_WRITERS[node.op](self, node, outs)
+        self.write_op(node, outs)
+
+    def write_op(self, node: Node, outs: list[str]) -> None:
+        """Write ``node``'s op into the ONNX tensors ``outs``: a primitive's lowering
+        (``fxq.primitives``), else this writer's ``op_<op>`` method."""
+        primitive = PRIMITIVES.get(node.op)
+        if primitive is not None:
+            self.lower(primitive)(self, node, outs)
+        else:
+            getattr(self, f"op_{node.op}")(node, outs)
+
+    def lower(self, primitive: Primitive) -> Any:
+        """The primitive's lowering for this writer's form (integer ONNX)."""
+        return primitive.onnx
 
     def op_quantize(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
@@ -579,45 +595,6 @@ class IntegerWriter:
             ],
         )
         self.cast(v, dtype, outs[0])
-
-    def op_lut(self, node: Node, outs: list[str]) -> None:
-        idx = self.op(
-            "Add", [self.cast(self.name(node.inputs[0]), "int64"), self.const(128, np.int64)]
-        )
-        self.op("Gather", [self.const(node.params["table"], hint="table"), idx], outs[0], axis=0)
-
-    def _segment(self, q: str, knots: np.ndarray, start: int, bits: int, rounding: str) -> str:
-        offset = self.op("Sub", [q, self.const(start, np.int64)])
-        k = self.op("Div", [offset, self.const(1 << bits, np.int64)])  # offset >= 0: floor
-        k = self.op("Clip", [k, self.const(0, np.int64), self.const(63, np.int64)])
-        r = self.op("Sub", [offset, self.op("Mul", [k, self.const(1 << bits, np.int64)])])
-        table = self.const(knots.astype(np.int64), hint="knots")
-        y0 = self.op("Gather", [table, k], axis=0)
-        y1 = self.op("Gather", [table, self.op("Add", [k, self.const(1, np.int64)])], axis=0)
-        dy = self.op("Mul", [self.op("Sub", [y1, y0]), r])
-        return self.op("Add", [y0, self.shift_round(dy, bits, rounding)])
-
-    def op_segment_lut(self, node: Node, outs: list[str]) -> None:
-        a, p = node.attrs, node.params
-        q = self.cast(self.name(node.inputs[0]), "int64")
-        bits = a["dense_bits"]
-        half = 32 << bits
-        clamped = self.op("Clip", [q, self.const(-half, np.int64), self.const(half - 1, np.int64)])
-        dense = self._segment(clamped, p["dense"], -half, bits, a["rounding"])
-        sparse = self._segment(q, p["sparse"], -32768, a["sparse_bits"], a["rounding"])
-        inside = self.op(
-            "And",
-            [
-                self.op("GreaterOrEqual", [q, self.const(-half, np.int64)]),
-                self.op("Less", [q, self.const(half, np.int64)]),
-            ],
-        )
-        y = self.op("Where", [inside, dense, sparse])
-        from .runtime import _RANGES
-
-        lo, hi = _RANGES[a["dtype"]]
-        y = self.op("Clip", [y, self.int_const(lo), self.int_const(hi)])
-        self.cast(y, a["dtype"], outs[0])
 
     def op_axis_matmul(self, node: Node, outs: list[str]) -> None:
         """One ``MatMul`` per axis: float32 while the sums stay below ``2**24`` (``mag``

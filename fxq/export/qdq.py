@@ -15,6 +15,7 @@ import numpy as np
 
 from fxq.export.graph import Node
 from fxq.export.onnx_integer import OPSET, IntegerWriter
+from fxq.primitives import Primitive
 
 __all__ = [
     "INT16_OPSET",
@@ -206,8 +207,12 @@ class QDQWriter(IntegerWriter):
             super().write(node)
             return
         tmp = self.fresh(node.name)
-        getattr(self, f"op_{node.op}")(node, [tmp])
+        self.write_op(node, [tmp])
         self.qdq(tmp, out, self.name(out))
+
+    def lower(self, primitive: Primitive) -> Any:
+        """The primitive's QDQ lowering, else its integer one."""
+        return primitive.qdq or primitive.onnx
 
     def op_quantize(self, node: Node, outs: list[str]) -> None:
         self.qdq(self.name(node.inputs[0]), node.outputs[0], outs[0])
@@ -348,45 +353,6 @@ class QDQWriter(IntegerWriter):
         a, s = node.attrs, self.fscale(node.inputs[0])
         lo, hi = self.const(a["lo"] * s, np.float32), self.const(a["hi"] * s, np.float32)
         self.op("Clip", [self.name(node.inputs[0]), lo, hi], outs[0])
-
-    def _function(self, node: Node, x: str) -> str:
-        a = node.attrs
-        fn, args = a.get("function"), a.get("function_args", {})
-        c = lambda v: self.const(v, np.float32)  # noqa: E731
-        simple = {
-            "sigmoid": "Sigmoid",
-            "tanh": "Tanh",
-            "exp": "Exp",
-            "mish": "Mish",
-            "abs": "Abs",
-        }
-        if fn in simple:
-            return self.op(simple[fn], [x])
-        if fn == "hardswish":
-            return self.op("HardSwish", [x])
-        if fn == "hardsigmoid":
-            return self.op("HardSigmoid", [x], alpha=1 / 6, beta=0.5)
-        if fn == "silu":
-            return self.op("Mul", [x, self.op("Sigmoid", [x])])
-        if fn == "gelu" and args.get("approximate", "none") == "none":  # Gelu is opset 20
-            half = self.op("Mul", [x, c(0.5)])
-            erf = self.op("Erf", [self.op("Mul", [x, c(1 / np.sqrt(2.0))])])
-            return self.op("Mul", [half, self.op("Add", [erf, c(1.0)])])
-        if fn == "leaky_relu":
-            return self.op("LeakyRelu", [x], alpha=float(args.get("negative_slope", 0.01)))
-        if fn == "elu":
-            return self.op("Elu", [x], alpha=float(args.get("alpha", 1.0)))
-        if fn == "softplus" and float(args.get("beta", 1.0)) == 1.0:
-            return self.op("Softplus", [x])
-        raise ValueError(
-            f"node {node.name!r} ({node.source}): no QDQ form of the table of {fn!r} {args}; "
-            "export with mode='integer'"
-        )
-
-    def op_lut(self, node: Node, outs: list[str]) -> None:
-        self.qdq(self._function(node, self.name(node.inputs[0])), node.outputs[0], outs[0])
-
-    op_segment_lut = op_lut
 
     def op_axis_matmul(self, node: Node, outs: list[str]) -> None:
         self._sum_scales[node.outputs[0]] = self.fscale(node.inputs[0])

@@ -369,61 +369,6 @@ def _rule_clamp(ex: _Exporter, m: activation.Clamp, args, kwargs, result) -> Non
     _emit_requantize(ex, ex.name_of(x), result, m, mult, s, q_lo, q_hi)
 
 
-def _rule_lut(ex: _Exporter, m: activation.LookupTable, args, kwargs, result) -> None:
-    x = args[0]
-    rest = tuple(a for a in args[1:] if not isinstance(a, bool))
-    table = m.table(x, rest, kwargs)
-    fn = _function(m, rest, kwargs)
-    if x.qdtype.bits == 8:
-        ex.emit(
-            "lut",
-            [ex.name_of(x)],
-            [result],
-            {"dtype": _dtype(result), **fn},
-            {"table": _np(table)},
-        )
-        return
-    ex.emit(
-        "segment_lut",
-        [ex.name_of(x)],
-        [result],
-        {
-            "dense_bits": int(table.dense_bits),
-            "sparse_bits": qf.SegmentLUT.SPARSE_BITS,
-            "dtype": _dtype(result),
-            **fn,
-            "rounding": _rounding(m),
-        },
-        {"dense": _np(table.dense, np.int64), "sparse": _np(table.sparse, np.int64)},
-    )
-
-
-_FUNCTION_ATTRS = {
-    "leaky_relu": ("negative_slope",),
-    "elu": ("alpha",),
-    "softplus": ("beta", "threshold"),
-    "gelu": ("approximate",),
-}
-
-
-def _function(m: activation.LookupTable, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The float function a table tabulates: its registry name and constant arguments
-    (informational, and what the QDQ form computes in float)."""
-    op = m.op
-    row = registry.row_for_module(type(op)) if op is not None else None
-    name = row.name if row is not None else registry.canonical_key(m.fn)
-    if not isinstance(name, str):
-        name = getattr(m.fn, "__name__", "unknown")
-    values: dict[str, Any] = {}
-    if op is not None:
-        values = {k: getattr(op, k) for k in _FUNCTION_ATTRS.get(name, ()) if hasattr(op, k)}
-    else:
-        values = dict(zip(_FUNCTION_ATTRS.get(name, ()), args))
-        values.update({k: v for k, v in kwargs.items() if k != "inplace"})
-    values = {k: v for k, v in values.items() if isinstance(v, (int, float, str))}
-    return {"function": name, "function_args": values}
-
-
 # -- rules: pooling, reductions, resampling --------------------------------------------------
 def _sum_then_requant(
     ex: _Exporter,
@@ -1122,7 +1067,6 @@ RULES: dict[type, Callable[..., None]] = {
     matmul.MatMul: _rule_matmul,
     matmul.Einsum: _rule_einsum,
     activation.Clamp: _rule_clamp,
-    activation.LookupTable: _rule_lut,
     pooling.AvgPool: _rule_avg_pool,
     pooling.AdaptiveAvgPool: _rule_adaptive_avg_pool,
     pooling.Mean: _rule_mean,

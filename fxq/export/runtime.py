@@ -1,7 +1,8 @@
 """The numpy reference kernels of the integer graph (``docs/integer_graph.md``).
 
-This module imports numpy and the standard library only: no torch, no other
-fxq module. Every kernel computes in exact integer arithmetic: int64 values,
+This module imports numpy, the standard library and the numpy side of
+``fxq.primitives`` (whose ops' kernels live beside their torch kernels and join
+``KERNELS``): no torch. Every kernel computes in exact integer arithmetic: int64 values,
 explicit rounding shifts and saturation; float64 matrix products are used
 only where every partial sum is an integer below ``2**53`` (so every float
 operation is exact whatever the summation order), which the kernels check.
@@ -18,6 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from fxq.primitives import PRIMITIVES
+from fxq.primitives.arith import DTYPES, shift_round
+from fxq.primitives.arith import RANGES as _RANGES
+from fxq.primitives.arith import bounds as _bounds
+
 __all__ = [
     "KERNELS",
     "shift_round",
@@ -29,51 +35,11 @@ __all__ = [
     "PLAIN_DTYPES",
 ]
 
-#: IR dtype name -> numpy dtype
-DTYPES: dict[str, Any] = {
-    "int8": np.int8,
-    "int16": np.int16,
-    "int32": np.int32,
-    "int64": np.int64,
-    "float32": np.float32,
-    "float64": np.float64,
-    "bool": np.bool_,
-}
-
 #: dtypes of the tensors that are not quantized values: graph inputs (token ids, masks), casts,
 #: comparisons and the arithmetic of a float or integer region (``docs/integer_graph.md``, 2)
 PLAIN_DTYPES = ("bool", "int32", "int64", "float32")
 
-_RANGES = {"int8": (-128, 127), "int16": (-32768, 32767), "int32": (-(1 << 31), (1 << 31) - 1)}
 _F64_EXACT = 1 << 53
-
-
-def _bounds(dtype: str, lo: int | None, hi: int | None) -> tuple[int, int]:
-    qmin, qmax = _RANGES[dtype]
-    return (qmin if lo is None else max(lo, qmin)), (qmax if hi is None else min(hi, qmax))
-
-
-def shift_round(v: np.ndarray, shift: np.ndarray | int, rounding: str = "half_up") -> np.ndarray:
-    """Arithmetic shift of int64 ``v`` by ``shift`` bits with rounding.
-
-    ``shift > 0``: ``(v + (1 << (shift - 1))) >> shift`` (``half_up``), ties to
-    even for ``half_even``; ``shift == 0``: ``v``; ``shift < 0``: ``v << -shift``
-    (exact). ``shift`` broadcasts against ``v``.
-    """
-    v = np.asarray(v, dtype=np.int64)
-    s = np.asarray(shift, dtype=np.int64)
-    right = np.maximum(s, 0)
-    if (s < 0).any():
-        v = v << np.maximum(-s, 0)
-    half = np.where(right > 0, np.left_shift(1, np.maximum(right - 1, 0)), 0)
-    out = (v + half) >> right
-    if rounding == "half_up":
-        return out
-    if rounding == "half_even":
-        mask = np.left_shift(1, right) - 1
-        tie = (right > 0) & ((v & mask) == half)
-        return out - (tie & ((out & 1) == 1))
-    raise ValueError(f"unknown rounding {rounding!r}")
 
 
 def _round_float(v: np.ndarray, rounding: str) -> np.ndarray:
@@ -434,33 +400,6 @@ def _k_logical(node, inputs):
 
 
 # -- tables ------------------------------------------------------------------------------------
-def _k_lut(node, inputs):
-    table = node.params["table"]
-    return [table[inputs[0].astype(np.int64) + 128]]
-
-
-def _segment(q, knots, start, bits, rounding):
-    offset = q - start
-    k = np.clip(offset >> bits, 0, 63)
-    r = offset - (k << bits)
-    y0 = knots[k]
-    return y0 + shift_round((knots[k + 1] - y0) * r, bits, rounding)
-
-
-def _k_segment_lut(node, inputs):
-    a, p = node.attrs, node.params
-    q = inputs[0].astype(np.int64)
-    bits = a["dense_bits"]
-    half = 32 << bits
-    dense = _segment(
-        np.clip(q, -half, half - 1), p["dense"].astype(np.int64), -half, bits, a["rounding"]
-    )
-    sparse = _segment(q, p["sparse"].astype(np.int64), -32768, a["sparse_bits"], a["rounding"])
-    y = np.where((q >= -half) & (q < half), dense, sparse)
-    lo, hi = _RANGES[a["dtype"]]
-    return [np.clip(y, lo, hi).astype(DTYPES[a["dtype"]])]
-
-
 # -- pooling and resampling ---------------------------------------------------------------------
 def _k_axis_matmul(node, inputs):
     """``y = x`` contracted with an integer matrix ``A_i [n_in, n_out]`` along each axis."""
@@ -817,8 +756,6 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "where": _k_where,
     "matmul": _k_matmul,
     "clip": _k_clip,
-    "lut": _k_lut,
-    "segment_lut": _k_segment_lut,
     "axis_matmul": _k_axis_matmul,
     "grid_sample": _k_grid_sample,
     "max_pool": _k_max_pool,
@@ -842,3 +779,4 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "reduce_extreme": _k_reduce_extreme,
     "arg_extreme": _k_arg_extreme,
 }
+KERNELS.update({name: p.numpy for name, p in PRIMITIVES.items()})

@@ -6,7 +6,7 @@ against a limit before anything is decompressed, ``.npy`` headers parsed here wi
 with ``check_graph`` (the JSON schema, every node's attributes and arrays against its op). Every
 failure is an ``IntegerGraphFormatError`` naming the file and the member or node.
 
-This module imports numpy and the standard library only (no torch).
+This module imports numpy, the standard library and ``fxq.primitives``' numpy side (no torch).
 """
 
 from __future__ import annotations
@@ -19,10 +19,57 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from fxq.primitives import PRIMITIVES
+from fxq.primitives.schema import (
+    ARRAY_DTYPES as _ARRAY_DTYPES,
+)
+from fxq.primitives.schema import (
+    INT_DTYPES as _I,
+)
+from fxq.primitives.schema import (
+    KINDS as _KINDS,
+)
+from fxq.primitives.schema import (
+    MARCH_LIMITS,
+    IntegerGraphFormatError,
+)
+from fxq.primitives.schema import (
+    MAX_RANK as _MAX_RANK,
+)
+from fxq.primitives.schema import (
+    PLAIN as _PLAIN,
+)
+from fxq.primitives.schema import (
+    QUANT as _QUANT,
+)
+from fxq.primitives.schema import (
+    SHIFT as _SHIFT,
+)
+from fxq.primitives.schema import (
+    Ctx as _Ctx,
+)
+from fxq.primitives.schema import (
+    OpSpec as _OpSpec,
+)
+from fxq.primitives.schema import (
+    Param as _Param,
+)
+from fxq.primitives.schema import (
+    is_float as _is_float,
+)
+from fxq.primitives.schema import (
+    is_int as _is_int,
+)
+from fxq.primitives.schema import (
+    is_ints as _ints,
+)
+from fxq.primitives.schema import (
+    optional as _opt,
+)
 
 __all__ = [
     "IntegerGraphFormatError",
@@ -34,26 +81,6 @@ __all__ = [
 
 #: the most bytes ``load`` decompresses from one file (all members together) unless told otherwise
 DEFAULT_MAX_BYTES = 1 << 30
-
-#: march -> (multiplier bits, largest right shift): ``fxq.march.MARCH_SPECS`` (a test keeps them
-#: equal); a negative shift (a left shift, residual inputs) goes down to ``-MAX_LEFT_SHIFT``
-MARCH_LIMITS: dict[str, tuple[int, int]] = {
-    "bernoulli2": (8, 24),
-    "bayes": (16, 31),
-    "bayes-e": (16, 31),
-}
-MAX_LEFT_SHIFT = 31
-
-_QUANT = ("int8", "int16", "int32")
-_PLAIN = ("bool", "int32", "int64", "float32")  # not quantized values (runtime.PLAIN_DTYPES)
-_ROUNDINGS = ("half_up", "half_even")
-_ARRAY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "float32", "float64")
-_MAX_RANK = 8
-
-
-class IntegerGraphFormatError(ValueError):
-    """A ``.fxq`` file is damaged, crafted, or written by another fxq version: the message names
-    the file, the member or node, what is wrong and what to do."""
 
 
 # -- members: zip entries and .npy arrays -------------------------------------------------------
@@ -201,132 +228,6 @@ def _read_npy(where: str, member: str, data: bytes) -> np.ndarray:
     return flat.reshape(shape, order="F" if order else "C").astype(native, order="C")
 
 
-# -- the JSON schema and the ops ------------------------------------------------------------------
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_float(v: Any) -> bool:
-    return (isinstance(v, float) or _is_int(v)) and math.isfinite(v)
-
-
-def _ints(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_int(e) for e in v)
-
-
-def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or check(v)
-
-
-def _one_of(*choices: Any) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, str) and v in choices
-
-
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "int": (_is_int, "an integer"),
-    "int?": (_opt(_is_int), "an integer or null"),
-    "float": (_is_float, "a finite number"),
-    "float?": (_opt(_is_float), "a finite number or null"),
-    "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "bool?": (_opt(lambda v: isinstance(v, bool)), "true, false or null"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-    "ints": (_ints, "a list of integers"),
-    "ints?": (_opt(_ints), "a list of integers or null"),
-    "qdtype": (_one_of(*_QUANT), f"one of {list(_QUANT)}"),
-    "anydtype": (_one_of(*_QUANT, *_PLAIN), f"one of {[*_QUANT, *_PLAIN]}"),
-    "str?": (_opt(lambda v: isinstance(v, str)), "a string or null"),
-    "outdtype": (_one_of(*_QUANT, "float32"), f"one of {[*_QUANT, 'float32']}"),
-    "rounding": (_one_of(*_ROUNDINGS), f"one of {list(_ROUNDINGS)}"),
-    "floats?": (
-        _opt(lambda v: isinstance(v, list) and all(_is_float(e) and e > 0 for e in v)),
-        "a list of positive numbers or null",
-    ),
-    "any": (lambda v: True, "any value"),
-}
-
-
-@dataclass(frozen=True)
-class _Param:
-    dtypes: tuple[str, ...]
-    ranks: tuple[int, ...] | None = None  # None: any rank up to _MAX_RANK
-    required: bool = True
-
-
-_I = ("int8", "int16", "int32", "int64")
-_SHIFT = _Param(_I)
-_OPT_SHIFT = _Param(_I, required=False)
-
-
-@dataclass(frozen=True)
-class _OpSpec:
-    """What a file may hold for one op: input counts, attribute kinds, array dtypes and ranks,
-    and a ``check(ctx)`` of the relations between them."""
-
-    inputs: tuple[int, ...]
-    attrs: dict[str, str]
-    params: dict[str, _Param]
-    check: Callable[[Any], None] | None = None
-    outputs: int = 1
-    extra_params: str = ""  # a prefix of parameters counted by an attribute (matrix_0, ...)
-
-
-class _Ctx:
-    """One node being checked: its attributes, arrays, input shapes, and the error to raise."""
-
-    def __init__(
-        self,
-        where: str,
-        node: dict,
-        params: dict,
-        inputs: list[dict],
-        march: str,
-        outputs: list[dict] | None = None,
-    ):
-        self.where, self.node, self.attrs, self.params = where, node, node["attrs"], params
-        self.in_shapes = [t["shape"] for t in inputs]  # declared shapes (ints and symbols)
-        self.in_dtypes = [t["dtype"] for t in inputs]
-        self.outputs = outputs or []  # the declared output tensors
-        bits, hi = MARCH_LIMITS.get(march, MARCH_LIMITS["bayes"])
-        self.max_multiplier, self.max_shift = (1 << (bits - 1)) - 1, hi
-        self.march = march or "bayes"
-
-    def fail(self, reason: str) -> IntegerGraphFormatError:
-        n = self.node
-        return IntegerGraphFormatError(
-            f"{self.where}: node {n['name']!r} (op {n['op']!r}): {reason}; the file is damaged or "
-            "was written by another fxq: export it again"
-        )
-
-    def rank(self, i: int = 0) -> int:
-        return len(self.in_shapes[i])
-
-    def axis(self, name: str, value: Any, rank: int | None = None) -> None:
-        rank = self.rank() if rank is None else rank
-        if not _is_int(value) or not -rank <= value < max(rank, 1):
-            raise self.fail(f"{name} {value!r} is not an axis of a rank-{rank} input")
-
-    def shift(self, name: str, values: Any) -> None:
-        v = np.asarray(values)
-        if v.size and (v.min() < -MAX_LEFT_SHIFT or v.max() > self.max_shift):
-            raise self.fail(
-                f"{name} holds {int(v.min())}..{int(v.max())}, outside march {self.march}'s "
-                f"shifts {-MAX_LEFT_SHIFT}..{self.max_shift}"
-            )
-
-    def multiplier(self, name: str, values: Any) -> None:
-        v = np.asarray(values)
-        if v.size and np.abs(v.astype(np.int64)).max() > self.max_multiplier:
-            raise self.fail(
-                f"{name} holds {int(np.abs(v.astype(np.int64)).max())} in magnitude, wider than "
-                f"march {self.march}'s multipliers (at most {self.max_multiplier})"
-            )
-
-    def size(self, name: str, expected: int) -> None:
-        p = self.params.get(name)
-        if p is not None and p.size != expected:
-            raise self.fail(f"param {name!r} has {p.size} entries, expected {expected}")
-
-
 def _check_ranges(c: _Ctx) -> None:
     """Shifts and multipliers of every op, wherever they are stored."""
     for k, v in c.attrs.items():
@@ -451,19 +352,6 @@ def _check_where(c: _Ctx) -> None:
     operands = c.in_dtypes[1:] if condition else c.in_dtypes
     if any(d != c.attrs["dtype"] for d in operands):
         raise c.fail(f"operands of dtypes {operands} for dtype {c.attrs['dtype']}")
-
-
-def _check_lut(c: _Ctx) -> None:
-    c.size("table", 256)
-
-
-def _check_segment_lut(c: _Ctx) -> None:
-    a = c.attrs
-    for k, hi in (("dense_bits", 10), ("sparse_bits", 16)):
-        if not 0 <= a[k] <= hi:
-            raise c.fail(f"{k} {a[k]} outside 0..{hi}")
-    c.size("dense", 65)
-    c.size("sparse", 65)
 
 
 def _check_requantize(c: _Ctx) -> None:
@@ -993,13 +881,6 @@ OP_SPECS: dict[str, _OpSpec] = {
     ),
     "matmul": _OpSpec((2,), {"multiplier": "int", "shift": "int", **_QR}, {}),
     "clip": _OpSpec((1,), {"lo": "int?", "hi": "int?"}, {}),
-    "lut": _OpSpec((1,), {}, {"table": _Param(("int8", "int16"), (1,))}, _check_lut),
-    "segment_lut": _OpSpec(
-        (1,),
-        {"dense_bits": "int", "sparse_bits": "int", **_QR},
-        {"dense": _Param(_I, (1,)), "sparse": _Param(_I, (1,))},
-        _check_segment_lut,
-    ),
     "axis_matmul": _OpSpec(
         (1,), {"axes": "ints", "ones": "bool?"}, {}, _check_axis_matmul, extra_params="matrix_"
     ),
@@ -1109,6 +990,7 @@ OP_SPECS: dict[str, _OpSpec] = {
     ),
     "arg_extreme": _OpSpec((1,), {"fn": "str", "axis": "int?", "keepdim": "bool"}, {}, _check_arg),
     **FLOAT_OP_SPECS,
+    **{name: p.spec for name, p in PRIMITIVES.items()},  # fxq.primitives: beside their kernels
 }
 
 #: ops whose output dtype is their ``dtype`` (or ``out_dtype``) attribute

@@ -9,7 +9,7 @@ PReLU and LeakyReLU: ``Y = shift_round(X * M, S)`` for ``X >= 0`` and
 
 Lookup tables: int8 inputs index a 256-entry table
 ``T[q] = clamp(round(f(q s_x) / s_y))``; int16 inputs use a segmented table
-(``fxq.quantized.functional.SegmentLUT``) with fixed-point linear interpolation.
+(``fxq.primitives.table.SegmentLUT``) with fixed-point linear interpolation.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fxq import registry
+from fxq.primitives import table as tables
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for, require_finite
@@ -117,15 +119,42 @@ class LookupTable(FunctionalQuantized):
         scale = x.scale.detach().cpu()
         out = self.output_scale.detach().cpu()
         if x.qdtype.bits == 8:
-            return qf.lut_int8(fn, scale, out, self.out_dtype, self.rounding).to(x.device)
-        return qf.build_segment_lut(fn, scale, out, self.out_dtype, self.rounding)
+            return tables.lut_int8(fn, scale, out, self.out_dtype, self.rounding).to(x.device)
+        return tables.build_segment_lut(fn, scale, out, self.out_dtype, self.rounding)
+
+    def function_info(self, args: tuple = (), kwargs: dict | None = None) -> dict[str, Any]:
+        """The float function the table tabulates, for the exported node: its registry name
+        and constant arguments (what the QDQ form computes in float)."""
+        op = self.op
+        row = registry.row_for_module(type(op)) if op is not None else None
+        name = row.name if row is not None else registry.canonical_key(self.fn)
+        if not isinstance(name, str):
+            name = getattr(self.fn, "__name__", "unknown")
+        names = _FUNCTION_ARGS.get(name, ())
+        if op is not None:
+            values = {k: getattr(op, k) for k in names if hasattr(op, k)}
+        else:
+            values = dict(zip(names, args))
+            values.update({k: v for k, v in (kwargs or {}).items() if k != "inplace"})
+        values = {k: v for k, v in values.items() if isinstance(v, (int, float, str))}
+        return {"function": name, "function_args": values}
 
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
         args = tuple(a for a in args if not isinstance(a, bool))  # inplace flags
         table = self.table(x, args, kwargs)
+        info = lambda: self.function_info(args, kwargs)  # noqa: E731 (asked for on export)
         if x.qdtype.bits == 8:
-            return self.wrap(qf.apply_lut_int8(x.values(), table))
-        return self.wrap(qf.apply_segment_lut(x.values(), table, self.rounding))
+            return self.wrap(tables.lut(x.values(), table, info))
+        return self.wrap(tables.segment_lut(x.values(), table, self.rounding, info))
+
+
+#: the constant arguments of a tabulated function that its exported node names
+_FUNCTION_ARGS = {
+    "leaky_relu": ("negative_slope",),
+    "elu": ("alpha",),
+    "softplus": ("beta", "threshold"),
+    "gelu": ("approximate",),
+}
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import fxq
 from fxq.march import March, Rounding, spec_for
+from fxq.primitives import table as tables
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized import native
@@ -970,7 +971,7 @@ def test_lut_int8_matches_math(fn, s_in, s_out_mult, out_dtype, rounding):
     torch_fn, math_fn = MATH_FNS[fn]
     s_in_t = torch.tensor([s_in], dtype=torch.float32)
     s_out_t = torch.tensor([s_out_mult / out_dtype.qmax], dtype=torch.float32)
-    table = qf.lut_int8(torch_fn, s_in_t, s_out_t, out_dtype, rounding)
+    table = tables.lut_int8(torch_fn, s_in_t, s_out_t, out_dtype, rounding)
     assert table.shape == (256,) and table.dtype == out_dtype.storage
     si, so = float(s_in_t), float(s_out_t)
     for q in range(-128, 128):
@@ -980,7 +981,7 @@ def test_lut_int8_matches_math(fn, s_in, s_out_mult, out_dtype, rounding):
 
 
 def test_lut_int8_doc_example():
-    table = qf.lut_int8(
+    table = tables.lut_int8(
         torch.sigmoid, torch.tensor([0.05]), torch.tensor([1 / 127]), fxq.qint8, HALF_UP
     )
     assert table[[0, 128, 255]].tolist() == [0, 64, 127]
@@ -993,7 +994,7 @@ def test_apply_lut_int8_indexes(seed, shape):
     table = _rand_ints(gen, -32768, 32767, (256,), torch.int16)
     q = _rand_ints(gen, -128, 127, tuple(shape), torch.int8)
     q.view(-1)[0] = -128
-    got = qf.apply_lut_int8(q, table)
+    got = tables.lut(q, table)
     assert got.shape == q.shape
     tab = table.tolist()
     assert ints(got) == [tab[v + 128] for v in ints(q)]
@@ -1055,8 +1056,8 @@ def test_apply_segment_lut_interpolation_formula(seed, bits, spread, out_dtype, 
     gen = torch.Generator().manual_seed(seed)
     dense = _rand_ints(gen, -spread, spread, (65,))
     sparse = _rand_ints(gen, -spread, spread, (65,))
-    lut = qf.SegmentLUT(dense, sparse, bits, out_dtype)
-    got = qf.apply_segment_lut(INT16_ALL, lut, rounding)
+    lut = tables.SegmentLUT(dense, sparse, bits, out_dtype)
+    got = tables.segment_lut(INT16_ALL, lut, rounding)
     assert got.dtype == out_dtype.storage
     want = ref_segment_eval_int64(
         INT16_ALL, dense, sparse, bits, rounding, out_dtype.qmin, out_dtype.qmax
@@ -1091,16 +1092,16 @@ def test_build_segment_lut_knots_and_formula(fn, in_range, out_kind, rounding):
     s_in_t = torch.tensor([in_range / 32768], dtype=torch.float32)
     peak = 1.0 if fn != "silu" else in_range
     s_out_t = torch.tensor([peak / out_dtype.qmax], dtype=torch.float32)
-    lut = qf.build_segment_lut(torch_fn, s_in_t, s_out_t, out_dtype, rounding)
+    lut = tables.build_segment_lut(torch_fn, s_in_t, s_out_t, out_dtype, rounding)
     assert lut.dense.shape == lut.sparse.shape == (65,)
-    assert 0 <= lut.dense_bits < qf.SegmentLUT.SPARSE_BITS
+    assert 0 <= lut.dense_bits < tables.SegmentLUT.SPARSE_BITS
     si, so = float(s_in_t), float(s_out_t)
     step = 2**lut.dense_bits
     for j in range(65):
         for knots, x in ((lut.dense, -32 * step + j * step), (lut.sparse, -32768 + j * 1024)):
             y = math_fn(x * si) / so
             assert int(knots[j]) in _round_tolerant(y, rounding, -(1 << 40), 1 << 40), (j, x)
-    got = qf.apply_segment_lut(INT16_ALL, lut, rounding)
+    got = tables.segment_lut(INT16_ALL, lut, rounding)
     want = ref_segment_eval_int64(
         INT16_ALL, lut.dense, lut.sparse, lut.dense_bits, rounding, out_dtype.qmin, out_dtype.qmax
     )
@@ -1132,8 +1133,8 @@ def test_segment_lut_accuracy(fn, s_in, s_out, out_dtype, bound):
 
     s_in_t, s_out_t = torch.tensor([s_in]), torch.tensor([s_out])
     si, so = float(s_in_t), float(s_out_t)
-    lut = qf.build_segment_lut(torch_fn, s_in_t, s_out_t, out_dtype, HALF_UP)
-    got = qf.apply_segment_lut(INT16_ALL, lut, HALF_UP)
+    lut = tables.build_segment_lut(torch_fn, s_in_t, s_out_t, out_dtype, HALF_UP)
+    got = tables.segment_lut(INT16_ALL, lut, HALF_UP)
     # the true function in output steps (float64, Python math), saturated like the output
     exact = (vec(INT16_ALL.to(torch.float64) * si) / so).clamp(out_dtype.qmin, out_dtype.qmax)
     err = _max_error_lsb(got, exact)

@@ -1,0 +1,52 @@
+"""The numpy side of the integer arithmetic every primitive shares: dtypes, ranges,
+rounding shifts. numpy and the standard library only (the runtime runs without torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DTYPES", "RANGES", "bounds", "shift_round"]
+
+#: IR dtype name -> numpy dtype
+DTYPES: dict[str, Any] = {
+    "int8": np.int8,
+    "int16": np.int16,
+    "int32": np.int32,
+    "int64": np.int64,
+    "float32": np.float32,
+    "float64": np.float64,
+    "bool": np.bool_,
+}
+
+#: quantized IR dtype -> its integer range
+RANGES = {"int8": (-128, 127), "int16": (-32768, 32767), "int32": (-(1 << 31), (1 << 31) - 1)}
+
+
+def bounds(dtype: str, lo: int | None, hi: int | None) -> tuple[int, int]:
+    qmin, qmax = RANGES[dtype]
+    return (qmin if lo is None else max(lo, qmin)), (qmax if hi is None else min(hi, qmax))
+
+
+def shift_round(v: np.ndarray, shift: np.ndarray | int, rounding: str = "half_up") -> np.ndarray:
+    """Arithmetic shift of int64 ``v`` by ``shift`` bits with rounding.
+
+    ``shift > 0``: ``(v + (1 << (shift - 1))) >> shift`` (``half_up``), ties to
+    even for ``half_even``; ``shift == 0``: ``v``; ``shift < 0``: ``v << -shift``
+    (exact). ``shift`` broadcasts against ``v``.
+    """
+    v = np.asarray(v, dtype=np.int64)
+    s = np.asarray(shift, dtype=np.int64)
+    right = np.maximum(s, 0)
+    if (s < 0).any():
+        v = v << np.maximum(-s, 0)
+    half = np.where(right > 0, np.left_shift(1, np.maximum(right - 1, 0)), 0)
+    out = (v + half) >> right
+    if rounding == "half_up":
+        return out
+    if rounding == "half_even":
+        mask = np.left_shift(1, right) - 1
+        tie = (right > 0) & ((v & mask) == half)
+        return out - (tie & ((out & 1) == 1))
+    raise ValueError(f"unknown rounding {rounding!r}")
