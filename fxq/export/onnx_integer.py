@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 
 from fxq.primitives import PRIMITIVES, Primitive
+from fxq.primitives.arith import RANGES as _RANGES
+from fxq.primitives.arith import bounds as _bounds
 
 from .graph import IntegerGraph, Node
 from .onnx_float import FLOAT_WRITERS
@@ -118,8 +120,6 @@ class IntegerWriter:
 
         A left shift (``shift < 0``) is folded into the multiplier (the same product modulo
         ``2**64`` as numpy's ``(acc * m) << -shift``)."""
-        from .runtime import _bounds
-
         lo, hi = _bounds(dtype, lo, hi)
         s = np.asarray(shift, np.int64)
         m = np.left_shift(np.asarray(multiplier, np.int64), np.maximum(-s, 0))
@@ -250,8 +250,6 @@ class IntegerWriter:
             v = self.op("Add", [low, up])
         else:
             v = self.op("Round", [v])
-        from .runtime import _RANGES
-
         lo, hi = _RANGES[a["dtype"]]
         v = self.op(
             "Clip", [v, self.const(float(lo), np.float32), self.const(float(hi), np.float32)]
@@ -261,26 +259,6 @@ class IntegerWriter:
     def op_dequantize(self, node: Node, outs: list[str]) -> None:
         x = self.as_float(node.inputs[0])
         self.op("Mul", [x, self.const(node.attrs["scale"], np.float32)], outs[0])
-
-    def op_requantize(self, node: Node, outs: list[str]) -> None:
-        a, p = node.attrs, node.params
-        x = self.as_int(node.inputs[0])
-        if a.get("count_axes") is not None:  # multiplier and shift by element count
-            shape = self.op("Shape", [self.name(node.inputs[1])])
-            sizes = self.op("Gather", [shape, self.const(np.array(a["count_axes"], np.int64))])
-            count = self.op("ReduceProd", [sizes], keepdims=0)
-            m = self.op("Gather", [self.const(p["multiplier"].astype(np.int64)), count], axis=0)
-            shift = self.op("Gather", [self.const(p["shift"].astype(np.int64)), count], axis=0)
-            v = self.shift_round_var(self.op("Mul", [x, m]), shift, a["rounding"])
-            from .runtime import _bounds
-
-            lo, hi = _bounds(a["dtype"], a["lo"], a["hi"])
-            v = self.op("Clip", [v, self.int_const(lo), self.int_const(hi)])
-            self.cast(v, a["dtype"], outs[0])
-            return
-        self.requant(
-            x, p["multiplier"], p["shift"], a["dtype"], a["rounding"], a["lo"], a["hi"], outs[0]
-        )
 
     def _finish(
         self,
@@ -352,8 +330,6 @@ class IntegerWriter:
         a, p = node.attrs, node.params
         if a["out_dtype"] not in ("int8", "int16") or a["rounding"] != "half_up":
             return None
-        from .runtime import _bounds
-
         ch = lambda v: self.channel(np.asarray(v, np.int64), rank, axis)  # noqa: E731
         term = None
         if len(node.inputs) > 1:  # shift_round(r * rm, rs), exact below 2**23
@@ -387,8 +363,6 @@ class IntegerWriter:
     ) -> None:
         """``_finish`` in float32 for a float32 accumulator ``acc`` (scaled by ``2**-k``
         with ``scaled``) as ``_plan_f32`` planned it."""
-        from .runtime import _bounds
-
         a = node.attrs
         plan, term = planned
         if term is not None:
@@ -945,8 +919,6 @@ class IntegerWriter:
         )
         shift = self.op("Add", [e, self.int_const(a["fraction_bits"] - a["q_bits"])])
         z = self.shift_round_var(self.op("Mul", [d, r]), shift, a["rounding"])
-        from .runtime import _RANGES
-
         lo, hi = _RANGES[a["z_dtype"]]
         return self.op("Clip", [z, self.int_const(lo), self.int_const(hi)])
 
@@ -1067,16 +1039,12 @@ class IntegerWriter:
                 "Div",
                 [self.op("Add", [self.op("Mul", [num, two]), den]), self.op("Mul", [den, two])],
             )
-        from .runtime import _RANGES
-
         lo, hi = _RANGES[a["dtype"]]
         y = self.op("Clip", [y, self.int_const(lo), self.int_const(hi)])
         self.cast(y, a["dtype"], outs[0])
 
     def op_divide(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
-        from .runtime import _RANGES
-
         lo, hi = _RANGES[a["dtype"]]
         if a["numerator"] is None:
             num = self.op(
@@ -1121,33 +1089,6 @@ class IntegerWriter:
         op_type = "Max" if node.attrs["fn"] == "maximum" else "Min"
         xs = [self.as_float(i) for i in node.inputs]
         self.cast(self.op(op_type, xs), self.store(node.outputs[0]), outs[0])
-
-    def prelu_factors(self, node: Node) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(r, r_neg, sign)``: the positive and per-channel negative factors ``m 2**-s`` and
-        the slopes' signs, shaped to broadcast against the input."""
-        p, rank = node.params, self.rank(node.inputs[0])
-        r = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
-        rn = np.ldexp(p["neg_multiplier"].astype(np.float64), -p["neg_shift"].astype(np.int64))
-        sign = p["neg_sign"].astype(np.float64)
-        if rn.size > 1:
-            rn, sign = (self.channel(v, rank, node.attrs["axis"]) for v in (rn, sign))
-        return r, rn, sign
-
-    def op_prelu(self, node: Node, outs: list[str]) -> None:
-        a, p = node.attrs, node.params
-        rank = self.rank(node.inputs[0])
-        neg = [p[k].astype(np.int64) for k in ("neg_multiplier", "neg_shift", "neg_sign")]
-        if neg[0].size > 1:
-            neg = [self.channel(v, rank, a["axis"]) for v in neg]
-        nm, ns, sign = neg
-        x = self.as_int(node.inputs[0])
-        dtype = self.store(node.outputs[0])
-        d, r = a["dtype"], a["rounding"]
-        # Where on int64 (onnxruntime has no int16 Where), then the cast
-        pos = self.requant(x, p["multiplier"], p["shift"], d, r, None, None, None)
-        neg_out = self.requant(x, nm * sign, ns, d, r, None, None, None)
-        ge = self.op("GreaterOrEqual", [x, self.int_const(0)])
-        self.cast(self.op("Where", [ge, pos, neg_out]), dtype, outs[0])
 
     def op_reduce_extreme(self, node: Node, outs: list[str]) -> None:
         a = node.attrs

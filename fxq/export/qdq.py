@@ -220,20 +220,6 @@ class QDQWriter(IntegerWriter):
     def op_dequantize(self, node: Node, outs: list[str]) -> None:
         self.op("Identity", [self.name(node.inputs[0])], outs[0])
 
-    def op_requantize(self, node: Node, outs: list[str]) -> None:
-        a, p = node.attrs, node.params
-        t = self.graph.tensors[node.outputs[0]]
-        r = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
-        factor = r * t.scale / self.fscale(node.inputs[0])
-        v = self.name(node.inputs[0])
-        if np.abs(factor - 1).max() > 1e-3:  # averaging (1 / count) or resampling weights
-            v = self.op("Mul", [v, self.const(factor.astype(np.float32), hint="factor")])
-        if a["lo"] is not None or a["hi"] is not None:
-            lo = -np.inf if a["lo"] is None else a["lo"] * t.scale
-            hi = np.inf if a["hi"] is None else a["hi"] * t.scale
-            v = self.op("Clip", [v, self.const(lo, np.float32), self.const(hi, np.float32)])
-        self.qdq(v, node.outputs[0], outs[0])
-
     def op_conv(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
         d = a["dim"]
@@ -466,15 +452,6 @@ class QDQWriter(IntegerWriter):
         else:
             xs = [self.const(np.float32(a["scalar"])), self.name(node.inputs[0])]
         self.qdq(self.op("Div", xs), node.outputs[0], outs[0])
-
-    def op_prelu(self, node: Node, outs: list[str]) -> None:
-        """``PRelu`` with the slopes the integer multipliers hold, between Q / DQ pairs."""
-        t = self.graph.tensors[node.outputs[0]]
-        r, rn, sign = self.prelu_factors(node)
-        factor = t.scale / self.fscale(node.inputs[0])
-        x = self.op("Mul", [self.name(node.inputs[0]), self.const(r * factor, np.float32)])
-        slope = (rn * sign / r).astype(np.float32)
-        self.qdq(self.op("PRelu", [x, self.const(slope, np.float32)]), node.outputs[0], outs[0])
 
     def op_extremum(self, node: Node, outs: list[str]) -> None:
         op_type = "Max" if node.attrs["fn"] == "maximum" else "Min"

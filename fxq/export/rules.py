@@ -20,7 +20,6 @@ from fxq.dtypes import qint16
 from fxq.march import Rounding
 from fxq.qtensor import QTensor
 from fxq.quantized import (
-    activation,
     attention,
     batchnorm,
     division,
@@ -120,12 +119,6 @@ def _requantize_to(ex: _Exporter, x: QTensor, scale: Tensor, dtype, module, resu
         module, qf.scale_ratio(x.scale, scale), {"input": x.scale, "output": scale}
     )
     _emit_requantize(ex, ex.name_of(x), result, module, m, s, suffix=suffix)
-
-
-def _rule_requantize(ex, m: qstubs.Requantize, args, kwargs, result) -> None:
-    _requantize_to(
-        ex, args[0], m.scale, m.dtype if hasattr(m, "dtype") else result.qdtype, m, result
-    )
 
 
 def _rule_dequantize(ex: _Exporter, m: nn.Module, args, kwargs, result) -> None:
@@ -363,12 +356,6 @@ def _swap_last(rank: int) -> list[int]:
 
 
 # -- rules: clamps and tables ---------------------------------------------------------------
-def _rule_clamp(ex: _Exporter, m: activation.Clamp, args, kwargs, result) -> None:
-    x = args[0]
-    mult, s, q_lo, q_hi = m.requantization(x, *m.bounds(*args[1:], **kwargs))
-    _emit_requantize(ex, ex.name_of(x), result, m, mult, s, q_lo, q_hi)
-
-
 # -- rules: pooling, reductions, resampling --------------------------------------------------
 def _sum_then_requant(
     ex: _Exporter,
@@ -1022,24 +1009,6 @@ def _rule_extremum(ex: _Exporter, m: elementwise.Maximum, args, kwargs, result) 
     ex.emit("extremum", names, [result], {"fn": fn})
 
 
-def _rule_prelu(ex: _Exporter, m: activation.PReLU, args, kwargs, result) -> None:
-    x, rest = args[0], args[1:]
-    plan = m.plan(x, m.call_slope(rest, {k: v for k, v in kwargs.items() if k != "inplace"}))
-    ex.emit(
-        "prelu",
-        [ex.name_of(x)],
-        [result],
-        {"dtype": _dtype(result), "rounding": _rounding(m), "axis": m.channel_axis(x)},
-        {
-            "multiplier": _np(plan.multiplier, np.int64),
-            "shift": _np(plan.shift, np.int64),
-            "neg_multiplier": _np(plan.neg_multiplier, np.int64),
-            "neg_shift": _np(plan.neg_shift, np.int64),
-            "neg_sign": _np(plan.neg_sign, np.int64),
-        },
-    )
-
-
 def _rule_embedding(ex: _Exporter, m: embedding.Embedding, args, kwargs, result) -> None:
     ids = args[0] if args else kwargs["input"]
     table = m.table()
@@ -1055,7 +1024,6 @@ def _rule_embedding(ex: _Exporter, m: embedding.Embedding, args, kwargs, result)
 #: integer module class -> export rule ``(exporter, module, args, kwargs, result)``
 RULES: dict[type, Callable[..., None]] = {
     qstubs.Quantize: _rule_quantize,
-    qstubs.Requantize: _rule_requantize,
     qstubs.DeQuantize: _rule_dequantize,
     batchnorm.BatchNorm: _rule_batchnorm,
     weighted.Linear: _rule_linear,
@@ -1066,7 +1034,6 @@ RULES: dict[type, Callable[..., None]] = {
     elementwise.Stack: _rule_cat,
     matmul.MatMul: _rule_matmul,
     matmul.Einsum: _rule_einsum,
-    activation.Clamp: _rule_clamp,
     pooling.AvgPool: _rule_avg_pool,
     pooling.AdaptiveAvgPool: _rule_adaptive_avg_pool,
     pooling.Mean: _rule_mean,
@@ -1085,7 +1052,6 @@ RULES: dict[type, Callable[..., None]] = {
     elementwise.Maximum: _rule_extremum,
     elementwise.Minimum: _rule_extremum,
     embedding.Embedding: _rule_embedding,
-    activation.PReLU: _rule_prelu,
 }
 for _cls in (
     weighted.Conv1d,

@@ -22,7 +22,7 @@ import numpy as np
 from fxq.primitives import PRIMITIVES
 from fxq.primitives.arith import DTYPES, shift_round
 from fxq.primitives.arith import RANGES as _RANGES
-from fxq.primitives.arith import bounds as _bounds
+from fxq.primitives.arith import requant as _requant
 
 __all__ = [
     "KERNELS",
@@ -66,20 +66,6 @@ def quantize(x: np.ndarray, scale: float, dtype: str, rounding: str = "half_up")
     return np.clip(_round_float(v, rounding), lo, hi).astype(DTYPES[dtype])
 
 
-def _requant(
-    acc: np.ndarray,
-    multiplier: np.ndarray,
-    shift: np.ndarray,
-    dtype: str,
-    rounding: str,
-    lo: int | None = None,
-    hi: int | None = None,
-) -> np.ndarray:
-    lo, hi = _bounds(dtype, lo, hi)
-    v = shift_round(acc.astype(np.int64) * np.asarray(multiplier, np.int64), shift, rounding)
-    return np.clip(v, lo, hi).astype(DTYPES[dtype])
-
-
 def _sat32(v: np.ndarray) -> np.ndarray:
     return np.clip(v, -(1 << 31), (1 << 31) - 1)
 
@@ -114,22 +100,6 @@ def _k_quantize(node, inputs):
 def _k_dequantize(node, inputs):
     with np.errstate(over="ignore"):  # beyond float32's range: +-inf, as in torch
         return [inputs[0].astype(np.float32) * np.float32(node.attrs["scale"])]
-
-
-def _k_requantize(node, inputs):
-    """With ``count_axes`` (a dynamic mean / global pooling), the multiplier and shift are
-    tables indexed by the element count: the product of those axes of the second input."""
-    a, p = node.attrs, node.params
-    mult, shift = p["multiplier"], p["shift"]
-    if a.get("count_axes") is not None:
-        count = int(np.prod([inputs[1].shape[k] for k in a["count_axes"]]))
-        if not 0 < count < mult.size:
-            raise ValueError(
-                f"the mean is over {count} elements; the graph's multipliers cover 1 to "
-                f"{mult.size - 1} (export with a larger Dim(..., max=...))"
-            )
-        mult, shift = mult[count : count + 1], shift[count : count + 1]
-    return [_requant(inputs[0], mult, shift, a["dtype"], a["rounding"], a["lo"], a["hi"])]
 
 
 # -- conv / linear / affine ---------------------------------------------------------------
@@ -704,22 +674,6 @@ def _k_extremum(node, inputs):
     return [pick(inputs[0], inputs[1])]
 
 
-def _k_prelu(node, inputs):
-    """``x >= 0``: requantized by ``multiplier, shift``; ``x < 0``: ``x * neg_sign[c]``
-    requantized by ``neg_multiplier[c], neg_shift[c]`` (channel ``axis``)."""
-    a, p = node.attrs, node.params
-    x = inputs[0].astype(np.int64)
-    shape = [1] * x.ndim
-    if p["neg_multiplier"].size > 1:
-        shape[a["axis"]] = -1
-    per = {k: p[k].reshape(shape) for k in ("neg_multiplier", "neg_shift", "neg_sign")}
-    pos = _requant(x, p["multiplier"], p["shift"], a["dtype"], a["rounding"])
-    neg = _requant(
-        x * per["neg_sign"], per["neg_multiplier"], per["neg_shift"], a["dtype"], a["rounding"]
-    )
-    return [np.where(x >= 0, pos, neg)]
-
-
 def _k_reduce_extreme(node, inputs):
     """``amax`` / ``amin`` of the integers over ``axes``."""
     a = node.attrs
@@ -747,7 +701,6 @@ def _k_embedding(node, inputs):
 KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "quantize": _k_quantize,
     "dequantize": _k_dequantize,
-    "requantize": _k_requantize,
     "conv": _k_conv,
     "linear": _k_linear,
     "channel_affine": _k_channel_affine,
@@ -775,7 +728,6 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "divide": _k_divide,
     "extremum": _k_extremum,
     "embedding": _k_embedding,
-    "prelu": _k_prelu,
     "reduce_extreme": _k_reduce_extreme,
     "arg_extreme": _k_arg_extreme,
 }

@@ -354,26 +354,6 @@ def _check_where(c: _Ctx) -> None:
         raise c.fail(f"operands of dtypes {operands} for dtype {c.attrs['dtype']}")
 
 
-def _check_requantize(c: _Ctx) -> None:
-    axes = c.attrs.get("count_axes")
-    if axes is None:
-        if len(c.node["inputs"]) != 1:
-            raise c.fail("two inputs without count_axes")
-        return
-    if len(c.node["inputs"]) != 2:
-        raise c.fail("count_axes needs a second input (the tensor whose elements are counted)")
-    rank = len(c.in_shapes[1])
-    if not axes or any(not 0 <= a < rank for a in axes):
-        raise c.fail(f"count_axes {axes} outside the rank {rank} of the second input")
-    for k in ("multiplier", "shift"):
-        if c.params[k].ndim != 1 or not 2 <= c.params[k].size <= _MAX_COUNT_TABLE:
-            raise c.fail(f"{k} is not a table of 2 to {_MAX_COUNT_TABLE} entries")
-
-
-#: the longest multiplier table of a requantize by element count (``count_axes``)
-_MAX_COUNT_TABLE = 1 << 24
-
-
 def _check_axis_matmul(c: _Ctx) -> None:
     if c.attrs.get("ones"):
         for i, axis in enumerate(c.attrs["axes"]):
@@ -577,13 +557,6 @@ def _fn(*names: str) -> Callable[[_Ctx], None]:
             raise c.fail(f"fn {c.attrs['fn']!r} is not one of {list(names)}")
 
     return check
-
-
-def _check_prelu(c: _Ctx) -> None:
-    c.axis("axis", c.attrs["axis"])
-    size = c.params["neg_multiplier"].size
-    if any(c.params[k].size != size for k in ("neg_shift", "neg_sign")):
-        raise c.fail("neg_multiplier, neg_shift and neg_sign differ in size")
 
 
 def _check_reduce(c: _Ctx) -> None:
@@ -835,12 +808,6 @@ FLOAT_OP_SPECS: dict[str, _OpSpec] = {
 OP_SPECS: dict[str, _OpSpec] = {
     "quantize": _OpSpec((1,), {"scale": "float", **_QR}, {}),
     "dequantize": _OpSpec((1,), {"scale": "float"}, {}),
-    "requantize": _OpSpec(
-        (1, 2),
-        {**_QR, "lo": "int?", "hi": "int?", "count_axes": "ints?"},
-        {"multiplier": _SHIFT, "shift": _SHIFT},
-        _check_requantize,
-    ),
     "conv": _OpSpec(
         (1, 2),
         {
@@ -979,12 +946,6 @@ OP_SPECS: dict[str, _OpSpec] = {
     ),
     "extremum": _OpSpec((2,), {"fn": "str"}, {}, _fn("maximum", "minimum")),
     "embedding": _OpSpec((1,), {"dtype": "qdtype"}, {"table": _Param(("int8", "int16"), (2,))}),
-    "prelu": _OpSpec(
-        (1,),
-        {"axis": "int", **_QR},
-        {k: _SHIFT for k in ("multiplier", "shift", "neg_multiplier", "neg_shift", "neg_sign")},
-        _check_prelu,
-    ),
     "reduce_extreme": _OpSpec(
         (1,), {"fn": "str", "axes": "ints", "keepdim": "bool"}, {}, _check_reduce
     ),

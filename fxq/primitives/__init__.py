@@ -6,7 +6,16 @@ optional: without it only the numpy side loads). ``fxq.primitives.core`` says ho
 records the calls.
 """
 
-from fxq.primitives import table
+from fxq.primitives import requant, table
 from fxq.primitives.core import PRIMITIVES, Call, Primitive, is_recording, record, recording
 
-__all__ = ["PRIMITIVES", "Primitive", "Call", "record", "recording", "is_recording", "table"]
+__all__ = [
+    "PRIMITIVES",
+    "Primitive",
+    "Call",
+    "record",
+    "recording",
+    "is_recording",
+    "requant",
+    "table",
+]

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DTYPES", "RANGES", "bounds", "shift_round"]
+__all__ = ["DTYPES", "RANGES", "bounds", "shift_round", "requant"]
 
 #: IR dtype name -> numpy dtype
 DTYPES: dict[str, Any] = {
@@ -50,3 +50,19 @@ def shift_round(v: np.ndarray, shift: np.ndarray | int, rounding: str = "half_up
         tie = (right > 0) & ((v & mask) == half)
         return out - (tie & ((out & 1) == 1))
     raise ValueError(f"unknown rounding {rounding!r}")
+
+
+def requant(
+    acc: np.ndarray,
+    multiplier: np.ndarray,
+    shift: np.ndarray,
+    dtype: str,
+    rounding: str,
+    lo: int | None = None,
+    hi: int | None = None,
+) -> np.ndarray:
+    """``clamp(shift_round(acc * multiplier, shift), lo, hi)`` in int64, saturated to
+    ``dtype`` (and to ``[lo, hi]`` where given)."""
+    lo, hi = bounds(dtype, lo, hi)
+    v = shift_round(acc.astype(np.int64) * np.asarray(multiplier, np.int64), shift, rounding)
+    return np.clip(v, lo, hi).astype(DTYPES[dtype])

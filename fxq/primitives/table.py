@@ -311,9 +311,6 @@ if torch is not None:
     def _(q, dense, sparse, bits, half_even, out_bits):
         return q.new_empty(q.shape, dtype=_DTYPES[out_bits])
 
-    def _rounding_name(rounding: Rounding) -> str:
-        return "half_even" if rounding is Rounding.HALF_EVEN else "half_up"
-
     def lut(q: Tensor, table: Tensor, info: Callable[[], dict[str, Any]] | None = None) -> Tensor:
         """``table[q + 128]`` for int8 values ``q`` (any dtype holding them); the table's
         dtype is the result's.
@@ -359,7 +356,7 @@ if torch is not None:
                 "sparse_bits": SPARSE_BITS,
                 "dtype": dtype,
                 **(info() if info is not None else {}),
-                "rounding": _rounding_name(rounding),
+                "rounding": rounding.value,
             }
             params = {"dense": table.dense, "sparse": table.sparse}
             record(Call("segment_lut", [q], [y], [dtype], attrs, params))

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from fxq import registry
+from fxq.primitives import requant
 from fxq.primitives import table as tables
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
@@ -73,10 +74,9 @@ class Clamp(FunctionalQuantized):
 
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
         m, s, q_lo, q_hi = self.requantization(x, *self.bounds(*args, **kwargs))
-        q = qf.requantize_exact(
-            x.values(), m, s, self.out_dtype, self.rounding, None, q_lo, q_hi, as_float=True
+        return self.wrap(
+            requant.requantize(x.values(), m, s, self.out_dtype, self.rounding, q_lo, q_hi)
         )
-        return self.wrap(q)
 
     def _derive(
         self, s_x: Tensor, lo: float | None, hi: float | None
@@ -229,22 +229,15 @@ class PReLU(FunctionalQuantized):
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
         kwargs.pop("inplace", None)
         plan = self.plan(x, self.call_slope(args, kwargs))
-        v = x.values()
-        axis = self.channel_axis(x)
-        per_channel = plan.neg_multiplier.numel() > 1
-        shape = [1] * v.dim()
-        if per_channel:
-            shape[axis] = -1
-        sign = plan.neg_sign.to(v.device).reshape(shape)
-        dt, r = self.out_dtype, self.rounding
-        pos = qf.requantize_exact(v, plan.multiplier, plan.shift, dt, r, as_float=True)
-        neg = qf.requantize_exact(
-            v * sign,
+        y = requant.prelu(
+            x.values(),
+            plan.multiplier,
+            plan.shift,
             plan.neg_multiplier,
             plan.neg_shift,
-            dt,
-            r,
-            axis if per_channel else None,
-            as_float=True,
+            plan.neg_sign,
+            self.channel_axis(x),
+            self.out_dtype,
+            self.rounding,
         )
-        return self.wrap(torch.where(v >= 0, pos, neg))
+        return self.wrap(y)

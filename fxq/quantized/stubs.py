@@ -8,6 +8,7 @@ from torch.utils._pytree import tree_map
 
 from fxq.dtypes import QDType, as_qdtype
 from fxq.march import March
+from fxq.primitives import requant
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import QuantizedModule, check_input, multiplier_for, same_scale
@@ -111,8 +112,9 @@ class Requantize(QuantizedModule):
                 self, qf.scale_ratio(x.scale, self.scale), {"input": x.scale, "output": self.scale}
             ),
         )
-        q = qf.requantize_exact(x.values(), m, n, dtype, self.rounding, as_float=True)
-        return QTensor(q, self.scale, dtype)
+        return QTensor(
+            requant.requantize(x.values(), m, n, dtype, self.rounding), self.scale, dtype
+        )
 
 
 class UnusedQuantize(nn.Module):

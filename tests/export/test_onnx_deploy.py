@@ -15,7 +15,7 @@ import fxq.export
 from fxq.export.onnx import graph_to_onnx
 from fxq.export.onnx_integer import IntegerWriter
 from fxq.export.onnx_requant import plan_f32_requant, plan_mul_requant, write_f32_requant
-from fxq.export.runtime import _requant
+from fxq.primitives.arith import requant as _requant
 from tests.export.helpers import assert_equal_outputs, outputs, torchvision_model
 
 onnx = pytest.importorskip("onnx")
@@ -188,7 +188,7 @@ def test_float32_requantization_is_exact_on_adversarial_accumulators(seed, scale
     m[1] = -m[1] if seed % 3 == 0 else m[1]
     s = rng.integers(12 + 2 * seed, 14 + 2 * seed, channels) if seed < 7 else np.full(channels, 25)
     bound = int(rng.integers(1 << 12, 1 << 20)) if seed < 7 else (1 << 24) - 1
-    from fxq.export.runtime import _bounds
+    from fxq.primitives.arith import bounds as _bounds
 
     qlo, qhi = _bounds(dtype, lo, hi)
     plan = plan_f32_requant(m, s, bound, qlo, qhi, dtype == "int8")

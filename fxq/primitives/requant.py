@@ -1,0 +1,259 @@
+"""Requantization: integers on one grid moved onto another.
+
+* ``requantize``: ``clamp(shift_round(x * M, S), lo, hi)`` with ``M 2**-S ~ s_x / s_y`` (one
+  multiplier, or one per channel; ``lo`` / ``hi`` tighter bounds: a clamp, ReLU6). With
+  ``count_axes`` (a mean over dimensions that are dynamic at export) the multiplier and shift
+  are tables indexed by the element count of those axes of a second input.
+* ``prelu``: the two sides of a (leaky / parametric) ReLU requantized apart:
+  ``x >= 0``: ``requantize(x, M, S)``; ``x < 0``: ``requantize(x * sign[c], N[c], T[c])``
+  with ``N[c] 2**-T[c] ~ |a[c]| s_x / s_y``.
+
+The rounding shift is exact integer arithmetic (``fxq.quantized.functional.requantize_exact``
+in torch, ``fxq.primitives.arith.requant`` in numpy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fxq.primitives.arith import bounds, requant
+from fxq.primitives.core import Call, Primitive, ir_dtype, is_recording, record, register
+from fxq.primitives.schema import SHIFT, Ctx, OpSpec
+
+try:
+    import torch
+except ImportError:  # the numpy runtime without torch
+    torch = None
+
+__all__ = ["requantize", "prelu", "MAX_COUNT_TABLE"]
+
+#: the longest multiplier table of a requantize by element count (``count_axes``)
+MAX_COUNT_TABLE = 1 << 24
+
+
+# -- numpy --------------------------------------------------------------------------------------
+def _numpy_requantize(node, inputs):
+    a, p = node.attrs, node.params
+    mult, shift = p["multiplier"], p["shift"]
+    if a.get("count_axes") is not None:
+        count = int(np.prod([inputs[1].shape[k] for k in a["count_axes"]]))
+        if not 0 < count < mult.size:
+            raise ValueError(
+                f"the mean is over {count} elements; the graph's multipliers cover 1 to "
+                f"{mult.size - 1} (export with a larger Dim(..., max=...))"
+            )
+        mult, shift = mult[count : count + 1], shift[count : count + 1]
+    return [requant(inputs[0], mult, shift, a["dtype"], a["rounding"], a["lo"], a["hi"])]
+
+
+def _numpy_prelu(node, inputs):
+    a, p = node.attrs, node.params
+    x = inputs[0].astype(np.int64)
+    shape = [1] * x.ndim
+    if p["neg_multiplier"].size > 1:
+        shape[a["axis"]] = -1
+    per = {k: p[k].reshape(shape) for k in ("neg_multiplier", "neg_shift", "neg_sign")}
+    pos = requant(x, p["multiplier"], p["shift"], a["dtype"], a["rounding"])
+    neg = requant(
+        x * per["neg_sign"], per["neg_multiplier"], per["neg_shift"], a["dtype"], a["rounding"]
+    )
+    return [np.where(x >= 0, pos, neg)]
+
+
+# -- integer ONNX -------------------------------------------------------------------------------
+def _onnx_requantize(w, node, outs: list[str]) -> None:
+    a, p = node.attrs, node.params
+    x = w.as_int(node.inputs[0])
+    if a.get("count_axes") is None:
+        w.requant(
+            x, p["multiplier"], p["shift"], a["dtype"], a["rounding"], a["lo"], a["hi"], outs[0]
+        )
+        return
+    # multiplier and shift by element count: gathered from their tables at run time
+    shape = w.op("Shape", [w.name(node.inputs[1])])
+    sizes = w.op("Gather", [shape, w.const(np.array(a["count_axes"], np.int64))])
+    count = w.op("ReduceProd", [sizes], keepdims=0)
+    m = w.op("Gather", [w.const(p["multiplier"].astype(np.int64)), count], axis=0)
+    shift = w.op("Gather", [w.const(p["shift"].astype(np.int64)), count], axis=0)
+    v = w.shift_round_var(w.op("Mul", [x, m]), shift, a["rounding"])
+    lo, hi = bounds(a["dtype"], a["lo"], a["hi"])
+    v = w.op("Clip", [v, w.int_const(lo), w.int_const(hi)])
+    w.cast(v, a["dtype"], outs[0])
+
+
+def _onnx_prelu(w, node, outs: list[str]) -> None:
+    a, p = node.attrs, node.params
+    rank = w.rank(node.inputs[0])
+    neg = [p[k].astype(np.int64) for k in ("neg_multiplier", "neg_shift", "neg_sign")]
+    if neg[0].size > 1:
+        neg = [w.channel(v, rank, a["axis"]) for v in neg]
+    nm, ns, sign = neg
+    x = w.as_int(node.inputs[0])
+    dtype = w.store(node.outputs[0])
+    d, r = a["dtype"], a["rounding"]
+    # Where on int64 (onnxruntime has no int16 Where), then the cast
+    pos = w.requant(x, p["multiplier"], p["shift"], d, r, None, None, None)
+    neg_out = w.requant(x, nm * sign, ns, d, r, None, None, None)
+    ge = w.op("GreaterOrEqual", [x, w.int_const(0)])
+    w.cast(w.op("Where", [ge, pos, neg_out]), dtype, outs[0])
+
+
+# -- QDQ ONNX -----------------------------------------------------------------------------------
+def _qdq_requantize(w, node, outs: list[str]) -> None:
+    """A float ``Mul`` only where the factor is not 1 (averaging ``1 / count``, resampling
+    weights), the bounds as a ``Clip``, then the output's Q / DQ pair."""
+    a, p = node.attrs, node.params
+    t = w.graph.tensors[node.outputs[0]]
+    r = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
+    factor = r * t.scale / w.fscale(node.inputs[0])
+    v = w.name(node.inputs[0])
+    if np.abs(factor - 1).max() > 1e-3:
+        v = w.op("Mul", [v, w.const(factor.astype(np.float32), hint="factor")])
+    if a["lo"] is not None or a["hi"] is not None:
+        lo = -np.inf if a["lo"] is None else a["lo"] * t.scale
+        hi = np.inf if a["hi"] is None else a["hi"] * t.scale
+        v = w.op("Clip", [v, w.const(lo, np.float32), w.const(hi, np.float32)])
+    w.qdq(v, node.outputs[0], outs[0])
+
+
+def _qdq_prelu(w, node, outs: list[str]) -> None:
+    """``PRelu`` with the slopes the integer multipliers hold, between Q / DQ pairs."""
+    p, rank = node.params, w.rank(node.inputs[0])
+    t = w.graph.tensors[node.outputs[0]]
+    r = np.ldexp(p["multiplier"].astype(np.float64), -p["shift"].astype(np.int64))
+    rn = np.ldexp(p["neg_multiplier"].astype(np.float64), -p["neg_shift"].astype(np.int64))
+    sign = p["neg_sign"].astype(np.float64)
+    if rn.size > 1:
+        rn, sign = (w.channel(v, rank, node.attrs["axis"]) for v in (rn, sign))
+    factor = t.scale / w.fscale(node.inputs[0])
+    x = w.op("Mul", [w.name(node.inputs[0]), w.const(r * factor, np.float32)])
+    slope = (rn * sign / r).astype(np.float32)
+    w.qdq(w.op("PRelu", [x, w.const(slope, np.float32)]), node.outputs[0], outs[0])
+
+
+# -- file schema --------------------------------------------------------------------------------
+def _check_requantize(c: Ctx) -> None:
+    axes = c.attrs.get("count_axes")
+    if axes is None:
+        if len(c.node["inputs"]) != 1:
+            raise c.fail("two inputs without count_axes")
+        return
+    if len(c.node["inputs"]) != 2:
+        raise c.fail("count_axes needs a second input (the tensor whose elements are counted)")
+    rank = len(c.in_shapes[1])
+    if not axes or any(not 0 <= a < rank for a in axes):
+        raise c.fail(f"count_axes {axes} outside the rank {rank} of the second input")
+    for k in ("multiplier", "shift"):
+        if c.params[k].ndim != 1 or not 2 <= c.params[k].size <= MAX_COUNT_TABLE:
+            raise c.fail(f"{k} is not a table of 2 to {MAX_COUNT_TABLE} entries")
+
+
+def _check_prelu(c: Ctx) -> None:
+    c.axis("axis", c.attrs["axis"])
+    size = c.params["neg_multiplier"].size
+    if any(c.params[k].size != size for k in ("neg_shift", "neg_sign")):
+        raise c.fail("neg_multiplier, neg_shift and neg_sign differ in size")
+
+
+_QR = {"dtype": "qdtype", "rounding": "rounding"}
+
+register(
+    Primitive(
+        "requantize",
+        _numpy_requantize,
+        _onnx_requantize,
+        OpSpec(
+            (1, 2),
+            {**_QR, "lo": "int?", "hi": "int?", "count_axes": "ints?"},
+            {"multiplier": SHIFT, "shift": SHIFT},
+            _check_requantize,
+        ),
+        _qdq_requantize,
+        "`clamp(shift_round(x * multiplier, shift), lo, hi)`; by element count with `count_axes`",
+    )
+)
+_PRELU_PARAMS = ("multiplier", "shift", "neg_multiplier", "neg_shift", "neg_sign")
+register(
+    Primitive(
+        "prelu",
+        _numpy_prelu,
+        _onnx_prelu,
+        OpSpec((1,), {"axis": "int", **_QR}, dict.fromkeys(_PRELU_PARAMS, SHIFT), _check_prelu),
+        _qdq_prelu,
+        "each side of 0 requantized with its own multiplier (per-channel slopes)",
+    )
+)
+
+
+# -- torch --------------------------------------------------------------------------------------
+if torch is not None:
+    from torch import Tensor
+
+    from fxq.dtypes import QDType
+    from fxq.march import Rounding
+    from fxq.quantized import functional as qf
+
+    def requantize(
+        v: Tensor,
+        multiplier: Tensor,
+        shift: Tensor,
+        dtype: QDType,
+        rounding: Rounding,
+        lo: int | None = None,
+        hi: int | None = None,
+    ) -> Tensor:
+        """``clamp(shift_round(v * multiplier, shift), lo, hi)`` of exact integers ``v``
+        (one multiplier and shift), as exact float32 values of ``dtype``."""
+        y = qf.requantize_exact(v, multiplier, shift, dtype, rounding, None, lo, hi, as_float=True)
+        if is_recording():
+            d = ir_dtype(dtype)
+            attrs: dict[str, Any] = {
+                "dtype": d,
+                "rounding": rounding.value,
+                "lo": lo,
+                "hi": hi,
+            }
+            params = {"multiplier": multiplier.long(), "shift": shift.long()}
+            record(Call("requantize", [v], [y], [d], attrs, params))
+        return y
+
+    def prelu(
+        v: Tensor,
+        multiplier: Tensor,
+        shift: Tensor,
+        neg_multiplier: Tensor,
+        neg_shift: Tensor,
+        neg_sign: Tensor,
+        axis: int,
+        dtype: QDType,
+        rounding: Rounding,
+    ) -> Tensor:
+        """Each side of 0 of exact integers ``v`` requantized apart: ``v >= 0`` by
+        ``multiplier, shift``, ``v < 0`` as ``v * neg_sign[c]`` by ``neg_multiplier[c],
+        neg_shift[c]`` (one, or one per channel of ``axis``); exact float32 values of
+        ``dtype``."""
+        per_channel = neg_multiplier.numel() > 1
+        shape = [1] * v.dim()
+        if per_channel:
+            shape[axis] = -1
+        sign = neg_sign.to(v.device).reshape(shape)
+        pos = qf.requantize_exact(v, multiplier, shift, dtype, rounding, as_float=True)
+        neg = qf.requantize_exact(
+            v * sign,
+            neg_multiplier,
+            neg_shift,
+            dtype,
+            rounding,
+            axis if per_channel else None,
+            as_float=True,
+        )
+        y = torch.where(v >= 0, pos, neg)
+        if is_recording():
+            d = ir_dtype(dtype)
+            attrs = {"dtype": d, "rounding": rounding.value, "axis": axis}
+            values = (multiplier, shift, neg_multiplier, neg_shift, neg_sign)
+            params = {k: t.long() for k, t in zip(_PRELU_PARAMS, values)}
+            record(Call("prelu", [v], [y], [d], attrs, params))
+        return y
