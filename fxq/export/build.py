@@ -361,12 +361,13 @@ class _Exporter(Interpreter):
                 name = known.get(id(t))
                 inputs.append(name if name is not None else self.name_of(t))
             outputs = []
-            for t, dtype in zip(call.outputs, call.dtypes):
+            scales = call.scales or [None] * len(call.outputs)
+            for t, dtype, scale in zip(call.outputs, call.dtypes, scales):
                 r = final.get(id(t))
                 if isinstance(r, QTensor):
                     info = TensorInfo(dtype, list(t.shape), float(r.scale), r.offset)
                 else:
-                    info = TensorInfo(dtype, list(t.shape), None)
+                    info = TensorInfo(dtype, list(t.shape), scale)
                 outputs.append((t, info))
             suffix = "" if any(id(t) in final for t, _ in outputs) else f"_{call.op}{k}"
             names = self.emit(

@@ -528,22 +528,6 @@ class IntegerWriter:
             prod, m = self.as_int(node.inputs[0]), a["sign"] * m
         self.requant(prod, m, a["shift"], a["dtype"], a["rounding"], None, None, outs[0])
 
-    def condition(self, node: Node) -> tuple[str, list[str]]:
-        """A ``where`` node's condition (its param, or its first input) and its other inputs."""
-        if "condition" in node.params:
-            return self.const(node.params["condition"], hint="condition"), list(node.inputs)
-        return self.name(node.inputs[0]), list(node.inputs[1:])
-
-    def op_where(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        cond, inputs = self.condition(node)
-        tensors = iter(inputs)
-        xs = [
-            self.name(next(tensors)) if c is None else self.const(np.asarray(c, a["dtype"]))
-            for c in a["constants"]
-        ]
-        self.op("Where", [cond, *xs], outs[0])
-
     def op_matmul(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
         x, y = node.inputs
@@ -1085,11 +1069,6 @@ class IntegerWriter:
         )
         self.cast(q, a["dtype"], outs[0])
 
-    def op_extremum(self, node: Node, outs: list[str]) -> None:
-        op_type = "Max" if node.attrs["fn"] == "maximum" else "Min"
-        xs = [self.as_float(i) for i in node.inputs]
-        self.cast(self.op(op_type, xs), self.store(node.outputs[0]), outs[0])
-
     def op_reduce_extreme(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
         op_type = "ReduceMax" if a["fn"] == "amax" else "ReduceMin"
@@ -1110,14 +1089,6 @@ class IntegerWriter:
             self.op("Reshape", [y, self.const(np.array(shape, np.int64), hint="shape")], outs[0])
             return
         self.op(op_type, [x], outs[0], axis=a["axis"], keepdims=keep)
-
-    def op_embedding(self, node: Node, outs: list[str]) -> None:
-        table = node.params["table"]
-        if self.store(node.outputs[0]) == "float32":  # QDQ: the float table, then Q / DQ
-            scale = np.float32(self.graph.tensors[node.outputs[0]].scale)
-            table = table.astype(np.float32) * scale
-        y = self.op("Gather", [self.const(table, hint="table"), self.name(node.inputs[0])], axis=0)
-        self.cast(y, self.store(node.outputs[0]), outs[0])
 
     # -- model ---------------------------------------------------------------------------------
     def value_info(self, ir_name: str) -> Any:

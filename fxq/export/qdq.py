@@ -314,20 +314,6 @@ class QDQWriter(IntegerWriter):
             xs.append(self.const(a["scalar"], np.float32))
         self.qdq(self.op("Mul", xs), node.outputs[0], outs[0])
 
-    def op_where(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        scale = self.graph.tensors[node.outputs[0]].scale
-        if scale is None:  # plain tensors (a mask): as in the integer form
-            super().op_where(node, outs)
-            return
-        cond, inputs = self.condition(node)
-        tensors = iter(inputs)
-        xs = [
-            self.name(next(tensors)) if c is None else self.const(np.float32(c * scale))
-            for c in a["constants"]
-        ]
-        self.qdq(self.op("Where", [cond, *xs]), node.outputs[0], outs[0])
-
     def op_matmul(self, node: Node, outs: list[str]) -> None:
         y = self.op("MatMul", [self.name(i) for i in node.inputs])
         factor = node.attrs.get("factor", 1.0)
@@ -452,20 +438,6 @@ class QDQWriter(IntegerWriter):
         else:
             xs = [self.const(np.float32(a["scalar"])), self.name(node.inputs[0])]
         self.qdq(self.op("Div", xs), node.outputs[0], outs[0])
-
-    def op_extremum(self, node: Node, outs: list[str]) -> None:
-        op_type = "Max" if node.attrs["fn"] == "maximum" else "Min"
-        self.qdq(self.op(op_type, [self.name(i) for i in node.inputs]), node.outputs[0], outs[0])
-
-    def op_embedding(self, node: Node, outs: list[str]) -> None:
-        """``Gather`` from the table as an int8 / int16 initializer behind a per-tensor
-        ``DequantizeLinear`` at the output's scale (the table is already at that scale)."""
-        t = self.graph.tensors[node.outputs[0]]
-        if t.scale is None:
-            super().op_embedding(node, outs)
-            return
-        table = self.dq_const(node.params["table"], t.scale, hint="table")
-        self.op("Gather", [table, self.name(node.inputs[0])], outs[0], axis=0)
 
     def op_constant(self, node: Node, outs: list[str]) -> None:
         """A quantized constant (e.g. a matmul's constant operand) as its int8 / int16

@@ -24,7 +24,6 @@ from fxq.quantized import (
     batchnorm,
     division,
     elementwise,
-    embedding,
     grid_sample,
     interpolate,
     matmul,
@@ -33,7 +32,6 @@ from fxq.quantized import (
     power,
     softmax,
     weighted,
-    where,
 )
 from fxq.quantized import functional as qf
 from fxq.quantized import stubs as qstubs
@@ -963,27 +961,6 @@ def _rule_pow(ex: _Exporter, m: power.Pow, args, kwargs, result) -> None:
     ex.emit("mul", [source, ex.name_of(x)], [result], attrs)
 
 
-def _rule_where(ex: _Exporter, m: where.Where, args, kwargs, result) -> None:
-    """Operands on the output grid (``requantize`` where their scale differs; numbers as
-    constants), then ``where`` with the condition as a parameter (a constant of the model) or
-    its first input (computed from the graph's inputs)."""
-    condition, a, b = where.where_operands(args, kwargs)
-    inputs, constants = [], []
-    for i, value in enumerate((a, b)):
-        if not isinstance(value, QTensor):
-            constants.append(int(m.operand(value)))
-            continue
-        constants.append(None)
-        inputs.append(_on_output_grid(ex, m, value, f"_operand{i}"))
-    if id(condition) in ex.names:  # computed from the graph's inputs: the first input
-        inputs.insert(0, ex.name_of(condition))
-        params = {}
-    else:
-        batch_axis = condition.dim() == result.dim()
-        params = {"condition": constant_bool(ex, condition, "condition", batch_axis)}
-    ex.emit("where", inputs, [result], {"dtype": _dtype(result), "constants": constants}, params)
-
-
 def _rule_div(ex: _Exporter, m: division.Div, args, kwargs, result) -> None:
     a, b = division.divide_operands(args, kwargs)
     form, mult, shift, sign = m.plan(a, b)
@@ -999,26 +976,6 @@ def _rule_div(ex: _Exporter, m: division.Div, args, kwargs, result) -> None:
         return
     attrs = {**common, "numerator": sign * mult, "scalar": float(a)}
     ex.emit("divide", [ex.name_of(b)], [result], attrs)
-
-
-def _rule_extremum(ex: _Exporter, m: elementwise.Maximum, args, kwargs, result) -> None:
-    a = args[0] if args else kwargs["input"]
-    b = args[1] if len(args) > 1 else kwargs["other"]
-    names = [_on_output_grid(ex, m, t, f"_requant{i}") for i, t in enumerate((a, b))]
-    fn = "minimum" if isinstance(m, elementwise.Minimum) else "maximum"
-    ex.emit("extremum", names, [result], {"fn": fn})
-
-
-def _rule_embedding(ex: _Exporter, m: embedding.Embedding, args, kwargs, result) -> None:
-    ids = args[0] if args else kwargs["input"]
-    table = m.table()
-    ex.emit(
-        "embedding",
-        [ex.name_of(ids)],
-        [result],
-        {"dtype": _dtype(result)},
-        {"table": _np(table).astype(np.int16 if result.qdtype.bits > 8 else np.int8)},
-    )
 
 
 #: integer module class -> export rule ``(exporter, module, args, kwargs, result)``
@@ -1047,11 +1004,7 @@ RULES: dict[type, Callable[..., None]] = {
     attention.ScaledDotProductAttention: _rule_sdpa,
     attention.MultiheadAttention: _rule_mha,
     power.Pow: _rule_pow,
-    where.Where: _rule_where,
     division.Div: _rule_div,
-    elementwise.Maximum: _rule_extremum,
-    elementwise.Minimum: _rule_extremum,
-    embedding.Embedding: _rule_embedding,
 }
 for _cls in (
     weighted.Conv1d,

@@ -633,20 +633,6 @@ def _k_softmax(node, inputs):
     return [np.clip(y, *_RANGES[a["dtype"]]).astype(DTYPES[a["dtype"]])]
 
 
-def _k_where(node, inputs):
-    """``where(condition, a, b)`` of operands already on the output grid (or plain tensors of
-    the output dtype); a ``constants`` entry that is not None replaces that operand. The
-    condition is the ``condition`` parameter (a constant) or, without it, the first input."""
-    a = node.attrs
-    tensors = iter(inputs)
-    condition = node.params.get("condition")
-    if condition is None:
-        condition = next(tensors)
-    dt = DTYPES[a["dtype"]]
-    a_, b_ = (next(tensors) if c is None else np.asarray(c, dt) for c in a["constants"])
-    return [np.where(condition, a_, b_).astype(dt)]
-
-
 def _k_divide(node, inputs):
     """``sat(round(N / (B 2**S)))`` exactly (``docs/arithmetic.md``, 17): ``N = A m`` for two
     inputs, the constant ``numerator`` for one; ``B = 0`` saturates by the sign of ``N``."""
@@ -668,12 +654,6 @@ def _k_divide(node, inputs):
     return [np.clip(q, lo, hi).astype(DTYPES[a["dtype"]])]
 
 
-def _k_extremum(node, inputs):
-    """``maximum`` / ``minimum`` of inputs already at the output's scale."""
-    pick = np.maximum if node.attrs["fn"] == "maximum" else np.minimum
-    return [pick(inputs[0], inputs[1])]
-
-
 def _k_reduce_extreme(node, inputs):
     """``amax`` / ``amin`` of the integers over ``axes``."""
     a = node.attrs
@@ -692,11 +672,6 @@ def _k_arg_extreme(node, inputs):
     return [pick(x, axis=a["axis"], keepdims=a["keepdim"]).astype(np.int64)]
 
 
-def _k_embedding(node, inputs):
-    """``y[..., :] = table[ids[...], :]``: the table is already at the output scale."""
-    return [node.params["table"][inputs[0].astype(np.int64)]]
-
-
 #: op name -> kernel
 KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "quantize": _k_quantize,
@@ -706,7 +681,6 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "channel_affine": _k_channel_affine,
     "add": _k_add,
     "mul": _k_mul,
-    "where": _k_where,
     "matmul": _k_matmul,
     "clip": _k_clip,
     "axis_matmul": _k_axis_matmul,
@@ -726,8 +700,6 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "l2_normalize": _k_l2_normalize,
     "softmax": _k_softmax,
     "divide": _k_divide,
-    "extremum": _k_extremum,
-    "embedding": _k_embedding,
     "reduce_extreme": _k_reduce_extreme,
     "arg_extreme": _k_arg_extreme,
 }

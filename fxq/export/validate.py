@@ -339,21 +339,6 @@ def _check_mul(c: _Ctx) -> None:
         raise c.fail(f"sign {c.attrs.get('sign')!r} (one input needs sign 1 or -1)")
 
 
-def _check_where(c: _Ctx) -> None:
-    k = c.attrs["constants"]
-    number = _is_float if c.attrs["dtype"] == "float32" else _is_int
-    if not isinstance(k, list) or len(k) != 2 or not all(e is None or number(e) for e in k):
-        raise c.fail(f"constants {k!r} is not two entries of null or a number of its dtype")
-    condition = "condition" not in c.params  # the condition is the first input
-    if len(c.node["inputs"]) != sum(e is None for e in k) + condition:
-        raise c.fail(f"{len(c.node['inputs'])} inputs for constants {k}")
-    if condition and c.in_dtypes[0] != "bool":
-        raise c.fail(f"a condition input of dtype {c.in_dtypes[0]} (bool)")
-    operands = c.in_dtypes[1:] if condition else c.in_dtypes
-    if any(d != c.attrs["dtype"] for d in operands):
-        raise c.fail(f"operands of dtypes {operands} for dtype {c.attrs['dtype']}")
-
-
 def _check_axis_matmul(c: _Ctx) -> None:
     if c.attrs.get("ones"):
         for i, axis in enumerate(c.attrs["axes"]):
@@ -840,12 +825,6 @@ OP_SPECS: dict[str, _OpSpec] = {
     "mul": _OpSpec(
         (1, 2), {"multiplier": "int", "shift": "int", "sign": "int?", **_QR}, {}, _check_mul
     ),
-    "where": _OpSpec(
-        (0, 1, 2, 3),
-        {"constants": "any", "dtype": "anydtype"},
-        {"condition": _Param(("bool",), None, False)},
-        _check_where,
-    ),
     "matmul": _OpSpec((2,), {"multiplier": "int", "shift": "int", **_QR}, {}),
     "clip": _OpSpec((1,), {"lo": "int?", "hi": "int?"}, {}),
     "axis_matmul": _OpSpec(
@@ -944,8 +923,6 @@ OP_SPECS: dict[str, _OpSpec] = {
     "divide": _OpSpec(
         (1, 2), {"multiplier": "int", "shift": "int", "numerator": "int?", **_QR}, {}, _check_divide
     ),
-    "extremum": _OpSpec((2,), {"fn": "str"}, {}, _fn("maximum", "minimum")),
-    "embedding": _OpSpec((1,), {"dtype": "qdtype"}, {"table": _Param(("int8", "int16"), (2,))}),
     "reduce_extreme": _OpSpec(
         (1,), {"fn": "str", "axes": "ints", "keepdim": "bool"}, {}, _check_reduce
     ),

@@ -6,7 +6,7 @@ optional: without it only the numpy side loads). ``fxq.primitives.core`` says ho
 records the calls.
 """
 
-from fxq.primitives import requant, table
+from fxq.primitives import requant, select, table
 from fxq.primitives.core import PRIMITIVES, Call, Primitive, is_recording, record, recording
 
 __all__ = [
@@ -17,5 +17,6 @@ __all__ = [
     "recording",
     "is_recording",
     "requant",
+    "select",
     "table",
 ]

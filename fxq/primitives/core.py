@@ -91,6 +91,9 @@ class Call:
             float32).
         attrs: the IR node's JSON attributes.
         params: the IR node's arrays (torch tensors or numpy arrays; converted on export).
+        scales: each output's quantization scale where the caller knows it (an operand moved
+            onto the output grid inside a module); a module's results take theirs from the
+            QTensors it returns.
     """
 
     op: str
@@ -99,6 +102,7 @@ class Call:
     dtypes: Sequence[str]
     attrs: dict[str, Any] = field(default_factory=dict)
     params: Mapping[str, Any] = field(default_factory=dict)
+    scales: Sequence[float | None] | None = None
 
 
 class _State(threading.local):

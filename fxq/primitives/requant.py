@@ -203,9 +203,15 @@ if torch is not None:
         rounding: Rounding,
         lo: int | None = None,
         hi: int | None = None,
+        scale: Tensor | None = None,
     ) -> Tensor:
         """``clamp(shift_round(v * multiplier, shift), lo, hi)`` of exact integers ``v``
-        (one multiplier and shift), as exact float32 values of ``dtype``."""
+        (one multiplier and shift), as exact float32 values of ``dtype``.
+
+        Args:
+            scale: the output grid's scale, for the exported tensor (an operand moved onto a
+                module's output grid; a module's result takes the scale it is returned with).
+        """
         y = qf.requantize_exact(v, multiplier, shift, dtype, rounding, None, lo, hi, as_float=True)
         if is_recording():
             d = ir_dtype(dtype)
@@ -216,7 +222,8 @@ if torch is not None:
                 "hi": hi,
             }
             params = {"multiplier": multiplier.long(), "shift": shift.long()}
-            record(Call("requantize", [v], [y], [d], attrs, params))
+            scales = [None if scale is None else float(scale)]
+            record(Call("requantize", [v], [y], [d], attrs, params, scales))
         return y
 
     def prelu(

@@ -1,8 +1,9 @@
-"""Table lookup: the integer form of every pointwise non-linear function.
+"""Table lookup: the integer form of every pointwise non-linear function, and embeddings.
 
 * ``lut``: an int8 input indexes a 256-entry table, ``y = T[q + 128]``;
 * ``segment_lut``: an int16 input is interpolated in fixed point between the knots of two
-  65-knot tables (a dense one around 0, a sparse one over all of int16), then saturated.
+  65-knot tables (a dense one around 0, a sparse one over all of int16), then saturated;
+* ``embedding``: integer ids index the rows of a table already at the output scale.
 
 Tables are built at convert (``lut_int8``, ``build_segment_lut``) from the float function
 evaluated in float64; ``lut`` / ``segment_lut`` are what ``forward`` calls. Each has, below, its
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from fxq.primitives.arith import DTYPES, RANGES, shift_round
-from fxq.primitives.core import Call, Primitive, is_recording, record, register
+from fxq.primitives.core import Call, Primitive, ir_dtype, is_recording, record, register
 from fxq.primitives.schema import Ctx, OpSpec, Param
 
 try:
@@ -26,7 +27,15 @@ try:
 except ImportError:  # the numpy runtime without torch: numpy kernels and lowerings only
     torch = None
 
-__all__ = ["SegmentLUT", "lut_int8", "build_segment_lut", "lut", "segment_lut", "SPARSE_BITS"]
+__all__ = [
+    "SegmentLUT",
+    "lut_int8",
+    "build_segment_lut",
+    "lut",
+    "segment_lut",
+    "embedding",
+    "SPARSE_BITS",
+]
 
 #: the sparse table's segments are 2**SPARSE_BITS int16 steps wide (65 knots cover int16)
 SPARSE_BITS = 10
@@ -63,6 +72,10 @@ def _numpy_segment_lut(node, inputs):
     y = np.where((q >= -half) & (q < half), dense, sparse)
     lo, hi = RANGES[a["dtype"]]
     return [np.clip(y, lo, hi).astype(DTYPES[a["dtype"]])]
+
+
+def _numpy_embedding(node, inputs):
+    return [node.params["table"][inputs[0].astype(np.int64)]]
 
 
 # -- integer ONNX -------------------------------------------------------------------------------
@@ -104,6 +117,15 @@ def _onnx_segment_lut(w, node, outs: list[str]) -> None:
     w.cast(y, a["dtype"], outs[0])
 
 
+def _onnx_embedding(w, node, outs: list[str]) -> None:
+    table = node.params["table"]
+    if w.store(node.outputs[0]) == "float32":  # QDQ: the float table, then Q / DQ
+        scale = np.float32(w.graph.tensors[node.outputs[0]].scale)
+        table = table.astype(np.float32) * scale
+    y = w.op("Gather", [w.const(table, hint="table"), w.name(node.inputs[0])], axis=0)
+    w.cast(y, w.store(node.outputs[0]), outs[0])
+
+
 # -- QDQ ONNX: the float function between the input's DQ and the output's Q ----------------------
 _SIMPLE = {"sigmoid": "Sigmoid", "tanh": "Tanh", "exp": "Exp", "mish": "Mish", "abs": "Abs"}
 
@@ -140,6 +162,17 @@ def _float_function(w, node, x: str) -> str:
 
 def _qdq_table(w, node, outs: list[str]) -> None:
     w.qdq(_float_function(w, node, w.name(node.inputs[0])), node.outputs[0], outs[0])
+
+
+def _qdq_embedding(w, node, outs: list[str]) -> None:
+    """``Gather`` from the table as an int8 / int16 initializer behind a per-tensor
+    ``DequantizeLinear`` at the output's scale (the table is already at that scale)."""
+    t = w.graph.tensors[node.outputs[0]]
+    if t.scale is None:
+        _onnx_embedding(w, node, outs)
+        return
+    table = w.dq_const(node.params["table"], t.scale, hint="table")
+    w.op("Gather", [table, w.name(node.inputs[0])], outs[0], axis=0)
 
 
 # -- file schema --------------------------------------------------------------------------------
@@ -192,6 +225,17 @@ register(
         ),
         _qdq_table,
         "int16 input: fixed-point interpolation between 65 knots of a dense and a sparse table",
+    )
+)
+
+register(
+    Primitive(
+        "embedding",
+        _numpy_embedding,
+        _onnx_embedding,
+        OpSpec((1,), {"dtype": "qdtype"}, {"table": Param(("int8", "int16"), (2,))}),
+        _qdq_embedding,
+        "`y[..., :] = table[ids[...], :]` (the table at the output scale)",
     )
 )
 
@@ -350,7 +394,7 @@ if torch is not None:
                 q, table.dense, table.sparse, table.dense_bits, rounding, table.out_dtype
             )
         if is_recording():
-            dtype = table.out_dtype.name.removeprefix("q")
+            dtype = ir_dtype(table.out_dtype)
             attrs = {
                 "dense_bits": int(table.dense_bits),
                 "sparse_bits": SPARSE_BITS,
@@ -360,4 +404,13 @@ if torch is not None:
             }
             params = {"dense": table.dense, "sparse": table.sparse}
             record(Call("segment_lut", [q], [y], [dtype], attrs, params))
+        return y
+
+    def embedding(ids: Tensor, table: Tensor, dtype: QDType) -> Tensor:
+        """The rows of ``table`` (exact float32 integers of ``dtype``) at integer ``ids``."""
+        y = table[ids.to(table.device)]
+        if is_recording():
+            d = ir_dtype(dtype)
+            params = {"table": table.to(dtype.storage)}
+            record(Call("embedding", [ids], [y], [d], {"dtype": d}, params))
         return y

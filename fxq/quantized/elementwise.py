@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fxq.primitives import requant, select
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
@@ -210,7 +211,7 @@ class Stack(Cat):
 class Maximum(FunctionalQuantized):
     """Integer ``torch.maximum``: both inputs requantized to the output scale, then the larger."""
 
-    _PICK = staticmethod(torch.maximum)
+    FN = "maximum"
 
     def forward(self, *args: Any, **kwargs: Any) -> QTensor:
         a = args[0] if args else kwargs["input"]
@@ -225,12 +226,14 @@ class Maximum(FunctionalQuantized):
                 continue
             m, n = self.derived((s,), lambda t=t: self.rescale(t.scale))
             values.append(
-                qf.requantize_exact(t.values(), m, n, self.out_dtype, self.rounding, as_float=True)
+                requant.requantize(
+                    t.values(), m, n, self.out_dtype, self.rounding, scale=self.output_scale
+                )
             )
-        return self.wrap(self._PICK(*values))
+        return self.wrap(select.extremum(*values, self.FN, self.out_dtype))
 
 
 class Minimum(Maximum):
     """Integer ``torch.minimum``: both inputs requantized to the output scale, then the smaller."""
 
-    _PICK = staticmethod(torch.minimum)
+    FN = "minimum"

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from fxq.dtypes import qint8
+from fxq.primitives import table as tables
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for, require_finite
@@ -59,8 +60,7 @@ class Embedding(FunctionalQuantized):
                 f"Embedding {self.name!r}: token ids must be an integer tensor, got "
                 f"{type(ids).__name__ if not isinstance(ids, Tensor) else ids.dtype}"
             )
-        table = self.table()
-        return self.wrap(table[ids.to(table.device)])
+        return self.wrap(tables.embedding(ids, self.table(), self.out_dtype))
 
     def extra_repr(self) -> str:
         n, d = self.weight.shape

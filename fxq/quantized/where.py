@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fxq.primitives import requant, select
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.ops_base import FunctionalQuantized
@@ -32,19 +33,20 @@ class Where(FunctionalQuantized):
     """Integer ``torch.where(condition, input, other)``: both operands on the output grid,
     then the select; ``condition`` a bool tensor."""
 
-    def operand(self, value: Any) -> Tensor:
-        """``value`` on the output's integer grid (float32 integers)."""
+    def operand(self, value: Any) -> Tensor | int:
+        """``value`` on the output's integer grid: float32 integers, or the integer of a
+        Python number."""
         s_y = self.output_scale
         if isinstance(value, QTensor):
             if torch.equal(value.scale, s_y) and value.qdtype is self.out_dtype:
                 return value.values()
             (s_x,) = self.scale_values(value)
             m, s = self.derived(("operand", s_x), lambda: self.rescale(value.scale))
-            return qf.requantize_exact(
-                value.values(), m, s, self.out_dtype, self.rounding, as_float=True
+            return requant.requantize(
+                value.values(), m, s, self.out_dtype, self.rounding, scale=s_y
             )
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return self.constant(float(value)).to(s_y.device)
+            return int(self.constant(float(value)))
         raise TypeError(
             f"{self.name or 'where'}: integer torch.where takes quantized tensors or Python "
             f"numbers as input / other, not {type(value).__name__}"
@@ -64,4 +66,5 @@ class Where(FunctionalQuantized):
                 f"{self.name or 'where'}: the condition must be a bool tensor, "
                 f"not {getattr(condition, 'dtype', type(condition).__name__)}"
             )
-        return self.wrap(torch.where(condition, self.operand(a), self.operand(b)))
+        a, b = self.operand(a), self.operand(b)
+        return self.wrap(select.where(condition, a, b, self.out_dtype))
