@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 try:  # package import (fxq.export.graph)
-    from .runtime import DTYPES, KERNELS
+    from .runtime import DTYPES, kernel
     from .runtime_float import FLOAT_KERNELS, FLOAT_OPS
     from .validate import DEFAULT_MAX_BYTES, IntegerGraphFormatError, check_graph, read_members
 except ImportError:  # pragma: no cover - loaded as a standalone file
-    from runtime import DTYPES, KERNELS  # type: ignore[no-redef]
+    from runtime import DTYPES, kernel  # type: ignore[no-redef]
     from runtime_float import FLOAT_KERNELS, FLOAT_OPS  # type: ignore[no-redef]
     from validate import (  # type: ignore[no-redef]
         DEFAULT_MAX_BYTES,
@@ -67,7 +67,6 @@ VERSION_4_ATTRS = frozenset({"dynamic", "ones", "count_axes"})
 
 #: op name -> numpy kernel: the integer ops and plain-tensor ops (``runtime``) and the float ops
 #: (``runtime_float``)
-_KERNELS = {**KERNELS, **FLOAT_KERNELS}
 
 
 @dataclass
@@ -188,7 +187,8 @@ class IntegerGraph:
                     node, node.inputs[0], env[node.inputs[0]], node.inputs[0] in self.inputs
                 )
             try:
-                outs = _KERNELS[node.op](node, [env[i] for i in node.inputs])
+                run = FLOAT_KERNELS.get(node.op) or kernel(node.op)
+                outs = run(node, [env[i] for i in node.inputs])
             except Exception as e:
                 raise GraphRunError(
                     f"node {node.name!r} (op {node.op!r}, from {node.source or 'unknown source'}) "

@@ -1,8 +1,10 @@
 """The numpy reference kernels of the integer graph (``docs/integer_graph.md``).
 
+``kernel(op)`` finds an op's kernel: a primitive's (defined beside its torch kernel in
+``fxq.primitives``), else ``KERNELS`` (the ops still defined here).
+
 This module imports numpy, the standard library and the numpy side of
-``fxq.primitives`` (whose ops' kernels live beside their torch kernels and join
-``KERNELS``): no torch. Every kernel computes in exact integer arithmetic: int64 values,
+``fxq.primitives``: no torch. Every kernel computes in exact integer arithmetic: int64 values,
 explicit rounding shifts and saturation; float64 matrix products are used
 only where every partial sum is an integer below ``2**53`` (so every float
 operation is exact whatever the summation order), which the kernels check.
@@ -26,6 +28,7 @@ from fxq.primitives.arith import requant as _requant
 
 __all__ = [
     "KERNELS",
+    "kernel",
     "shift_round",
     "quantize",
     "DTYPES",
@@ -703,4 +706,14 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "reduce_extreme": _k_reduce_extreme,
     "arg_extreme": _k_arg_extreme,
 }
-KERNELS.update({name: p.numpy for name, p in PRIMITIVES.items()})
+
+
+def kernel(op: str) -> Callable[[Any, list[np.ndarray]], list[np.ndarray]]:
+    """The numpy kernel of an integer op: its primitive's (``fxq.primitives``), else
+    ``KERNELS[op]``.
+
+    Raises:
+        KeyError: no kernel has that op.
+    """
+    primitive = PRIMITIVES.get(op)
+    return primitive.numpy if primitive is not None else KERNELS[op]

@@ -928,7 +928,6 @@ OP_SPECS: dict[str, _OpSpec] = {
     ),
     "arg_extreme": _OpSpec((1,), {"fn": "str", "axis": "int?", "keepdim": "bool"}, {}, _check_arg),
     **FLOAT_OP_SPECS,
-    **{name: p.spec for name, p in PRIMITIVES.items()},  # fxq.primitives: beside their kernels
 }
 
 #: ops whose output dtype is their ``dtype`` (or ``out_dtype``) attribute
@@ -1118,11 +1117,12 @@ def _check_node(
     if name in seen:
         raise fail(f"node name {name!r} appears twice")
     seen.add(name)
-    spec = OP_SPECS.get(op)
+    primitive = PRIMITIVES.get(op)  # fxq.primitives: the spec beside the kernels
+    spec = primitive.spec if primitive is not None else OP_SPECS.get(op)
     if spec is None:
         raise fail(
             f"node {name!r} has op {op!r}, which this fxq does not run (ops: "
-            f"{', '.join(sorted(OP_SPECS))}); upgrade fxq"
+            f"{', '.join(sorted({*OP_SPECS, *PRIMITIVES}))}); upgrade fxq"
         )
     for t in node["inputs"]:
         if not isinstance(t, str) or t not in known:

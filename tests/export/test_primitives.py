@@ -1,0 +1,178 @@
+"""``fxq.primitives``: each primitive is defined once (torch, numpy, ONNX, schema side by side)
+and ``to_graph`` records the primitive calls an integer module's own ``forward`` makes.
+
+The first test is "adding an op" end to end: a primitive and an integer class written here,
+with no export rule and no change to ``fxq.export``, export to the integer graph, its file and
+the integer ONNX bit for bit."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import fxq
+import fxq.export
+from fxq.export import build
+from fxq.primitives import PRIMITIVES, Call, Primitive, is_recording, record, recording
+from fxq.primitives.core import register
+from fxq.primitives.schema import OpSpec
+from fxq.qtensor import QTensor
+from fxq.quantized.base import QuantizedModule
+
+
+# -- a new op: halve toward zero, a primitive of its own ----------------------------------------
+def _numpy_halve(node, inputs):
+    x = inputs[0].astype(np.int64)
+    return [(np.sign(x) * (np.abs(x) >> 1)).astype(np.int8)]
+
+
+def _onnx_halve(w, node, outs):
+    x = w.as_int(node.inputs[0])
+    half = w.op("Div", [x, w.int_const(2)])  # integer Div truncates toward zero
+    w.cast(half, "int8", outs[0])
+
+
+def _halve(v: torch.Tensor) -> torch.Tensor:
+    y = torch.trunc(v / 2)
+    if is_recording():
+        record(Call("test_halve", [v], [y], ["int8"]))
+    return y
+
+
+class Halve(QuantizedModule):
+    """``x / 2`` toward zero on the same grid (an int8 op no fxq class computes)."""
+
+    def forward(self, x: QTensor) -> QTensor:
+        return QTensor(_halve(x.values()), x.scale, x.qdtype)
+
+
+@pytest.fixture
+def halve_primitive():
+    primitive = register(
+        Primitive("test_halve", _numpy_halve, _onnx_halve, OpSpec((1,), {}, {}), doc="x / 2")
+    )
+    yield primitive
+    del PRIMITIVES[primitive.name]
+
+
+def _converted(model: nn.Module, x: torch.Tensor) -> torch.fx.GraphModule:
+    qat = fxq.prepare_qat_fx(model.eval(), {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.CALIBRATION)
+    qat(x)
+    fxq.set_fake_quantize(qat, fxq.FakeQuantState.VALIDATION)
+    return fxq.convert_fx(qat)
+
+
+def _insert_after(gm: torch.fx.GraphModule, target_op: str, name: str, module: nn.Module):
+    """Insert ``module`` after the first node calling ``target_op`` (a deploy-style edit)."""
+    node = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == target_op)
+    gm.add_submodule(name, module)
+    with gm.graph.inserting_after(node):
+        new = gm.graph.call_module(name, (node,))
+    node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+    gm.recompile()
+    return gm
+
+
+def test_a_new_op_exports_with_a_primitive_and_no_export_code(bayes, halve_primitive, tmp_path):
+    x = torch.randn(3, 3, 8, 8)
+    model = nn.Sequential(fxq.QuantStub(), nn.Conv2d(3, 4, 3), fxq.DeQuantStub())
+    gm = _insert_after(_converted(model, x), "1", "halve", Halve(fxq.get_march()))
+    assert build.rule_for_module(gm.halve) is build.record_calls
+    want = gm(x).numpy()
+
+    graph = fxq.export.to_graph(gm, x)
+    assert [n.op for n in graph.nodes] == ["quantize", "conv", "test_halve", "dequantize"]
+    assert np.array_equal(graph.run(x.numpy())[0], want)
+    graph.save(tmp_path / "g.fxq")  # the file schema is the primitive's OpSpec
+    assert np.array_equal(fxq.export.load(tmp_path / "g.fxq").run(x.numpy())[0], want)
+    fxq.export.to_onnx(gm, x, tmp_path / "g.onnx")
+    session = ort.InferenceSession(str(tmp_path / "g.onnx"))
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    assert np.array_equal(got, want)
+
+
+class _Unrecorded(QuantizedModule):
+    """Computes integers without a primitive: export cannot know what it did."""
+
+    def forward(self, x: QTensor) -> QTensor:
+        return QTensor(x.values().neg(), x.scale, x.qdtype)
+
+
+def test_an_integer_result_no_primitive_made_is_an_export_error(bayes):
+    x = torch.randn(2, 3, 8, 8)
+    model = nn.Sequential(fxq.QuantStub(), nn.Conv2d(3, 4, 3), fxq.DeQuantStub())
+    gm = _insert_after(_converted(model, x), "1", "neg", _Unrecorded(fxq.get_march()))
+    with pytest.raises(build.ExportError) as err:
+        fxq.export.to_graph(gm, x)
+    message = str(err.value)
+    assert "node 'neg'" in message and "_Unrecorded returned a tensor" in message
+    assert "fxq.primitives" in message
+
+
+def test_recorded_nodes_carry_what_forward_computed_with(bayes):
+    """A LookupTable's exported table is the one its forward indexed (not a second build),
+    and the function it tabulates is named for the QDQ form."""
+    x = torch.randn(2, 3, 8, 8)
+    model = nn.Sequential(fxq.QuantStub(), nn.Conv2d(3, 4, 3), nn.GELU(), fxq.DeQuantStub())
+    gm = _converted(model, x)
+    calls: list[Call] = []
+    with recording(calls.append):
+        gm(x)
+    (lut,) = [c for c in calls if c.op == "lut"]
+    graph = fxq.export.to_graph(gm, x)
+    (node,) = [n for n in graph.nodes if n.op == "lut"]
+    assert np.array_equal(node.params["table"], lut.params["table"].numpy())
+    assert node.attrs == {
+        "dtype": "int8",
+        "function": "gelu",
+        "function_args": {"approximate": "none"},
+    }
+
+
+def test_recording_is_per_thread_and_not_nested():
+    calls: list[Call] = []
+    v = torch.tensor([3.0, -3.0])
+    with recording(calls.append):
+        with pytest.raises(RuntimeError, match="already active"), recording(calls.append):
+            pass
+        thread = threading.Thread(target=_halve, args=(v,))
+        thread.start()
+        thread.join()
+        assert calls == []  # another thread's call is not this export's
+        _halve(v)
+    assert [c.op for c in calls] == ["test_halve"]
+    assert not is_recording()
+    _halve(v)
+    assert len(calls) == 1
+
+
+def test_every_primitive_is_whole():
+    """Each registered primitive has its numpy kernel, ONNX lowering and file schema, and is
+    no longer also defined in fxq.export (one definition)."""
+    from fxq.export import onnx_integer, qdq, runtime, validate
+
+    assert {"lut", "segment_lut", "embedding", "requantize", "prelu", "extremum", "where"} <= set(
+        PRIMITIVES
+    )
+    for name, p in PRIMITIVES.items():
+        assert callable(p.numpy) and callable(p.onnx) and isinstance(p.spec, OpSpec), name
+        assert runtime.kernel(name) is p.numpy
+        assert name not in runtime.KERNELS and name not in validate.OP_SPECS, name
+        assert not hasattr(onnx_integer.IntegerWriter, f"op_{name}"), name
+        assert not hasattr(qdq.QDQWriter, f"op_{name}"), name
+
+
+def test_torch_export_keeps_a_table_lookup_as_one_op(bayes):
+    x = torch.randn(2, 3, 8, 8)
+    model = nn.Sequential(fxq.QuantStub(), nn.Conv2d(3, 4, 3), nn.Sigmoid(), fxq.DeQuantStub())
+    gm = _converted(model, x)
+    program = torch.export.export(gm, (x,))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "fxq.lut.default" in targets
+    assert torch.equal(program.module()(x), gm(x))
