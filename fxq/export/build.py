@@ -350,16 +350,22 @@ class _Exporter(Interpreter):
         n = self.fx_node
         calls = self.captures.pop(n.name)
         known: dict[int, str] = {}
+        arguments: dict[int, QTensor] = {}  # held tensor -> the QTensor argument holding it
         for v in tree_flatten((args, kwargs))[0]:
             if isinstance(v, QTensor) and id(v) in self.names:
                 known.update(dict.fromkeys(_held(v), self.names[id(v)]))
+            elif isinstance(v, QTensor):  # a constant (materialized where a call reads it)
+                arguments.update(dict.fromkeys(_held(v), v))
         results = [v for v in tree_flatten(result)[0] if isinstance(v, (Tensor, QTensor))]
         final = {k: r for r in results for k in _held(r)}
         for k, call in enumerate(calls):
             inputs = []
             for t in call.inputs:
                 name = known.get(id(t))
-                inputs.append(name if name is not None else self.name_of(t))
+                if name is None:
+                    name = self.name_of(arguments.get(id(t), t))
+                    known[id(t)] = name
+                inputs.append(name)
             outputs = []
             scales = call.scales or [None] * len(call.outputs)
             for t, dtype, scale in zip(call.outputs, call.dtypes, scales):

@@ -510,24 +510,6 @@ class IntegerWriter:
         )
         self._finish(node, acc, rank, 1, outs[0], bound=mag + bmax)
 
-    def op_add(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        total = None
-        for i, m in zip(node.inputs, a["multipliers"]):
-            term = self.op("Mul", [self.as_int(i), self.int_const(m)])
-            total = term if total is None else self.op("Add", [total, term])
-        constant = 0 if a["constant"] is None else a["constant"]
-        self.requant(total, 1, a["shift"], a["dtype"], a["rounding"], None, None, outs[0], constant)
-
-    def op_mul(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        m = a["multiplier"]
-        if len(node.inputs) == 2:
-            prod = self.op("Mul", [self.as_int(node.inputs[0]), self.as_int(node.inputs[1])])
-        else:
-            prod, m = self.as_int(node.inputs[0]), a["sign"] * m
-        self.requant(prod, m, a["shift"], a["dtype"], a["rounding"], None, None, outs[0])
-
     def op_matmul(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
         x, y = node.inputs
@@ -1026,48 +1008,6 @@ class IntegerWriter:
         lo, hi = _RANGES[a["dtype"]]
         y = self.op("Clip", [y, self.int_const(lo), self.int_const(hi)])
         self.cast(y, a["dtype"], outs[0])
-
-    def op_divide(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        lo, hi = _RANGES[a["dtype"]]
-        if a["numerator"] is None:
-            num = self.op(
-                "Mul",
-                [self.cast(self.name(node.inputs[0]), "int64"), self.int_const(a["multiplier"])],
-            )
-            den = self.cast(self.name(node.inputs[1]), "int64")
-        else:
-            num = self.int_const(a["numerator"])
-            den = self.cast(self.name(node.inputs[0]), "int64")
-        shift = a["shift"]
-        if shift < 0:
-            num = self.op("Mul", [num, self.int_const(1 << -shift)])
-        zero = self.int_const(0)
-        sign = self.op(
-            "Where", [self.op("Less", [den, zero]), self.int_const(-1), self.int_const(1)]
-        )
-        n = self.op("Mul", [num, sign])
-        d = self.op("Mul", [self.op("Abs", [den]), self.int_const(1 << max(shift, 0))])
-        is_zero = self.op("Equal", [d, zero])
-        safe = self.op("Where", [is_zero, self.int_const(1), d])
-        # floor((2n + d) / 2d) with a possibly negative numerator: Mod (divisor's sign) first
-        two = self.int_const(2)
-        top = self.op("Add", [self.op("Mul", [n, two]), safe])
-        bottom = self.op("Mul", [safe, two])
-        q = self.op("Div", [self.op("Sub", [top, self.op("Mod", [top, bottom])]), bottom])
-        saturated = self.op(
-            "Where",
-            [
-                self.op("Greater", [n, zero]),
-                self.int_const(hi),
-                self.op("Where", [self.op("Less", [n, zero]), self.int_const(lo), zero]),
-            ],
-        )
-        q = self.op(
-            "Clip",
-            [self.op("Where", [is_zero, saturated, q]), self.int_const(lo), self.int_const(hi)],
-        )
-        self.cast(q, a["dtype"], outs[0])
 
     def op_reduce_extreme(self, node: Node, outs: list[str]) -> None:
         a = node.attrs

@@ -296,24 +296,6 @@ class QDQWriter(IntegerWriter):
         y = self.op("Add", [y, self.dq_bias(node, shape)])
         self._finish_float(node, y, rank, 1, outs[0])
 
-    def op_add(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        terms = []
-        for i, f in zip(node.inputs, a["factors"]):
-            x = self.name(i)
-            terms.append(x if f == 1.0 else self.op("Mul", [x, self.const(f, np.float32)]))
-        if a["scalar"]:
-            terms.append(self.const(a["scalar"], np.float32))
-        y = terms[0] if len(terms) == 1 else self.op("Sum", terms)
-        self.qdq(y, node.outputs[0], outs[0])
-
-    def op_mul(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        xs = [self.name(i) for i in node.inputs]
-        if a["scalar"] is not None:
-            xs.append(self.const(a["scalar"], np.float32))
-        self.qdq(self.op("Mul", xs), node.outputs[0], outs[0])
-
     def op_matmul(self, node: Node, outs: list[str]) -> None:
         y = self.op("MatMul", [self.name(i) for i in node.inputs])
         factor = node.attrs.get("factor", 1.0)
@@ -430,14 +412,6 @@ class QDQWriter(IntegerWriter):
         if keep is not None and not a["log"]:
             y = self.op("Mul", [y, kept])
         self.qdq(y, node.outputs[0], outs[0])
-
-    def op_divide(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        if a["numerator"] is None:
-            xs = [self.name(i) for i in node.inputs]
-        else:
-            xs = [self.const(np.float32(a["scalar"])), self.name(node.inputs[0])]
-        self.qdq(self.op("Div", xs), node.outputs[0], outs[0])
 
     def op_constant(self, node: Node, outs: list[str]) -> None:
         """A quantized constant (e.g. a matmul's constant operand) as its int8 / int16

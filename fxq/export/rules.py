@@ -16,20 +16,17 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from fxq import registry
-from fxq.dtypes import qint16
 from fxq.march import Rounding
 from fxq.qtensor import QTensor
 from fxq.quantized import (
     attention,
     batchnorm,
-    division,
     elementwise,
     grid_sample,
     interpolate,
     matmul,
     normalization,
     pooling,
-    power,
     softmax,
     weighted,
 )
@@ -228,49 +225,6 @@ def _rule_batchnorm(ex: _Exporter, m: batchnorm.BatchNorm, args, kwargs, result)
 
 
 # -- rules: elementwise ---------------------------------------------------------------------
-def _rule_add(ex: _Exporter, m: elementwise.Add, args, kwargs, result) -> None:
-    terms = m.terms(*args, **kwargs)
-    p = m.requantization(terms)
-    ex.emit(
-        "add",
-        [ex.name_of(t) for t in terms.tensors],
-        [result],
-        {
-            "multipliers": [int(v) for v in p.multipliers],
-            "shift": int(p.shift.reshape(-1)[0]),
-            "constant": None if p.constant is None else int(p.constant.reshape(-1)[0]),
-            "factors": [float(f) for f in terms.factors],
-            "scalar": float(terms.scalar),
-            "dtype": _dtype(result),
-            "rounding": _rounding(m),
-        },
-    )
-
-
-def _rule_mul(ex: _Exporter, m: elementwise.Mul, args, kwargs, result) -> None:
-    a, b, _ = elementwise.binary_operands(args, kwargs)
-    mult, s = m.requantization(a, b)
-    if isinstance(a, QTensor) and isinstance(b, QTensor):
-        inputs, sign, c = [ex.name_of(a), ex.name_of(b)], None, None
-    else:
-        q, c = (a, b) if isinstance(a, QTensor) else (b, a)
-        c = float(c)
-        inputs, sign = [ex.name_of(q)], -1 if c < 0 else 1
-    ex.emit(
-        "mul",
-        inputs,
-        [result],
-        {
-            "multiplier": int(mult.reshape(-1)[0]),
-            "shift": int(s.reshape(-1)[0]),
-            "sign": sign,
-            "scalar": c,
-            "dtype": _dtype(result),
-            "rounding": _rounding(m),
-        },
-    )
-
-
 def _rule_cat(ex: _Exporter, m: elementwise.Cat, args, kwargs, result) -> None:
     tensors = args[0] if args else kwargs["tensors"]
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
@@ -940,53 +894,12 @@ def _part_scale(m: attention.MultiheadAttention, name: str) -> Tensor:
     return m.in_weight_scale[i * e : (i + 1) * e]
 
 
-def _rule_pow(ex: _Exporter, m: power.Pow, args, kwargs, result) -> None:
-    """``x ** 2``: one ``mul`` of ``x`` by itself; ``x ** 3``: a ``mul`` to the inner square
-    ``shift_round(X*X, K)`` (int16, multiplier 1), then a ``mul`` of it by ``x``."""
-    x = args[0] if args else kwargs["input"]
-    n = m.exponent(args[1:], kwargs)
-    mult, shift, k = m.plan(x, n)
-    common = {"sign": None, "scalar": None, "rounding": _rounding(m)}
-    source = ex.name_of(x)
-    if n == 3:
-        square = _placeholder(x.shape, x.scale.reshape(1) ** 2 * 2.0**k, qint16)
-        attrs = {**common, "multiplier": 1, "shift": k, "dtype": "int16"}
-        (source,) = ex.emit("mul", [source, source], [square], attrs, suffix="_square")
-    attrs = {
-        **common,
-        "multiplier": int(mult.reshape(-1)[0]),
-        "shift": int(shift.reshape(-1)[0]),
-        "dtype": _dtype(result),
-    }
-    ex.emit("mul", [source, ex.name_of(x)], [result], attrs)
-
-
-def _rule_div(ex: _Exporter, m: division.Div, args, kwargs, result) -> None:
-    a, b = division.divide_operands(args, kwargs)
-    form, mult, shift, sign = m.plan(a, b)
-    mult, shift = int(mult.reshape(-1)[0]), int(shift.reshape(-1)[0])
-    common = {"multiplier": mult, "shift": shift, "dtype": _dtype(result), "rounding": _rounding(m)}
-    if form == "divisor":  # a multiplication by s_a / (|c| s_y), negated for c < 0
-        ex.emit(
-            "mul", [ex.name_of(a)], [result], {**common, "sign": sign, "scalar": 1.0 / float(b)}
-        )
-        return
-    if form == "tensor":
-        ex.emit("divide", [ex.name_of(a), ex.name_of(b)], [result], {**common, "numerator": None})
-        return
-    attrs = {**common, "numerator": sign * mult, "scalar": float(a)}
-    ex.emit("divide", [ex.name_of(b)], [result], attrs)
-
-
 #: integer module class -> export rule ``(exporter, module, args, kwargs, result)``
 RULES: dict[type, Callable[..., None]] = {
     qstubs.Quantize: _rule_quantize,
     qstubs.DeQuantize: _rule_dequantize,
     batchnorm.BatchNorm: _rule_batchnorm,
     weighted.Linear: _rule_linear,
-    elementwise.Add: _rule_add,
-    elementwise.Sub: _rule_add,
-    elementwise.Mul: _rule_mul,
     elementwise.Cat: _rule_cat,
     elementwise.Stack: _rule_cat,
     matmul.MatMul: _rule_matmul,
@@ -1003,8 +916,6 @@ RULES: dict[type, Callable[..., None]] = {
     softmax.Softmax: _rule_softmax,
     attention.ScaledDotProductAttention: _rule_sdpa,
     attention.MultiheadAttention: _rule_mha,
-    power.Pow: _rule_pow,
-    division.Div: _rule_div,
 }
 for _cls in (
     weighted.Conv1d,

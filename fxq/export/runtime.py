@@ -249,25 +249,6 @@ def _k_channel_affine(node, inputs):
 
 
 # -- elementwise -----------------------------------------------------------------------------
-def _k_add(node, inputs):
-    a = node.attrs
-    total = np.zeros((), dtype=np.int64)
-    for x, m in zip(inputs, a["multipliers"]):
-        total = total + x.astype(np.int64) * np.int64(m)
-    if a["constant"] is not None:
-        total = total + np.int64(a["constant"])
-    return [_requant(total, 1, a["shift"], a["dtype"], a["rounding"])]
-
-
-def _k_mul(node, inputs):
-    a = node.attrs
-    if len(inputs) == 2:
-        prod = inputs[0].astype(np.int64) * inputs[1].astype(np.int64)
-    else:
-        prod = inputs[0].astype(np.int64) * np.int64(a["sign"])
-    return [_requant(prod, a["multiplier"], a["shift"], a["dtype"], a["rounding"])]
-
-
 def _k_matmul(node, inputs):
     a = node.attrs
     x, y = inputs
@@ -636,27 +617,6 @@ def _k_softmax(node, inputs):
     return [np.clip(y, *_RANGES[a["dtype"]]).astype(DTYPES[a["dtype"]])]
 
 
-def _k_divide(node, inputs):
-    """``sat(round(N / (B 2**S)))`` exactly (``docs/arithmetic.md``, 17): ``N = A m`` for two
-    inputs, the constant ``numerator`` for one; ``B = 0`` saturates by the sign of ``N``."""
-    a = node.attrs
-    lo, hi = _RANGES[a["dtype"]]
-    if a["numerator"] is None:
-        num, den = inputs[0].astype(np.int64) * np.int64(a["multiplier"]), inputs[1]
-    else:
-        num, den = np.int64(a["numerator"]), inputs[0]
-    num, den = np.broadcast_arrays(num, den.astype(np.int64))
-    shift = a["shift"]
-    if shift < 0:
-        num = num << -shift
-    sign = np.where(den < 0, -1, 1)
-    n, d = num * sign, np.abs(den) << max(shift, 0)
-    safe = np.where(d == 0, 1, d)
-    q = (2 * n + safe) // (2 * safe)
-    q = np.where(d == 0, np.where(n > 0, hi, np.where(n < 0, lo, 0)), q)
-    return [np.clip(q, lo, hi).astype(DTYPES[a["dtype"]])]
-
-
 def _k_reduce_extreme(node, inputs):
     """``amax`` / ``amin`` of the integers over ``axes``."""
     a = node.attrs
@@ -682,8 +642,6 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "conv": _k_conv,
     "linear": _k_linear,
     "channel_affine": _k_channel_affine,
-    "add": _k_add,
-    "mul": _k_mul,
     "matmul": _k_matmul,
     "clip": _k_clip,
     "axis_matmul": _k_axis_matmul,
@@ -702,7 +660,6 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "normalize": _k_normalize,
     "l2_normalize": _k_l2_normalize,
     "softmax": _k_softmax,
-    "divide": _k_divide,
     "reduce_extreme": _k_reduce_extreme,
     "arg_extreme": _k_arg_extreme,
 }

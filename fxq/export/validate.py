@@ -327,18 +327,6 @@ def _check_affine(c: _Ctx) -> None:
     _finish_weighted(c, c.params["weight"].size)
 
 
-def _check_add(c: _Ctx) -> None:
-    if len(c.attrs["multipliers"]) != len(c.node["inputs"]):
-        raise c.fail(
-            f"{len(c.attrs['multipliers'])} multipliers for {len(c.node['inputs'])} inputs"
-        )
-
-
-def _check_mul(c: _Ctx) -> None:
-    if len(c.node["inputs"]) == 1 and c.attrs.get("sign") not in (1, -1):
-        raise c.fail(f"sign {c.attrs.get('sign')!r} (one input needs sign 1 or -1)")
-
-
 def _check_axis_matmul(c: _Ctx) -> None:
     if c.attrs.get("ones"):
         for i, axis in enumerate(c.attrs["axes"]):
@@ -528,12 +516,6 @@ def _check_softmax(c: _Ctx) -> None:
         if not 2 <= a["log_index_bits"] <= 16 or "log_table" not in c.params:
             raise c.fail(f"log_index_bits {a['log_index_bits']} or no param 'log_table'")
         c.size("log_table", (1 << (a["log_index_bits"] - 1)) + 1)
-
-
-def _check_divide(c: _Ctx) -> None:
-    want = 2 if c.attrs["numerator"] is None else 1
-    if len(c.node["inputs"]) != want:
-        raise c.fail(f"{len(c.node['inputs'])} inputs with numerator {c.attrs['numerator']!r}")
 
 
 def _fn(*names: str) -> Callable[[_Ctx], None]:
@@ -816,15 +798,6 @@ OP_SPECS: dict[str, _OpSpec] = {
     "channel_affine": _OpSpec(
         (1,), _WEIGHTED, {**_WPARAMS, "weight": _Param(("int8",), (1,))}, _check_affine
     ),
-    "add": _OpSpec(
-        (1, 2, 3, 4, 5, 6, 7, 8),
-        {"multipliers": "ints", "shift": "int", "constant": "int?", **_QR},
-        {},
-        _check_add,
-    ),
-    "mul": _OpSpec(
-        (1, 2), {"multiplier": "int", "shift": "int", "sign": "int?", **_QR}, {}, _check_mul
-    ),
     "matmul": _OpSpec((2,), {"multiplier": "int", "shift": "int", **_QR}, {}),
     "clip": _OpSpec((1,), {"lo": "int?", "hi": "int?"}, {}),
     "axis_matmul": _OpSpec(
@@ -919,9 +892,6 @@ OP_SPECS: dict[str, _OpSpec] = {
             "keep": _Param(("bool",), None, False),
         },
         _check_softmax,
-    ),
-    "divide": _OpSpec(
-        (1, 2), {"multiplier": "int", "shift": "int", "numerator": "int?", **_QR}, {}, _check_divide
     ),
     "reduce_extreme": _OpSpec(
         (1,), {"fn": "str", "axes": "ints", "keepdim": "bool"}, {}, _check_reduce

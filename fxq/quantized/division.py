@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from fxq.primitives import elementwise as arithmetic
+from fxq.primitives.elementwise import divide_exact
 from fxq.qtensor import QTensor
-from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
 from fxq.quantized.ops_base import FunctionalQuantized
 
@@ -30,19 +30,6 @@ def divide_operands(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     a = args[0] if args else kwargs["input"]
     b = args[1] if len(args) > 1 else kwargs["other"]
     return a, b
-
-
-def divide_exact(num: Tensor, den: Tensor, shift: int, lo: int, hi: int) -> Tensor:
-    """``sat(floor(num / (den 2**shift) + 1/2))`` of int64 tensors, exactly; ``den = 0`` gives
-    ``hi`` / ``lo`` by the sign of ``num`` (0 for ``0 / 0``)."""
-    if shift < 0:
-        num = num * (1 << -shift)
-    sign = torch.where(den < 0, -1, 1)
-    n, d = num * sign, den.abs() << max(shift, 0)
-    safe = torch.where(d == 0, torch.ones_like(d), d)
-    q = torch.div(2 * n + safe, 2 * safe, rounding_mode="floor")
-    zero_den = torch.where(n > 0, hi, torch.where(n < 0, lo, 0))
-    return torch.where(d == 0, zero_den, q).clamp_(lo, hi)
 
 
 class Div(FunctionalQuantized):
@@ -82,17 +69,14 @@ class Div(FunctionalQuantized):
     def forward(self, *args: Any, **kwargs: Any) -> QTensor:
         a, b = divide_operands(args, kwargs)
         form, m, s, sign = self.plan(a, b)
-        dt = self.out_dtype
-        if form == "divisor":
-            q = qf.requantize_exact(
-                a.values().to(torch.float64) * sign, m, s, dt, self.rounding, as_float=True
-            )
-            return self.wrap(q)
+        dt, r = self.out_dtype, self.rounding
+        if form == "divisor":  # a multiplication by s_a / (|c| s_y), negated for c < 0
+            y = arithmetic.mul(a.values(), None, m, s, dt, r, sign=sign, scalar=1.0 / float(b))
+            return self.wrap(y)
         mult, shift = int(m.reshape(-1)[0]), int(s.reshape(-1)[0])
-        den = b.values().to(torch.int64)
         if form == "tensor":
-            num = a.values().to(torch.int64) * mult
-        else:
-            num = torch.full((), sign * mult, dtype=torch.int64, device=den.device)
-        num, den = torch.broadcast_tensors(num, den)
-        return self.wrap(divide_exact(num, den, shift, dt.qmin, dt.qmax).to(torch.float32))
+            return self.wrap(arithmetic.divide(a.values(), b.values(), mult, shift, dt, r))
+        y = arithmetic.divide(
+            None, b.values(), mult, shift, dt, r, numerator=sign * mult, scalar=float(a)
+        )
+        return self.wrap(y)

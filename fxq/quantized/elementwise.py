@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fxq.primitives import elementwise as arithmetic
 from fxq.primitives import requant, select
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
@@ -110,8 +111,17 @@ class Add(FunctionalQuantized):
     def forward(self, *args: Any, **kwargs: Any) -> QTensor:
         terms = self.terms(*args, **kwargs)
         p = self.requantization(terms)
-        values = [(t.values(), m) for t, m in zip(terms.tensors, p.multipliers)]
-        return self.wrap(qf.add_requant(values, p.constant, p.shift, self.out_dtype, self.rounding))
+        y = arithmetic.add(
+            [t.values() for t in terms.tensors],
+            p.multipliers,
+            p.constant,
+            p.shift,
+            self.out_dtype,
+            self.rounding,
+            terms.factors,
+            terms.scalar,
+        )
+        return self.wrap(y)
 
     def _derive(
         self, scales: list[Tensor], factors: list[float], scalars: float
@@ -162,14 +172,13 @@ class Mul(FunctionalQuantized):
     def forward(self, *args: Any, **kwargs: Any) -> QTensor:
         a, b, _ = binary_operands(args, kwargs)
         m, s = self.requantization(a, b)
+        dt, r = self.out_dtype, self.rounding
         if isinstance(a, QTensor) and isinstance(b, QTensor):
-            product = a.values().to(torch.float64) * b.values().to(torch.float64)
-        else:
-            q, c = (a, b) if isinstance(a, QTensor) else (b, a)
-            product = q.values().to(torch.float64) * (-1.0 if float(c) < 0 else 1.0)
-        return self.wrap(
-            qf.requantize_exact(product, m, s, self.out_dtype, self.rounding, as_float=True)
-        )
+            return self.wrap(arithmetic.mul(a.values(), b.values(), m, s, dt, r))
+        q, c = (a, b) if isinstance(a, QTensor) else (b, a)
+        c = float(c)
+        sign = -1 if c < 0 else 1
+        return self.wrap(arithmetic.mul(q.values(), None, m, s, dt, r, sign=sign, scalar=c))
 
     def _derive(self, scales: list[Tensor], factor: float) -> tuple[Tensor, Tensor]:
         """``M * 2**-S ~ prod(scales) * factor / s_y``."""

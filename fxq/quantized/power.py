@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from fxq.dtypes import qint16
+from fxq.primitives import elementwise as arithmetic
 from fxq.qtensor import QTensor
-from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
 from fxq.quantized.ops_base import FunctionalQuantized
 
@@ -89,11 +89,9 @@ class Pow(FunctionalQuantized):
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
         n = self.exponent(args, kwargs)
         m, s, k = self.plan(x, n)
-        q = x.values().to(torch.int64)
-        acc = q * q
-        if n == 3:
-            acc = qf.shift_round(acc, k, self.rounding) * q
-        y = qf.requantize_exact(
-            acc.to(torch.float64), m, s, self.out_dtype, self.rounding, as_float=True
-        )
-        return self.wrap(y)
+        v = x.values()
+        first = v
+        if n == 3:  # the square on an int16 grid first: |X*X >> K| <= 2**14
+            inner = x.scale.reshape(1).double() ** 2 * 2.0**k
+            first = arithmetic.mul(v, v, 1, k, qint16, self.rounding, scale=inner)
+        return self.wrap(arithmetic.mul(first, v, m, s, self.out_dtype, self.rounding))
