@@ -336,7 +336,7 @@ class IntegerWriter:
             rs, rm = ch(p["residual_shift"]), ch(p["residual_multiplier"])
             rm = rm * (np.int64(1) << np.maximum(-rs, 0))
             rs = np.maximum(rs, 0)
-            rmax = (1 << (self._bits(node.inputs[1]) - 1)) * np.abs(rm)
+            rmax = (1 << (self.bits(node.inputs[1]) - 1)) * np.abs(rm)
             if rmax.max() >= 1 << 23 or rs.max() > 23:
                 return None
             bound += int((-(-rmax // (np.int64(1) << rs))).max()) + 1
@@ -374,7 +374,8 @@ class IntegerWriter:
         lo, hi = _bounds(a["out_dtype"], a["lo"], a["hi"])
         write_f32_requant(self, acc, plan, rank, axis, a["out_dtype"], lo, hi, out, scaled)
 
-    def _bits(self, ir_name: str) -> int:
+    def bits(self, ir_name: str) -> int:
+        """The bit width of an IR tensor's dtype."""
         return {"int8": 8, "int16": 16, "int32": 32, "int64": 64}[self.graph.tensors[ir_name].dtype]
 
     @staticmethod
@@ -384,7 +385,7 @@ class IntegerWriter:
 
     def _limbs(self, node: Node, w: np.ndarray) -> tuple[int, int]:
         """The fewest float32 limbs (and their width) that keep the conv exact."""
-        bits = self._bits(node.inputs[0])
+        bits = self.bits(node.inputs[0])
         l1 = self._l1(w)
         for limbs in range(1, 5):
             width = -(-bits // limbs)
@@ -431,7 +432,7 @@ class IntegerWriter:
             op_type = "Conv"
         bias = node.params.get("bias")
         bmax = int(np.abs(bias.astype(np.int64)).max()) if bias is not None and bias.size else 0
-        bound = (1 << (self._bits(node.inputs[0]) - 1)) * self._l1(w) + bmax
+        bound = (1 << (self.bits(node.inputs[0]) - 1)) * self._l1(w) + bmax
         bias_in_kernel = bias is not None and limbs == 1 and bound < _F32_EXACT
         exact = limbs == 1 and (bias is None or bias_in_kernel)
         planned = self._plan_f32(node, d + 2, 1, bound) if exact else None
@@ -494,7 +495,7 @@ class IntegerWriter:
         w = node.params["weight"]
         bias = node.params.get("bias")
         bmax = int(np.abs(bias.astype(np.int64)).max()) if bias is not None and bias.size else 0
-        mag = (1 << (self._bits(node.inputs[0]) - 1)) * self._l1(w)
+        mag = (1 << (self.bits(node.inputs[0]) - 1)) * self._l1(w)
         weight = self.const(w.T.astype(np.int8), hint="weight")
         acc = self.dot(self.name(node.inputs[0]), weight, mag)
         self._finish(node, acc, self.rank(node.inputs[0]), -1, outs[0], bound=mag + bmax)
@@ -503,25 +504,12 @@ class IntegerWriter:
         rank = self.rank(node.inputs[0])
         w, bias = node.params["weight"].astype(np.int64), node.params.get("bias")
         bmax = int(np.abs(bias.astype(np.int64)).max()) if bias is not None and bias.size else 0
-        mag = (1 << (self._bits(node.inputs[0]) - 1)) * (int(np.abs(w).max()) if w.size else 0)
+        mag = (1 << (self.bits(node.inputs[0]) - 1)) * (int(np.abs(w).max()) if w.size else 0)
         acc = self.op(
             "Mul",
             [self.as_int(node.inputs[0]), self.const(self.channel(w, rank, 1), hint="weight")],
         )
         self._finish(node, acc, rank, 1, outs[0], bound=mag + bmax)
-
-    def op_matmul(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        x, y = node.inputs
-        k = self.graph.tensors[x].shape[-1]
-        k = k if isinstance(k, int) else 1 << 31  # a symbolic size: the int64 MatMul
-        bound = (1 << (self._bits(x) - 1)) * (1 << (self._bits(y) - 1)) * k
-        acc = self.dot(self.name(x), self.name(y), bound)
-        if bound >= 1 << 31:
-            acc = self.sat32(acc)
-        self.requant(
-            acc, a["multiplier"], a["shift"], a["dtype"], a["rounding"], None, None, outs[0]
-        )
 
     def op_clip(self, node: Node, outs: list[str]) -> None:
         a = node.attrs
@@ -545,7 +533,7 @@ class IntegerWriter:
             axes = self.const(np.array(node.attrs["axes"], np.int64))
             self.op("ReduceSum", [self.cast(x, "int64"), axes], outs[0], keepdims=1)
             return
-        mag = 1 << (self._bits(node.inputs[0]) - 1)
+        mag = 1 << (self.bits(node.inputs[0]) - 1)
         dtype = None
         for i, axis in enumerate(node.attrs["axes"]):
             matrix = node.params[f"matrix_{i}"].astype(np.int64)

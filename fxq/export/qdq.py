@@ -296,13 +296,6 @@ class QDQWriter(IntegerWriter):
         y = self.op("Add", [y, self.dq_bias(node, shape)])
         self._finish_float(node, y, rank, 1, outs[0])
 
-    def op_matmul(self, node: Node, outs: list[str]) -> None:
-        y = self.op("MatMul", [self.name(i) for i in node.inputs])
-        factor = node.attrs.get("factor", 1.0)
-        if factor != 1.0:  # attention's scale, folded into the integer multiplier
-            y = self.op("Mul", [y, self.const(np.float32(factor))])
-        self.qdq(y, node.outputs[0], outs[0])
-
     def op_clip(self, node: Node, outs: list[str]) -> None:
         a, s = node.attrs, self.fscale(node.inputs[0])
         lo, hi = self.const(a["lo"] * s, np.float32), self.const(a["hi"] * s, np.float32)

@@ -245,22 +245,6 @@ def _rule_cat(ex: _Exporter, m: elementwise.Cat, args, kwargs, result) -> None:
     ex.emit("concat", names, [result], {"axis": int(dim) % result.dim()})
 
 
-def _rule_matmul(ex: _Exporter, m: matmul.MatMul, args, kwargs, result) -> None:
-    a, b = args[0], args[1]
-    _, mult, s = m.requantization(a, b)
-    ex.emit(
-        "matmul",
-        [ex.name_of(a), ex.name_of(b)],
-        [result],
-        {
-            "multiplier": int(mult.reshape(-1)[0]),
-            "shift": int(s.reshape(-1)[0]),
-            "dtype": _dtype(result),
-            "rounding": _rounding(m),
-        },
-    )
-
-
 def _rule_einsum(ex: _Exporter, m: matmul.Einsum, args, kwargs, result) -> None:
     """Transposes of the operands (where the equation says), ``matmul``, a transpose of the
     output (where it is ``[..., j, i]``)."""
@@ -902,7 +886,6 @@ RULES: dict[type, Callable[..., None]] = {
     weighted.Linear: _rule_linear,
     elementwise.Cat: _rule_cat,
     elementwise.Stack: _rule_cat,
-    matmul.MatMul: _rule_matmul,
     matmul.Einsum: _rule_einsum,
     pooling.AvgPool: _rule_avg_pool,
     pooling.AdaptiveAvgPool: _rule_adaptive_avg_pool,

@@ -24,7 +24,10 @@ import numpy as np
 from fxq.primitives import PRIMITIVES
 from fxq.primitives.arith import DTYPES, shift_round
 from fxq.primitives.arith import RANGES as _RANGES
+from fxq.primitives.arith import dot_bound as _bound
+from fxq.primitives.arith import exact_dot as _exact_dot
 from fxq.primitives.arith import requant as _requant
+from fxq.primitives.arith import sat32 as _sat32
 
 __all__ = [
     "KERNELS",
@@ -41,8 +44,6 @@ __all__ = [
 #: dtypes of the tensors that are not quantized values: graph inputs (token ids, masks), casts,
 #: comparisons and the arithmetic of a float or integer region (``docs/integer_graph.md``, 2)
 PLAIN_DTYPES = ("bool", "int32", "int64", "float32")
-
-_F64_EXACT = 1 << 53
 
 
 def _round_float(v: np.ndarray, rounding: str) -> np.ndarray:
@@ -69,29 +70,10 @@ def quantize(x: np.ndarray, scale: float, dtype: str, rounding: str = "half_up")
     return np.clip(_round_float(v, rounding), lo, hi).astype(DTYPES[dtype])
 
 
-def _sat32(v: np.ndarray) -> np.ndarray:
-    return np.clip(v, -(1 << 31), (1 << 31) - 1)
-
-
 def _channel_shape(ndim: int, axis: int, n: int) -> tuple[int, ...]:
     shape = [1] * ndim
     shape[axis] = n
     return tuple(shape)
-
-
-def _exact_dot(a: np.ndarray, b: np.ndarray, bound: int, spec: str) -> np.ndarray:
-    """``einsum(spec, a, b)`` of int64 operands, exact: float64 (BLAS) when ``bound``
-    (a bound on every partial sum) is below 2**53, else int64."""
-    if bound < _F64_EXACT:
-        out = np.einsum(spec, a.astype(np.float64), b.astype(np.float64), optimize=True)
-        return out.astype(np.int64)
-    return np.einsum(spec, a.astype(np.int64), b.astype(np.int64), optimize=True)
-
-
-def _bound(x: np.ndarray, w: np.ndarray, k: int) -> int:
-    mx = int(np.abs(x.astype(np.int64)).max()) if x.size else 0
-    mw = int(np.abs(w.astype(np.int64)).max()) if w.size else 0
-    return mx * mw * max(k, 1)
 
 
 # -- quantize / dequantize / requantize ---------------------------------------------------
@@ -249,13 +231,6 @@ def _k_channel_affine(node, inputs):
 
 
 # -- elementwise -----------------------------------------------------------------------------
-def _k_matmul(node, inputs):
-    a = node.attrs
-    x, y = inputs
-    acc = _exact_dot(x, y, _bound(x, y, x.shape[-1]), "...ik,...kj->...ij")
-    return [_requant(_sat32(acc), a["multiplier"], a["shift"], a["dtype"], a["rounding"])]
-
-
 def _k_clip(node, inputs):
     a = node.attrs
     x = inputs[0]
@@ -642,7 +617,6 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "conv": _k_conv,
     "linear": _k_linear,
     "channel_affine": _k_channel_affine,
-    "matmul": _k_matmul,
     "clip": _k_clip,
     "axis_matmul": _k_axis_matmul,
     "grid_sample": _k_grid_sample,

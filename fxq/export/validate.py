@@ -798,7 +798,6 @@ OP_SPECS: dict[str, _OpSpec] = {
     "channel_affine": _OpSpec(
         (1,), _WEIGHTED, {**_WPARAMS, "weight": _Param(("int8",), (1,))}, _check_affine
     ),
-    "matmul": _OpSpec((2,), {"multiplier": "int", "shift": "int", **_QR}, {}),
     "clip": _OpSpec((1,), {"lo": "int?", "hi": "int?"}, {}),
     "axis_matmul": _OpSpec(
         (1,), {"axes": "ints", "ones": "bool?"}, {}, _check_axis_matmul, extra_params="matrix_"

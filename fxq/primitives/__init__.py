@@ -6,7 +6,7 @@ optional: without it only the numpy side loads). ``fxq.primitives.core`` says ho
 records the calls.
 """
 
-from fxq.primitives import elementwise, requant, select, table
+from fxq.primitives import accumulate, elementwise, requant, select, table
 from fxq.primitives.core import PRIMITIVES, Call, Primitive, is_recording, record, recording
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "record",
     "recording",
     "is_recording",
+    "accumulate",
     "elementwise",
     "requant",
     "select",

@@ -7,7 +7,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DTYPES", "RANGES", "bounds", "shift_round", "requant"]
+__all__ = [
+    "DTYPES",
+    "RANGES",
+    "bounds",
+    "shift_round",
+    "requant",
+    "sat32",
+    "exact_dot",
+    "dot_bound",
+]
+
+#: float64 sums of integers are exact below this magnitude
+F64_EXACT = 1 << 53
 
 #: IR dtype name -> numpy dtype
 DTYPES: dict[str, Any] = {
@@ -66,3 +78,24 @@ def requant(
     lo, hi = bounds(dtype, lo, hi)
     v = shift_round(acc.astype(np.int64) * np.asarray(multiplier, np.int64), shift, rounding)
     return np.clip(v, lo, hi).astype(DTYPES[dtype])
+
+
+def sat32(v: np.ndarray) -> np.ndarray:
+    """int32 saturation of int64 values."""
+    return np.clip(v, -(1 << 31), (1 << 31) - 1)
+
+
+def exact_dot(a: np.ndarray, b: np.ndarray, bound: int, spec: str) -> np.ndarray:
+    """``einsum(spec, a, b)`` of int64 operands, exact: float64 (BLAS) when ``bound``
+    (a bound on every partial sum) is below 2**53, else int64."""
+    if bound < F64_EXACT:
+        out = np.einsum(spec, a.astype(np.float64), b.astype(np.float64), optimize=True)
+        return out.astype(np.int64)
+    return np.einsum(spec, a.astype(np.int64), b.astype(np.int64), optimize=True)
+
+
+def dot_bound(x: np.ndarray, w: np.ndarray, k: int) -> int:
+    """``max |x| * max |w| * k``: a bound on every partial sum of ``k`` products."""
+    mx = int(np.abs(x.astype(np.int64)).max()) if x.size else 0
+    mw = int(np.abs(w.astype(np.int64)).max()) if w.size else 0
+    return mx * mw * max(k, 1)

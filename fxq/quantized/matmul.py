@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fxq.primitives import accumulate as products
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for, warn_if_saturated
@@ -19,10 +20,6 @@ from fxq.quantized.ops_base import FunctionalQuantized
 from fxq.registry import EinsumMatmul, einsum_as_matmul, einsum_operands
 
 __all__ = ["MatMul", "Einsum"]
-
-
-def _matmul(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    return torch.matmul(x, w)
 
 
 class MatMul(FunctionalQuantized):
@@ -43,13 +40,11 @@ class MatMul(FunctionalQuantized):
     def forward(self, a: QTensor, b: QTensor) -> QTensor:
         k = a.shape[-1]
         plan, m, s = self.requantization(a, b)
-        acc = qf.accumulate(_matmul, a.values(), b.values(), None, plan)
-        if plan.bound >= 1 << 31 or plan.limbs > 1:
-            warn_if_saturated(self, acc, lambda: self._saturation_cause(a, b, k))
-        acc = qf.saturate_int32(acc)
-        return self.wrap(
-            qf.requantize_exact(acc, m, s, self.out_dtype, self.rounding, as_float=True)
+        check = lambda acc: warn_if_saturated(self, acc, lambda: self._saturation_cause(a, b, k))  # noqa: E731
+        y = products.matmul(
+            a.values(), b.values(), plan, m, s, self.out_dtype, self.rounding, check
         )
+        return self.wrap(y)
 
     def _derive(self, a: QTensor, b: QTensor, k: int) -> tuple[qf.AccumulationPlan, Tensor, Tensor]:
         """Accumulation plan, multiplier and shift for these operands' dtypes and scales."""

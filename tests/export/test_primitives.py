@@ -158,7 +158,7 @@ def test_every_primitive_is_whole():
     from fxq.export import onnx_integer, qdq, runtime, validate
 
     names = {"lut", "segment_lut", "embedding", "requantize", "prelu", "extremum", "where"}
-    assert names | {"add", "mul", "divide"} <= set(PRIMITIVES)
+    assert names | {"add", "mul", "divide", "matmul"} <= set(PRIMITIVES)
     for name, p in PRIMITIVES.items():
         assert callable(p.numpy) and callable(p.onnx) and isinstance(p.spec, OpSpec), name
         assert runtime.kernel(name) is p.numpy
