@@ -57,6 +57,7 @@ from fxq.export.rules import RULES, _dtype
 from fxq.fx.graph_utils import reads_metadata_only
 from fxq.fx.tracer import SELF, call_wrapped_method
 from fxq.primitives import Call, recording
+from fxq.primitives.core import NotExportable
 from fxq.qtensor import QTensor
 from fxq.quantized.base import QuantizedModule, Standalone
 from fxq.registry import Kind
@@ -226,8 +227,11 @@ class _Exporter(Interpreter):
             args = tuple(self.module if a is SELF else a for a in args)
         if n.op == "call_module" and rule_for_module(self.modules[n.target]) is record_calls:
             calls: list[Call] = []
-            with recording(calls.append):
-                result = self.call_module(n.target, args, kwargs)
+            try:
+                with recording(calls.append):
+                    result = self.call_module(n.target, args, kwargs)
+            except NotExportable as e:
+                raise self.error(str(e)) from None
             self.captures[n.name] = calls
         else:
             result = getattr(self, n.op)(n.target, args, kwargs)

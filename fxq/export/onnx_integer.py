@@ -15,7 +15,7 @@ tensors and float32 only (``docs/integer_graph.md``, "ONNX"):
   ``fxq.quantized.functional.accumulate`` does; linear, matmul and window sums
   are a float32 ``MatMul`` under the same bound, an int64 ``MatMul`` above it;
 * a conv whose float32 accumulator (bias included) is proven below ``2**24``
-  requantizes in float32 where ``fxq.export.onnx_requant`` finds an exact plan
+  requantizes in float32 where ``fxq.primitives.onnx_requant`` finds an exact plan
   (a clamp, a split of the accumulator, ``QuantizeLinear`` at a power-of-two
   scale for int8 outputs), a residual input rescaled in float32 below ``2**23``;
 * every other requantization is ``floor((acc * m + 2**(s-1)) / 2**s)`` in int64: ONNX's
@@ -41,7 +41,6 @@ from fxq.primitives.arith import bounds as _bounds
 
 from .graph import IntegerGraph, Node
 from .onnx_float import FLOAT_WRITERS
-from .onnx_requant import F32Plan, MulPlan, plan_f32_requant, plan_mul_requant, write_f32_requant
 
 __all__ = ["IntegerWriter", "OPSET"]
 
@@ -260,229 +259,9 @@ class IntegerWriter:
         x = self.as_float(node.inputs[0])
         self.op("Mul", [x, self.const(node.attrs["scale"], np.float32)], outs[0])
 
-    def _finish(
-        self,
-        node: Node,
-        acc: str,
-        rank: int,
-        axis: int,
-        out: str,
-        bias_added: bool = False,
-        bound: int | None = None,
-    ) -> None:
-        """Bias, saturation, residual and requantization of conv / linear / affine, on the
-        int64 accumulator ``acc``.
-
-        ``bias_added``: the kernel added the bias already; ``bound``: a proven bound on
-        ``|acc + bias|`` (no int32 saturation is written when it is below ``2**31``; the bias
-        is then folded into the requantization's constant term).
-        """
-        a, p = node.attrs, node.params
-        ch = lambda v: self.channel(np.asarray(v, np.int64), rank, axis)  # noqa: E731
-        bias = ch(p["bias"]) if "bias" in p and not bias_added else None
-        saturate = bound is None or bound >= 1 << 31
-        if bias is not None and (saturate or len(node.inputs) > 1 or a["out_dtype"] == "float32"):
-            acc, bias = self.op("Add", [acc, self.const(bias)]), None
-        if saturate:
-            acc = self.sat32(acc)
-        if len(node.inputs) > 1:
-            rs = ch(p["residual_shift"])
-            rm = np.left_shift(ch(p["residual_multiplier"]), np.maximum(-rs, 0))
-            t = self.op("Mul", [self.as_int(node.inputs[1]), self.const(rm)])
-            t = self.shift_round(t, np.maximum(rs, 0), a["rounding"])
-            acc = self.sat32(self.op("Add", [acc, t]))
-        if a["out_dtype"] == "float32":
-            # the one float64 exception (docs/integer_graph.md, 4; its tensors are named
-            # "high_precision__*"): float32(float64(acc) * accumulator_scale), two roundings
-            hp = lambda: self.fresh("high_precision")  # noqa: E731
-            acc = self.cast(acc, "float64", hp())
-            if a["lo"] is not None:
-                acc = self.op("Max", [acc, self.const(0.0, np.float64, "high_precision")], hp())
-            scale = self.channel(p["accumulator_scale"], rank, axis)
-            scale = self.const(scale, np.float64, "high_precision")
-            y = self.op("Mul", [acc, scale], hp())
-            if a.get("float_max") is not None:
-                y = self.op(
-                    "Min", [y, self.const(a["float_max"], np.float64, "high_precision")], hp()
-                )
-            self.cast(y, "float32", out)
-            return
-        self.requant(
-            acc,
-            ch(p["multiplier"]),
-            ch(p["shift"]),
-            a["out_dtype"],
-            a["rounding"],
-            a["lo"],
-            a["hi"],
-            out,
-            0 if bias is None else bias,
-        )
-
-    def _plan_f32(
-        self, node: Node, rank: int, axis: int, bound: int
-    ) -> tuple[F32Plan | MulPlan, tuple[np.ndarray, np.ndarray] | None] | None:
-        """The float32 requantization of conv / linear / affine for an accumulator of exact
-        integers with the bias in (``|acc| <= bound``), as ``fxq.export.onnx_requant`` plans
-        it, and the residual term's float32 multiplier and shift; None where that plan does
-        not apply: a residual too wide, half-even rounding, a float32 output, or steps that
-        would pass ``2**24``."""
-        a, p = node.attrs, node.params
-        if a["out_dtype"] not in ("int8", "int16") or a["rounding"] != "half_up":
-            return None
-        ch = lambda v: self.channel(np.asarray(v, np.int64), rank, axis)  # noqa: E731
-        term = None
-        if len(node.inputs) > 1:  # shift_round(r * rm, rs), exact below 2**23
-            rs, rm = ch(p["residual_shift"]), ch(p["residual_multiplier"])
-            rm = rm * (np.int64(1) << np.maximum(-rs, 0))
-            rs = np.maximum(rs, 0)
-            rmax = (1 << (self.bits(node.inputs[1]) - 1)) * np.abs(rm)
-            if rmax.max() >= 1 << 23 or rs.max() > 23:
-                return None
-            bound += int((-(-rmax // (np.int64(1) << rs))).max()) + 1
-            term = (np.ldexp(rm.astype(np.float64), -rs).astype(np.float32), rs)
-        lo, hi = _bounds(a["out_dtype"], a["lo"], a["hi"])
-        if a["out_dtype"] == "int8":  # one Mul and QuantizeLinear where that is exact
-            fast = plan_mul_requant(p["multiplier"], p["shift"], bound, lo, hi)
-            if fast is not None:
-                return fast, term
-        plan = plan_f32_requant(
-            p["multiplier"], p["shift"], bound, lo, hi, a["out_dtype"] == "int8"
-        )
-        return None if plan is None else (plan, term)
-
-    def _finish_f32(
-        self,
-        node: Node,
-        acc: str,
-        rank: int,
-        axis: int,
-        out: str,
-        planned: tuple[F32Plan | MulPlan, tuple[np.ndarray, np.ndarray] | None],
-        scaled: bool = False,
-    ) -> None:
-        """``_finish`` in float32 for a float32 accumulator ``acc`` (scaled by ``2**-k``
-        with ``scaled``) as ``_plan_f32`` planned it."""
-        a = node.attrs
-        plan, term = planned
-        if term is not None:
-            r, rs = term
-            t = self.op("Mul", [self.as_float(node.inputs[1]), self.const(r)])
-            if rs.any():
-                t = self.op("Floor", [self.op("Add", [t, self.const(np.float32(0.5))])])
-            acc = self.op("Add", [acc, t])
-        lo, hi = _bounds(a["out_dtype"], a["lo"], a["hi"])
-        write_f32_requant(self, acc, plan, rank, axis, a["out_dtype"], lo, hi, out, scaled)
-
     def bits(self, ir_name: str) -> int:
         """The bit width of an IR tensor's dtype."""
         return {"int8": 8, "int16": 16, "int32": 32, "int64": 64}[self.graph.tensors[ir_name].dtype]
-
-    @staticmethod
-    def _l1(w: np.ndarray) -> int:
-        """``max_o sum |W[o]|``, which bounds every partial sum with ``max |X|``."""
-        return int(np.abs(w.astype(np.int64)).reshape(w.shape[0], -1).sum(1).max()) if w.size else 0
-
-    def _limbs(self, node: Node, w: np.ndarray) -> tuple[int, int]:
-        """The fewest float32 limbs (and their width) that keep the conv exact."""
-        bits = self.bits(node.inputs[0])
-        l1 = self._l1(w)
-        for limbs in range(1, 5):
-            width = -(-bits // limbs)
-            if limbs > 1 and width * (limbs - 1) >= bits:
-                continue
-            top = bits - width * (limbs - 1)
-            mag = 1 << (bits - 1) if limbs == 1 else max((1 << width) - 1, 1 << (top - 1))
-            if mag * l1 < _F32_EXACT and (limbs == 1 or width <= 8):
-                return limbs, width
-        raise ValueError(
-            f"node {node.name!r}: no exact float32 plan for this conv (sum |W| = {l1} with "
-            f"{bits}-bit inputs); use int8 inputs for it"
-        )
-
-    def op_conv(self, node: Node, outs: list[str]) -> None:
-        a, w = node.attrs, node.params["weight"]
-        d = a["dim"]
-        x = self.as_float(node.inputs[0])
-        limbs, width = self._limbs(node, w)
-        if a["transposed"]:
-            g = a["groups"]
-            k = w.shape[2:]
-            wt = w.reshape(g, w.shape[0] // g, w.shape[1], *k).swapaxes(1, 2)
-            wt = wt.reshape(g * w.shape[1], w.shape[0] // g, *k)
-            kernel = self.cast(self.const(wt.astype(np.int8), hint="weight"), "float32")
-            attrs = dict(
-                strides=a["stride"],
-                pads=a["padding"] + a["padding"],
-                dilations=a["dilation"],
-                group=g,
-                output_padding=a["output_padding"],
-            )
-            op_type = "ConvTranspose"
-        else:
-            kernel = self.cast(self.const(w.astype(np.int8), hint="weight"), "float32")
-            # the stored form of 0 of an input with an offset (a float of an integer here)
-            x, pads = self.explicit_pad(x, a, a.get("pad_value", 0))
-            attrs = dict(
-                strides=a["stride"],
-                pads=[p[0] for p in pads] + [p[1] for p in pads],
-                dilations=a["dilation"],
-                group=a["groups"],
-            )
-            op_type = "Conv"
-        bias = node.params.get("bias")
-        bmax = int(np.abs(bias.astype(np.int64)).max()) if bias is not None and bias.size else 0
-        bound = (1 << (self.bits(node.inputs[0]) - 1)) * self._l1(w) + bmax
-        bias_in_kernel = bias is not None and limbs == 1 and bound < _F32_EXACT
-        exact = limbs == 1 and (bias is None or bias_in_kernel)
-        planned = self._plan_f32(node, d + 2, 1, bound) if exact else None
-        # the split's 2**-k folded into the weights and bias (exact: powers of two)
-        scaled = planned is not None and planned[1] is None and not a["transposed"]
-        if scaled and planned[0].split.any():
-            step = np.ldexp(1.0, -planned[0].split).astype(np.float32)
-            kernel = self.op("Mul", [kernel, self.const(step.reshape(-1, *[1] * (d + 1)))])
-            bias = None if bias is None else bias * step.astype(np.float64)
-        extra = [self.const(bias.astype(np.float32), hint="bias")] if bias_in_kernel else []
-        parts = []
-        rest = x
-        for i in range(limbs):
-            if i < limbs - 1:
-                hi = self.op("Floor", [self.op("Mul", [rest, self.const(2.0**-width, np.float32)])])
-                limb = self.op(
-                    "Sub", [rest, self.op("Mul", [hi, self.const(2.0**width, np.float32)])]
-                )
-                rest = hi
-            else:
-                limb = rest
-            y = self.op(op_type, [limb, kernel, *extra], **attrs)
-            if planned is not None:
-                return self._finish_f32(node, y, d + 2, 1, outs[0], planned, scaled)
-            y = self.cast(y, "int64")
-            if i:
-                y = self.op("Mul", [y, self.int_const(1 << (i * width))])
-            parts.append(y)
-        acc = parts[0]
-        for part in parts[1:]:
-            acc = self.op("Add", [acc, part])
-        self._finish(node, acc, d + 2, 1, outs[0], bias_in_kernel, bound)
-
-    def explicit_pad(self, x: str, a: dict, value: float) -> tuple[str, list[list[int]]]:
-        """A conv's input padded by a ``Pad`` node where ONNX ``Conv``'s zero padding cannot
-        do it (a padding mode, or a border holding ``value`` != 0); returns the input and
-        the pads left to the ``Conv``."""
-        pads = a["pads"]
-        zeros = a["pad_mode"] == "zeros"
-        if zeros and not (value and any(p[0] or p[1] for p in pads)):
-            return x, pads
-        flat = [0, 0] + [p[0] for p in pads] + [0, 0] + [p[1] for p in pads]
-        inputs = [x, self.const(np.array(flat, np.int64))]
-        if zeros:
-            inputs.append(self.const(np.array(value, np.float32), hint="pad_value"))
-            x = self.op("Pad", inputs)
-        else:
-            mode = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}[a["pad_mode"]]
-            x = self.op("Pad", inputs, mode=mode)
-        return x, [[0, 0]] * len(pads)
 
     def dot(self, a: str, b: str, bound: int) -> str:
         """``a @ b`` (ONNX ``MatMul``) of two integer tensors as int64: float32 when ``bound``
@@ -490,26 +269,6 @@ class IntegerWriter:
         int64 ``MatMul`` (exact: the bounds here stay far below ``2**63``)."""
         dtype = "float32" if bound < _F32_EXACT else "int64"
         return self.cast(self.op("MatMul", [self.cast(a, dtype), self.cast(b, dtype)]), "int64")
-
-    def op_linear(self, node: Node, outs: list[str]) -> None:
-        w = node.params["weight"]
-        bias = node.params.get("bias")
-        bmax = int(np.abs(bias.astype(np.int64)).max()) if bias is not None and bias.size else 0
-        mag = (1 << (self.bits(node.inputs[0]) - 1)) * self._l1(w)
-        weight = self.const(w.T.astype(np.int8), hint="weight")
-        acc = self.dot(self.name(node.inputs[0]), weight, mag)
-        self._finish(node, acc, self.rank(node.inputs[0]), -1, outs[0], bound=mag + bmax)
-
-    def op_channel_affine(self, node: Node, outs: list[str]) -> None:
-        rank = self.rank(node.inputs[0])
-        w, bias = node.params["weight"].astype(np.int64), node.params.get("bias")
-        bmax = int(np.abs(bias.astype(np.int64)).max()) if bias is not None and bias.size else 0
-        mag = (1 << (self.bits(node.inputs[0]) - 1)) * (int(np.abs(w).max()) if w.size else 0)
-        acc = self.op(
-            "Mul",
-            [self.as_int(node.inputs[0]), self.const(self.channel(w, rank, 1), hint="weight")],
-        )
-        self._finish(node, acc, rank, 1, outs[0], bound=mag + bmax)
 
     def op_clip(self, node: Node, outs: list[str]) -> None:
         a = node.attrs

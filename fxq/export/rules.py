@@ -20,7 +20,6 @@ from fxq.march import Rounding
 from fxq.qtensor import QTensor
 from fxq.quantized import (
     attention,
-    batchnorm,
     elementwise,
     grid_sample,
     interpolate,
@@ -28,7 +27,6 @@ from fxq.quantized import (
     normalization,
     pooling,
     softmax,
-    weighted,
 )
 from fxq.quantized import functional as qf
 from fxq.quantized import stubs as qstubs
@@ -138,92 +136,6 @@ def _rule_dequantize(ex: _Exporter, m: nn.Module, args, kwargs, result) -> None:
 
 
 # -- rules: weighted ------------------------------------------------------------------------
-def _weighted_params(m: weighted.Weighted, p) -> tuple[dict, dict]:
-    params: dict[str, np.ndarray] = {
-        "weight": _np(m.weight_out_major(), np.int8),
-        "weight_scale": _np(m.weight_scale, np.float32).reshape(-1),
-    }
-    if p.bias is not None:
-        params["bias"] = _np(p.bias, np.int32)
-    hp = m.high_precision
-    if hp:
-        params["accumulator_scale"] = _np(p.accumulator_scale, np.float64)
-    else:
-        params["multiplier"] = _np(p.multiplier, np.int32)
-        params["shift"] = _np(p.shift, np.int32)
-    if m.add:
-        params["residual_multiplier"] = _np(p.residual_multiplier, np.int32)
-        params["residual_shift"] = _np(p.residual_shift, np.int32)
-    lo, hi = m.lo, m.hi
-    attrs = {
-        "out_dtype": "float32" if hp else m.out_dtype_name[1:],
-        "rounding": _rounding(m),
-        "lo": lo,
-        "hi": hi,
-        "float_max": 6.0 if hp and m.activation == "relu6" else None,
-        "activation": m.activation,
-    }
-    return params, attrs
-
-
-def _rule_conv(ex: _Exporter, m: weighted.ConvNd, args, kwargs, result) -> None:
-    x = args[0]
-    residual = args[1] if len(args) > 1 else kwargs.get("residual")
-    if x.dim() != m.spatial_dims + 2:
-        raise ex.error("unbatched convolution inputs are not exported; add a batch dimension")
-    p = m.requantization(x, residual)
-    params, attrs = _weighted_params(m, p)
-    d = m.spatial_dims
-    attrs.update(
-        dim=d,
-        transposed=m.transposed,
-        stride=_ints(m.stride, d),
-        dilation=_ints(m.dilation, d),
-        groups=int(m.groups),
-        pad_mode="zeros",
-    )
-    if m.transposed:
-        attrs.update(padding=_ints(m.padding, d), output_padding=_ints(m.output_padding, d))
-    elif m.padding_mode != "zeros":
-        rp = list(m.reversed_padding)
-        attrs["pads"] = [[rp[2 * i], rp[2 * i + 1]] for i in range(d)][::-1]
-        attrs["pad_mode"] = m.padding_mode
-    else:
-        attrs["pads"] = m.zero_padding()
-    if not m.transposed:
-        # an input stored with an offset pads with the stored form of 0
-        attrs["pad_value"] = -m.input_offset
-    inputs = [ex.name_of(x)] + ([ex.name_of(residual)] if m.add else [])
-    ex.emit("conv", inputs, [result], attrs, params)
-
-
-def _rule_linear(ex: _Exporter, m: weighted.Linear, args, kwargs, result) -> None:
-    x = args[0]
-    residual = args[1] if len(args) > 1 else kwargs.get("residual")
-    p = m.requantization(x, residual)
-    params, attrs = _weighted_params(m, p)
-    inputs = [ex.name_of(x)] + ([ex.name_of(residual)] if m.add else [])
-    ex.emit("linear", inputs, [result], attrs, params)
-
-
-def _rule_batchnorm(ex: _Exporter, m: batchnorm.BatchNorm, args, kwargs, result) -> None:
-    x = args[0]
-    p = m.requantization(x)
-    ex.emit(
-        "channel_affine",
-        [ex.name_of(x)],
-        [result],
-        {"out_dtype": _dtype(result), "rounding": _rounding(m), "lo": m.lo, "hi": m.hi},
-        {
-            "weight": _np(m.weight, np.int8),
-            "weight_scale": _np(m.weight_scale, np.float32).reshape(-1),
-            "bias": _np(p.bias, np.int32),
-            "multiplier": _np(p.multiplier, np.int32),
-            "shift": _np(p.shift, np.int32),
-        },
-    )
-
-
 # -- rules: elementwise ---------------------------------------------------------------------
 def _rule_cat(ex: _Exporter, m: elementwise.Cat, args, kwargs, result) -> None:
     tensors = args[0] if args else kwargs["tensors"]
@@ -882,8 +794,6 @@ def _part_scale(m: attention.MultiheadAttention, name: str) -> Tensor:
 RULES: dict[type, Callable[..., None]] = {
     qstubs.Quantize: _rule_quantize,
     qstubs.DeQuantize: _rule_dequantize,
-    batchnorm.BatchNorm: _rule_batchnorm,
-    weighted.Linear: _rule_linear,
     elementwise.Cat: _rule_cat,
     elementwise.Stack: _rule_cat,
     matmul.Einsum: _rule_einsum,
@@ -900,12 +810,3 @@ RULES: dict[type, Callable[..., None]] = {
     attention.ScaledDotProductAttention: _rule_sdpa,
     attention.MultiheadAttention: _rule_mha,
 }
-for _cls in (
-    weighted.Conv1d,
-    weighted.Conv2d,
-    weighted.Conv3d,
-    weighted.ConvTranspose1d,
-    weighted.ConvTranspose2d,
-    weighted.ConvTranspose3d,
-):
-    RULES[_cls] = _rule_conv

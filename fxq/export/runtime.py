@@ -24,7 +24,6 @@ import numpy as np
 from fxq.primitives import PRIMITIVES
 from fxq.primitives.arith import DTYPES, shift_round
 from fxq.primitives.arith import RANGES as _RANGES
-from fxq.primitives.arith import dot_bound as _bound
 from fxq.primitives.arith import exact_dot as _exact_dot
 from fxq.primitives.arith import requant as _requant
 from fxq.primitives.arith import sat32 as _sat32
@@ -70,12 +69,6 @@ def quantize(x: np.ndarray, scale: float, dtype: str, rounding: str = "half_up")
     return np.clip(_round_float(v, rounding), lo, hi).astype(DTYPES[dtype])
 
 
-def _channel_shape(ndim: int, axis: int, n: int) -> tuple[int, ...]:
-    shape = [1] * ndim
-    shape[axis] = n
-    return tuple(shape)
-
-
 # -- quantize / dequantize / requantize ---------------------------------------------------
 def _k_quantize(node, inputs):
     a = node.attrs
@@ -88,148 +81,6 @@ def _k_dequantize(node, inputs):
 
 
 # -- conv / linear / affine ---------------------------------------------------------------
-_PAD_MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
-
-
-def _pad(
-    x: np.ndarray, pads: Sequence[Sequence[int]], mode: str = "zeros", value: int = 0
-) -> np.ndarray:
-    """Pad (or crop, for negative amounts) the trailing ``len(pads)`` axes (``"zeros"``
-    pads with ``value``)."""
-    lead = x.ndim - len(pads)
-    grow = [(0, 0)] * lead + [(max(lo, 0), max(hi, 0)) for lo, hi in pads]
-    if any(g != (0, 0) for g in grow):
-        extra = {"constant_values": value} if mode == "zeros" and value else {}
-        x = np.pad(x, grow, mode=_PAD_MODES[mode], **extra)
-    crop = [slice(None)] * lead + [
-        slice(max(-lo, 0), x.shape[lead + i] - max(-hi, 0)) for i, (lo, hi) in enumerate(pads)
-    ]
-    return x[tuple(crop)]
-
-
-def conv_accumulate(
-    x: np.ndarray,
-    w: np.ndarray,
-    stride: Sequence[int],
-    pads: Sequence[Sequence[int]],
-    dilation: Sequence[int],
-    groups: int,
-    pad_mode: str = "zeros",
-    pad_value: int = 0,
-) -> np.ndarray:
-    """Exact ``sum X * W`` of an N-d convolution, int64 ``[N, O, *out]``.
-
-    ``x``: ``[N, C, *spatial]``; ``w``: ``[O, C / groups, *k]`` (out-major); a
-    ``"zeros"`` border holds ``pad_value``.
-    """
-    d = w.ndim - 2
-    x = _pad(x.astype(np.int64), pads, pad_mode, pad_value)
-    k = w.shape[2:]
-    span = [(ki - 1) * di + 1 for ki, di in zip(k, dilation)]
-    win = np.lib.stride_tricks.sliding_window_view(x, span, axis=tuple(range(2, 2 + d)))
-    sel = (
-        [slice(None)] * 2
-        + [slice(None, None, s) for s in stride]
-        + [slice(None, None, di) for di in dilation]
-    )
-    win = win[tuple(sel)]  # [N, C, *out, *k]
-    n, c = x.shape[:2]
-    out_sp = win.shape[2 : 2 + d]
-    o = w.shape[0]
-    win = win.reshape(n, groups, c // groups, *out_sp, *k)
-    wg = w.reshape(groups, o // groups, c // groups, *k)
-    letters = "defhijlm"[:d]
-    kl = "rstuvw"[:d]
-    spec = f"ngc{letters}{kl},gpc{kl}->ngp{letters}"
-    acc = _exact_dot(win, wg, _bound(x, w, (c // groups) * int(np.prod(k))), spec)
-    return acc.reshape(n, o, *out_sp)
-
-
-def conv_transpose_accumulate(
-    x: np.ndarray,
-    w: np.ndarray,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    output_padding: Sequence[int],
-    dilation: Sequence[int],
-    groups: int,
-) -> np.ndarray:
-    """Exact accumulation of a transposed convolution (out-major ``w``: ``[O, C / g, *k]``),
-    as the equivalent convolution of the zero-stuffed input with the flipped kernel."""
-    d = w.ndim - 2
-    n, c = x.shape[:2]
-    sp = x.shape[2:]
-    up = np.zeros((n, c, *[(s - 1) * st + 1 for s, st in zip(sp, stride)]), dtype=np.int64)
-    up[(slice(None), slice(None), *[slice(None, None, st) for st in stride])] = x
-    k = w.shape[2:]
-    pads = [
-        (di * (ki - 1) - p, di * (ki - 1) - p + op)
-        for ki, di, p, op in zip(k, dilation, padding, output_padding)
-    ]
-    flipped = np.flip(w, axis=tuple(range(2, 2 + d)))
-    return conv_accumulate(up, flipped, [1] * d, pads, dilation, groups)
-
-
-def _finish_weighted(node, acc: np.ndarray, residual: np.ndarray | None, axis: int):
-    """Bias, residual, saturation and requantization shared by conv / linear / affine."""
-    a, p = node.attrs, node.params
-    shape = _channel_shape(acc.ndim, axis % acc.ndim, acc.shape[axis])
-    if "bias" in p:
-        acc = acc + p["bias"].astype(np.int64).reshape(shape)
-    acc = _sat32(acc)
-    if residual is not None:
-        term = shift_round(
-            residual.astype(np.int64) * p["residual_multiplier"].astype(np.int64).reshape(shape),
-            p["residual_shift"].astype(np.int64).reshape(shape),
-            a["rounding"],
-        )
-        acc = _sat32(acc + term)
-    if a["out_dtype"] == "float32":  # high precision: float32(acc * s_x * s_w)
-        if a["lo"] is not None:
-            acc = np.maximum(acc, 0)
-        y = acc.astype(np.float64) * p["accumulator_scale"].reshape(shape)
-        if a.get("float_max") is not None:
-            y = np.minimum(y, a["float_max"])
-        return [y.astype(np.float32)]
-    m = p["multiplier"].astype(np.int64).reshape(shape)
-    s = p["shift"].astype(np.int64).reshape(shape)
-    return [_requant(acc, m, s, a["out_dtype"], a["rounding"], a["lo"], a["hi"])]
-
-
-def _k_conv(node, inputs):
-    a, w = node.attrs, node.params["weight"]
-    x = inputs[0]
-    if a["transposed"]:
-        acc = conv_transpose_accumulate(
-            x, w, a["stride"], a["padding"], a["output_padding"], a["dilation"], a["groups"]
-        )
-    else:
-        acc = conv_accumulate(
-            x,
-            w,
-            a["stride"],
-            a["pads"],
-            a["dilation"],
-            a["groups"],
-            a["pad_mode"],
-            a.get("pad_value", 0),
-        )
-    return _finish_weighted(node, acc, inputs[1] if len(inputs) > 1 else None, 1)
-
-
-def _k_linear(node, inputs):
-    x, w = inputs[0], node.params["weight"]
-    acc = _exact_dot(x, w, _bound(x, w, w.shape[1]), "...k,ok->...o")
-    return _finish_weighted(node, acc, inputs[1] if len(inputs) > 1 else None, -1)
-
-
-def _k_channel_affine(node, inputs):
-    x = inputs[0].astype(np.int64)
-    w = node.params["weight"].astype(np.int64)
-    acc = x * w.reshape(_channel_shape(x.ndim, 1, w.shape[0]))
-    return _finish_weighted(node, acc, None, 1)
-
-
 # -- elementwise -----------------------------------------------------------------------------
 def _k_clip(node, inputs):
     a = node.attrs
@@ -614,9 +465,6 @@ def _k_arg_extreme(node, inputs):
 KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "quantize": _k_quantize,
     "dequantize": _k_dequantize,
-    "conv": _k_conv,
-    "linear": _k_linear,
-    "channel_affine": _k_channel_affine,
     "clip": _k_clip,
     "axis_matmul": _k_axis_matmul,
     "grid_sample": _k_grid_sample,

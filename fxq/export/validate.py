@@ -59,6 +59,9 @@ from fxq.primitives.schema import (
     Param as _Param,
 )
 from fxq.primitives.schema import (
+    geometry as _geometry,
+)
+from fxq.primitives.schema import (
     is_float as _is_float,
 )
 from fxq.primitives.schema import (
@@ -244,87 +247,6 @@ def _check_ranges(c: _Ctx) -> None:
             c.shift(f"param {k!r}", p)
         elif k == "multiplier" or "multiplier_" in k or k.endswith("_multiplier"):
             c.multiplier(f"param {k!r}", p)
-
-
-def _per_channel(c: _Ctx, n: int, names: tuple[str, ...]) -> None:
-    for k in names:
-        p = c.params.get(k)
-        if p is not None and p.size not in (1, n):
-            raise c.fail(f"param {k!r} has {p.size} entries for {n} channels")
-
-
-#: the largest window, stride, padding or pooled size a file may declare
-MAX_GEOMETRY = 1 << 16
-
-
-def _geometry(c: _Ctx, names: tuple[str, ...]) -> None:
-    for k in names:
-        v = c.attrs.get(k)
-        flat = [e for p in v for e in (p if isinstance(p, list) else [p])] if v else []
-        if any(abs(e) > MAX_GEOMETRY for e in flat):
-            raise c.fail(f"{k} {v} holds sizes above {MAX_GEOMETRY}")
-
-
-def _check_conv(c: _Ctx) -> None:
-    a, w = c.attrs, c.params["weight"]
-    d = a["dim"]
-    if not 1 <= d <= 3 or w.ndim != d + 2:
-        raise c.fail(f"dim {d} with a rank-{w.ndim} weight (conv weights are [O, C/g, *k])")
-    for k in ("stride", "dilation"):
-        if len(a[k]) != d or min(a[k], default=1) < 1:
-            raise c.fail(f"{k} {a[k]} is not {d} positive integers")
-    g = a["groups"]
-    if g < 1 or w.shape[0] % g:
-        raise c.fail(f"groups {g} does not divide the {w.shape[0]} output channels")
-    if a["transposed"]:
-        for k in ("padding", "output_padding"):
-            if not _ints(a.get(k)) or len(a[k]) != d:
-                raise c.fail(f"{k} {a.get(k)!r} is not {d} integers")
-    else:
-        pads = a.get("pads")
-        if (
-            not isinstance(pads, list)
-            or len(pads) != d
-            or not all(_ints(p) and len(p) == 2 for p in pads)
-        ):
-            raise c.fail(f"pads {pads!r} is not {d} pairs of integers")
-        if a.get("pad_mode") not in ("zeros", "reflect", "replicate", "circular"):
-            raise c.fail(f"pad_mode {a.get('pad_mode')!r} is not zeros/reflect/replicate/circular")
-        if not _is_int(a.get("pad_value", 0)):
-            raise c.fail(f"pad_value {a.get('pad_value')!r} is not an integer")
-    if c.rank() != d + 2:
-        raise c.fail(f"a rank-{c.rank()} input for a {d}-d conv")
-    _geometry(c, ("stride", "dilation", "pads", "padding", "output_padding"))
-    channels = c.in_shapes[0][1]
-    if _is_int(channels) and channels != w.shape[1] * g:
-        raise c.fail(f"{channels} input channels, the weight takes {w.shape[1] * g}")
-    _finish_weighted(c, w.shape[0])
-
-
-def _finish_weighted(c: _Ctx, n: int) -> None:
-    if c.attrs["out_dtype"] == "float32":
-        if "accumulator_scale" not in c.params:
-            raise c.fail("a float32 output without param 'accumulator_scale'")
-    elif "multiplier" not in c.params or "shift" not in c.params:
-        raise c.fail("no params 'multiplier' and 'shift'")
-    if ("residual_multiplier" in c.params) != ("residual_shift" in c.params):
-        raise c.fail("one of residual_multiplier / residual_shift without the other")
-    names = ("bias", "multiplier", "shift", "residual_multiplier", "residual_shift")
-    _per_channel(c, n, (*names, "accumulator_scale", "weight_scale"))
-
-
-def _check_linear(c: _Ctx) -> None:
-    w = c.params["weight"]
-    k = c.in_shapes[0][-1] if c.rank() else None
-    if c.rank() == 0 or (_is_int(k) and k != w.shape[1]):
-        raise c.fail(f"an input of shape {c.in_shapes[0]} for a weight of shape {list(w.shape)}")
-    _finish_weighted(c, w.shape[0])
-
-
-def _check_affine(c: _Ctx) -> None:
-    if c.rank() < 2:
-        raise c.fail(f"a rank-{c.rank()} input (channel_affine needs channels on axis 1)")
-    _finish_weighted(c, c.params["weight"].size)
 
 
 def _check_axis_matmul(c: _Ctx) -> None:
@@ -538,18 +460,6 @@ def _check_arg(c: _Ctx) -> None:
         c.axis("axis", c.attrs["axis"])
 
 
-_W = ("out_dtype", "rounding", "lo", "hi")
-_WEIGHTED = {"out_dtype": "outdtype", "rounding": "rounding", "lo": "int?", "hi": "int?"}
-_WPARAMS = {
-    "weight": _Param(("int8",)),
-    "bias": _Param(("int32", "int64"), (1,), False),
-    "weight_scale": _Param(("float32", "float64"), None, False),
-    "multiplier": _Param(_I, None, False),
-    "shift": _Param(_I, None, False),
-    "residual_multiplier": _Param(_I, None, False),
-    "residual_shift": _Param(_I, None, False),
-    "accumulator_scale": _Param(("float32", "float64"), None, False),
-}
 _RSQRT_ATTRS = {
     "eps_term": "int",
     "q_bits": "int",
@@ -775,29 +685,6 @@ FLOAT_OP_SPECS: dict[str, _OpSpec] = {
 OP_SPECS: dict[str, _OpSpec] = {
     "quantize": _OpSpec((1,), {"scale": "float", **_QR}, {}),
     "dequantize": _OpSpec((1,), {"scale": "float"}, {}),
-    "conv": _OpSpec(
-        (1, 2),
-        {
-            **_WEIGHTED,
-            "dim": "int",
-            "transposed": "bool",
-            "stride": "ints",
-            "dilation": "ints",
-            "groups": "int",
-            "float_max": "float?",
-        },
-        _WPARAMS,
-        _check_conv,
-    ),
-    "linear": _OpSpec(
-        (1, 2),
-        {**_WEIGHTED, "float_max": "float?"},
-        {**_WPARAMS, "weight": _Param(("int8",), (2,))},
-        _check_linear,
-    ),
-    "channel_affine": _OpSpec(
-        (1,), _WEIGHTED, {**_WPARAMS, "weight": _Param(("int8",), (1,))}, _check_affine
-    ),
     "clip": _OpSpec((1,), {"lo": "int?", "hi": "int?"}, {}),
     "axis_matmul": _OpSpec(
         (1,), {"axes": "ints", "ones": "bool?"}, {}, _check_axis_matmul, extra_params="matrix_"

@@ -6,7 +6,7 @@ optional: without it only the numpy side loads). ``fxq.primitives.core`` says ho
 records the calls.
 """
 
-from fxq.primitives import accumulate, elementwise, requant, select, table
+from fxq.primitives import accumulate, elementwise, requant, select, table, weighted
 from fxq.primitives.core import PRIMITIVES, Call, Primitive, is_recording, record, recording
 
 __all__ = [
@@ -21,4 +21,5 @@ __all__ = [
     "requant",
     "select",
     "table",
+    "weighted",
 ]

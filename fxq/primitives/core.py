@@ -38,6 +38,7 @@ __all__ = [
     "is_recording",
     "Call",
     "ir_dtype",
+    "NotExportable",
 ]
 
 #: ``kernel(node, inputs) -> outputs`` (``fxq.export.runtime``)
@@ -103,6 +104,11 @@ class Call:
     attrs: dict[str, Any] = field(default_factory=dict)
     params: Mapping[str, Any] = field(default_factory=dict)
     scales: Sequence[float | None] | None = None
+
+
+class NotExportable(ValueError):
+    """A primitive call that has no exported form (e.g. an unbatched convolution); export
+    raises its message as an ``ExportError`` naming the node."""
 
 
 class _State(threading.local):

@@ -25,6 +25,9 @@ __all__ = [
     "KINDS",
     "SHIFT",
     "OPT_SHIFT",
+    "MAX_GEOMETRY",
+    "per_channel",
+    "geometry",
 ]
 
 #: march -> (multiplier bits, largest right shift): ``fxq.march.MARCH_SPECS`` (a test keeps them
@@ -172,3 +175,24 @@ class Ctx:
         p = self.params.get(name)
         if p is not None and p.size != expected:
             raise self.fail(f"param {name!r} has {p.size} entries, expected {expected}")
+
+
+def per_channel(c: Ctx, n: int, names: tuple[str, ...]) -> None:
+    """Each of the params ``names`` (where present) holds one entry or one per channel."""
+    for k in names:
+        p = c.params.get(k)
+        if p is not None and p.size not in (1, n):
+            raise c.fail(f"param {k!r} has {p.size} entries for {n} channels")
+
+
+#: the largest window, stride, padding or pooled size a file may declare
+MAX_GEOMETRY = 1 << 16
+
+
+def geometry(c: Ctx, names: tuple[str, ...]) -> None:
+    """No window, stride, padding or size among the attrs ``names`` above ``MAX_GEOMETRY``."""
+    for k in names:
+        v = c.attrs.get(k)
+        flat = [e for p in v for e in (p if isinstance(p, list) else [p])] if v else []
+        if any(abs(e) > MAX_GEOMETRY for e in flat):
+            raise c.fail(f"{k} {v} holds sizes above {MAX_GEOMETRY}")

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from fxq.dtypes import QDType, as_qdtype, qint8, qint32
+from fxq.primitives import weighted as layers
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import (
@@ -147,4 +148,25 @@ class BatchNorm(QuantizedModule):
             self.hi,
             as_float=True,
         )
+        layers.record_layer(
+            "channel_affine", x.values(), None, q, self.out_dtype_name[1:], lambda: self.ir_node(p)
+        )
         return QTensor(q, self.output_scale, self.out_dtype)
+
+    def ir_node(self, p: AffineRequantization) -> tuple[dict, dict]:
+        """The exported ``channel_affine`` node's attributes and arrays for a call that computed
+        with ``p``."""
+        attrs = {
+            "out_dtype": self.out_dtype_name[1:],
+            "rounding": self.rounding.value,
+            "lo": self.lo,
+            "hi": self.hi,
+        }
+        params = {
+            "weight": self.weight.to(torch.int8),
+            "weight_scale": self.weight_scale.float().reshape(-1),
+            "bias": p.bias.to(torch.int32),
+            "multiplier": p.multiplier.to(torch.int32),
+            "shift": p.shift.to(torch.int32),
+        }
+        return attrs, params

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fxq.dtypes import QDType, as_qdtype, qint8, qint32
+from fxq.primitives import weighted as layers
+from fxq.primitives.core import NotExportable
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import (
@@ -371,7 +373,9 @@ class Weighted(QuantizedModule):
             y = acc.to(torch.float64) * scale
             if self.activation == "relu6":
                 y = y.clamp(max=6.0)
-            return y.to(torch.float32)
+            y = y.to(torch.float32)
+            self._record(x, residual, p, y, "float32")
+            return y
         acc = qf.accumulate(
             self._op, self._input_values(x), self.weight, p.bias, p.plan, self._channel_axis
         )
@@ -391,7 +395,41 @@ class Weighted(QuantizedModule):
             )
         else:
             q = qf.requantize_exact(acc, p.multiplier, p.shift, *args, as_float=True)
+        self._record(x, residual, p, q, self.out_dtype_name[1:])
         return QTensor(q, self.output_scale, self.out_dtype, offset=self.output_offset)
+
+    def _record(self, x: QTensor, residual: QTensor | None, p, y: Tensor, dtype: str) -> None:
+        """Report this call to an export that records it (``fxq.primitives.weighted``)."""
+        r = residual.values() if self.add else None
+        layers.record_layer(self.IR_OP, x.values(), r, y, dtype, lambda: self.ir_node(x, p))
+
+    def ir_node(self, x: QTensor, p) -> tuple[dict, dict]:
+        """The exported node's attributes and arrays for a call on ``x`` that computed with
+        ``p`` (``requantization(x, residual)``)."""
+        params: dict[str, Tensor] = {
+            "weight": self.weight_out_major().to(torch.int8),
+            "weight_scale": self.weight_scale.float().reshape(-1),
+        }
+        if p.bias is not None:
+            params["bias"] = p.bias.to(torch.int32)
+        hp = self.high_precision
+        if hp:
+            params["accumulator_scale"] = p.accumulator_scale.double()
+        else:
+            params["multiplier"] = p.multiplier.to(torch.int32)
+            params["shift"] = p.shift.to(torch.int32)
+        if self.add:
+            params["residual_multiplier"] = p.residual_multiplier.to(torch.int32)
+            params["residual_shift"] = p.residual_shift.to(torch.int32)
+        attrs = {
+            "out_dtype": "float32" if hp else self.out_dtype_name[1:],
+            "rounding": self.rounding.value,
+            "lo": self.lo,
+            "hi": self.hi,
+            "float_max": 6.0 if hp and self.activation == "relu6" else None,
+            "activation": self.activation,
+        }
+        return attrs, params
 
     def _saturation_cause(self, p: Weighted | Requantization, x: QTensor) -> str:
         """What the accumulator sums (operand dtypes, worst cases) and what to do."""
@@ -483,6 +521,7 @@ class ConvNd(Weighted):
 
     spatial_dims: int = 2
     transposed: bool = False
+    IR_OP = "conv"
 
     @property
     def _channel_axis(self) -> int:
@@ -554,6 +593,42 @@ class ConvNd(Weighted):
     def weight_out_major(self) -> Tensor:
         return qf.swap_group_axes(self.weight, self.groups) if self.transposed else self.weight
 
+    def ir_node(self, x: QTensor, p) -> tuple[dict, dict]:
+        """The ``conv`` node: ``Weighted.ir_node`` and the convolution's geometry.
+
+        Raises:
+            fxq.primitives.core.NotExportable: an unbatched input.
+        """
+        d = self.spatial_dims
+        if x.dim() != d + 2:
+            raise NotExportable(
+                "unbatched convolution inputs are not exported; add a batch dimension"
+            )
+        attrs, params = super().ir_node(x, p)
+        attrs.update(
+            dim=d,
+            transposed=self.transposed,
+            stride=list(_tuple(self.stride, d)),
+            dilation=list(_tuple(self.dilation, d)),
+            groups=int(self.groups),
+            pad_mode="zeros",
+        )
+        if self.transposed:
+            attrs.update(
+                padding=list(_tuple(self.padding, d)),
+                output_padding=list(_tuple(self.output_padding, d)),
+            )
+        elif self.padding_mode != "zeros":
+            rp = list(self.reversed_padding)
+            attrs["pads"] = [[rp[2 * i], rp[2 * i + 1]] for i in range(d)][::-1]
+            attrs["pad_mode"] = self.padding_mode
+        else:
+            attrs["pads"] = self.zero_padding()
+        if not self.transposed:
+            # an input stored with an offset pads with the stored form of 0
+            attrs["pad_value"] = -self.input_offset
+        return attrs, params
+
     def _hyper(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, kernel_size={tuple(self.weight.shape[2:])}, stride={self.stride}, groups={self.groups}"
 
@@ -601,6 +676,7 @@ class Linear(Weighted):
     """Integer Linear."""
 
     _channel_axis = -1
+    IR_OP = "linear"
 
     def __init__(self, qat: nn.Module) -> None:
         self.in_features = qat.in_features

@@ -1,6 +1,6 @@
 """Deployable integer ONNX: integer and float32 tensors only (no float64, which many runtimes
 and NPU importers lack), bit-exact with fxq's integer model in onnxruntime at every
-optimization level; the float32 requantization (``fxq.export.onnx_requant``) is exact on
+optimization level; the float32 requantization (``fxq.primitives.onnx_requant``) is exact on
 adversarial accumulators (ties, saturation points, the proven bounds)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import fxq
 import fxq.export
 from fxq.export.onnx import graph_to_onnx
 from fxq.export.onnx_integer import IntegerWriter
-from fxq.export.onnx_requant import plan_f32_requant, plan_mul_requant, write_f32_requant
+from fxq.primitives.onnx_requant import plan_f32_requant, plan_mul_requant, write_f32_requant
 from fxq.primitives.arith import requant as _requant
 from tests.export.helpers import assert_equal_outputs, outputs, torchvision_model
 

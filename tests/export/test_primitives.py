@@ -158,7 +158,9 @@ def test_every_primitive_is_whole():
     from fxq.export import onnx_integer, qdq, runtime, validate
 
     names = {"lut", "segment_lut", "embedding", "requantize", "prelu", "extremum", "where"}
-    assert names | {"add", "mul", "divide", "matmul"} <= set(PRIMITIVES)
+    assert names | {"add", "mul", "divide", "matmul", "conv", "linear", "channel_affine"} <= set(
+        PRIMITIVES
+    )
     for name, p in PRIMITIVES.items():
         assert callable(p.numpy) and callable(p.onnx) and isinstance(p.spec, OpSpec), name
         assert runtime.kernel(name) is p.numpy
@@ -175,3 +177,13 @@ def test_torch_export_keeps_a_table_lookup_as_one_op(bayes):
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert "fxq.lut.default" in targets
     assert torch.equal(program.module()(x), gm(x))
+
+
+def test_a_call_without_an_exported_form_names_the_node(bayes):
+    """An unbatched convolution runs (as torch's does) but has no exported form: the error
+    names the node and says what to do."""
+    x = torch.randn(2, 3, 8, 8)
+    model = nn.Sequential(fxq.QuantStub(), nn.Conv2d(3, 4, 3), fxq.DeQuantStub())
+    gm = _converted(model, x)
+    with pytest.raises(build.ExportError, match=r"node '_1'.*unbatched convolution inputs"):
+        fxq.export.to_graph(gm, x[0])
