@@ -363,6 +363,7 @@ class _Exporter(Interpreter):
         results = [v for v in tree_flatten(result)[0] if isinstance(v, (Tensor, QTensor))]
         final = {k: r for r in results for k in _held(r)}
         for k, call in enumerate(calls):
+            self._check_axis0(call, known.get(id(call.inputs[0])) if call.inputs else None)
             inputs = []
             for t in call.inputs:
                 name = known.get(id(t))
@@ -399,6 +400,14 @@ class _Exporter(Interpreter):
                     "primitive calls made (compute integer results with fxq.primitives)"
                 )
             self.alias(r, name)
+
+    def _check_axis0(self, call: Call, first: str | None) -> None:
+        """A call's use of its first input's axis 0 against the dynamic batch."""
+        batched = first is not None and self.batched.get(first, False)
+        if call.axis0 == "not_batch" and batched:
+            raise self.error(f"{call.op} over the batch dimension is not exported")
+        if call.axis0 == "batch" and not batched:
+            raise self.error(f"{call.op} of per-sample groups is exported for batched inputs only")
 
     def _call_plain(self, n: Node, module, args, kwargs, result, leaves: list[Any]) -> None:
         """An op on plain tensors (float regions; ids and masks from graph inputs)."""

@@ -206,68 +206,6 @@ class QDQWriter(IntegerWriter):
             self._sum_scales[node.outputs[0]] = self._sum_scales[node.inputs[0]]
         super().op_reshape(node, outs)
 
-    def op_normalize(self, node: Node, outs: list[str]) -> None:
-        """The float normalization (mean, variance, ``1 / sqrt``) with the int8 affine weight and
-        the int32 bias dequantized."""
-        a, p = node.attrs, node.params
-        x = self.name(node.inputs[0])
-        axes = self.const([-1], np.int64)
-        if a["groups"] is None:
-            rows = self.op("Reshape", [x, self.const(np.array([-1, a["n"]], np.int64))])
-        else:
-            rows = self.op("Reshape", [x, self.const(np.array([0, a["groups"], -1], np.int64))])
-        d = self.op("Sub", [rows, self.op("ReduceMean", [rows, axes], keepdims=1)])
-        var = self.op("ReduceMean", [self.op("Mul", [d, d]), axes], keepdims=1)
-        eps = self.const(np.float32(a["eps"]))
-        y = self.op("Div", [d, self.op("Sqrt", [self.op("Add", [var, eps])])])
-        if a["groups"] is not None:
-            channels = p["bias"].shape[0]
-            y = self.op("Reshape", [y, self.const(np.array([0, channels, -1], np.int64))])
-        # the int8 weight and the int32 bias (at s_w 2**-q_bits: a power of two from s_w) with
-        # one scale per element of their first axis
-        w, bias = p["weight"], p["bias"].astype(np.int32)
-        s_w = np.broadcast_to(p["weight_scale"].astype(np.float32).reshape(-1), w.shape[:1])
-        s_b = np.broadcast_to(np.ldexp(s_w, -a["q_bits"]), bias.shape[:1])
-        y = self.op("Mul", [y, self.dq_const(w, s_w, axis=0)])
-        y = self.op("Add", [y, self.dq_const(bias, s_b, axis=0, hint="bias")])
-        y = self.op("Reshape", [y, self.op("Shape", [x])])
-        self.qdq(y, node.outputs[0], outs[0])
-
-    def op_l2_normalize(self, node: Node, outs: list[str]) -> None:
-        """The float ``x / max(||x||_2, eps)`` between Q / DQ pairs."""
-        a = node.attrs
-        x = self.name(node.inputs[0])
-        axes = self.const(np.array(a["axes"], np.int64))
-        norm = self.op("Sqrt", [self.op("ReduceSum", [self.op("Mul", [x, x]), axes], keepdims=1)])
-        norm = self.op("Max", [norm, self.const(np.float32(a["eps"]))])
-        self.qdq(self.op("Div", [x, norm]), node.outputs[0], outs[0])
-
-    def op_softmax(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        x = self.name(node.inputs[0])
-        keep = self.keep_mask(node)
-        if keep is not None:
-            # an additive mask with a finite fill: a row with nothing kept is uniform here and
-            # zeroed below, as in fxq (Add / Mul, not Where: onnxruntime 1.32's extended graph
-            # optimizations fail on a Where in this position)
-            kept = self.op("Cast", [keep], to=self.types["float32"])
-            one = self.const(1.0, np.float32)
-            bias = self.op("Mul", [self.op("Sub", [kept, one]), self.const(1e30, np.float32)])
-            x = self.op("Add", [x, bias])
-        # written out (Exp, ReduceSum, Div) so that onnxruntime does not fuse the pair into its
-        # own 8-bit QLinearSoftmax, whose numerics differ from both
-        axes = self.const([a["axis"]], np.int64)
-        shifted = self.op("Sub", [x, self.op("ReduceMax", [x, axes], keepdims=1)])
-        exp = self.op("Exp", [shifted])
-        total = self.op("ReduceSum", [exp, axes], keepdims=1)
-        if a["log"]:
-            y = self.op("Sub", [shifted, self.op("Log", [total])])
-        else:
-            y = self.op("Div", [exp, total])
-        if keep is not None and not a["log"]:
-            y = self.op("Mul", [y, kept])
-        self.qdq(y, node.outputs[0], outs[0])
-
     def op_constant(self, node: Node, outs: list[str]) -> None:
         """A quantized constant (e.g. a matmul's constant operand) as its int8 / int16
         initializer behind a per-tensor ``DequantizeLinear``; other constants as in the

@@ -24,7 +24,6 @@ from fxq.quantized import (
     grid_sample,
     interpolate,
     matmul,
-    normalization,
     pooling,
     softmax,
 )
@@ -385,111 +384,6 @@ def _rule_grid_sample(ex: _Exporter, m: grid_sample.GridSample, args, kwargs, re
 
 
 # -- rules: normalization and softmax -------------------------------------------------------
-def _rule_normalization(ex: _Exporter, m: normalization.Normalization, args, kwargs, result):
-    x = args[0]
-    if isinstance(m, normalization.LayerNorm):
-        shape, eps = normalization.layer_norm_arguments(m.op, args[1:], kwargs)
-        n, groups, channel_shape = math.prod(shape), None, [math.prod(shape)]
-    else:
-        groups, eps = normalization.group_norm_arguments(m.op, args[1:], kwargs)
-        n, channel_shape = (x.numel() // x.shape[0]) // groups, [x.shape[1], 1]
-    if groups is not None and not ex.batched.get(ex.name_of(x), False):
-        raise ex.error("GroupNorm is exported for batched inputs only")
-    plan = m.plan(x, n, eps)
-
-    def per_channel(t: Tensor, dtype: Any) -> np.ndarray:
-        return _np(t, dtype).reshape(channel_shape if t.numel() > 1 else [1])
-
-    ex.emit(
-        "normalize",
-        [ex.name_of(x)],
-        [result],
-        {
-            "n": n,
-            "groups": groups,
-            **_rsqrt_attrs(m, plan, eps, result),
-        },
-        {
-            "rsqrt_table": _np(qf.rsqrt_table(), np.int64),
-            "weight": per_channel(m.weight, np.int8),
-            "weight_scale": per_channel(m.weight_scale, np.float32),
-            "bias": per_channel(plan.bias, np.int32),
-            "multiplier": per_channel(plan.multiplier, np.int64),
-            "shift": per_channel(plan.shift, np.int64),
-        },
-    )
-
-
-def _rsqrt_attrs(m, plan, eps: float, result) -> dict:
-    """The attributes of a node that scales by the rsqrt table (``normalize``, ``l2_normalize``)."""
-    return {
-        "eps": eps,
-        "eps_term": plan.eps_term,
-        "q_bits": plan.q_bits,
-        "index_bits": qf.RSQRT_INDEX_BITS,
-        "fraction_bits": qf.RSQRT_FRACTION_BITS,
-        "z_dtype": m.z_dtype.name[1:],
-        "dtype": _dtype(result),
-        "rounding": _rounding(m),
-    }
-
-
-def _rule_l2_normalize(ex: _Exporter, m: normalization.L2Normalize, args, kwargs, result):
-    x = args[0]
-    dims, eps = m.arguments(x, args[1:], kwargs)
-    plan = m.plan(x, eps)
-    ex.emit(
-        "l2_normalize",
-        [ex.name_of(x)],
-        [result],
-        {
-            "axes": list(dims),
-            **_rsqrt_attrs(m, plan, eps, result),
-        },
-        {
-            "rsqrt_table": _np(qf.rsqrt_table(), np.int64),
-            "multiplier": _np(plan.multiplier, np.int64).reshape(1),
-            "shift": _np(plan.shift, np.int64).reshape(1),
-        },
-    )
-
-
-def softmax_attrs(plan: softmax.SoftmaxPlan, log: bool, axis: int, rounding: str, dtype: str):
-    """The attributes and parameters of a ``softmax`` IR node."""
-    attrs = {
-        "axis": axis,
-        "log": log,
-        "causal": False,
-        "exp_multiplier": plan.exp_multiplier,
-        "exp_shift": plan.exp_shift,
-        "exp_fraction_bits": qf.EXP_FRACTION_BITS,
-        "out_multiplier": plan.out_multiplier,
-        "out_shift": plan.out_shift,
-        "log_multiplier": plan.log_multiplier,
-        "log_shift": plan.log_shift,
-        "dtype": dtype,
-        "rounding": rounding,
-    }
-    params = {"exp2_table": _np(qf.exp2_table(), np.int64)}
-    if log:
-        attrs.update(
-            log_index_bits=qf.LOG_INDEX_BITS,
-            log_offset=-qf.EXP_ONE_BITS * qf.LN2_FIXED,
-            ln2=qf.LN2_FIXED,
-        )
-        params["log_table"] = _np(qf.log_table(), np.int64)
-    return attrs, params
-
-
-def _rule_softmax(ex: _Exporter, m: softmax.Softmax, args, kwargs, result) -> None:
-    x = args[0]
-    axis = softmax.softmax_dim(m.op, args[1:], kwargs, x.dim())
-    if axis == 0 and ex.batched.get(ex.name_of(x), False):
-        raise ex.error("softmax over the batch dimension is not exported")
-    attrs, params = softmax_attrs(m.plan(x), m.log, axis, _rounding(m), _dtype(result))
-    ex.emit("softmax", [ex.name_of(x)], [result], attrs, params)
-
-
 def _fx_argument(ex: _Exporter, value: Any) -> Any:
     """The FX argument (a Node, or a constant) of the current node whose value is ``value``."""
     n = ex.fx_node
@@ -631,7 +525,8 @@ def _emit_attention_core(
         },
         suffix=f"{suffix}_scores",
     )
-    attrs, params = softmax_attrs(soft, False, rank - 1, _rounding(m), _dtype(probs))
+    attrs, tables = softmax.softmax_node(soft, False, rank - 1, _rounding(m), _dtype(probs))
+    params = {k: _np(t, np.int64) for k, t in tables.items()}
     if isinstance(causal, np.ndarray):
         params["keep"] = causal
     else:
@@ -803,10 +698,6 @@ RULES: dict[type, Callable[..., None]] = {
     pooling.Sum: _rule_sum,
     interpolate.Interpolate: _rule_interpolate,
     grid_sample.GridSample: _rule_grid_sample,
-    normalization.LayerNorm: _rule_normalization,
-    normalization.GroupNorm: _rule_normalization,
-    normalization.L2Normalize: _rule_l2_normalize,
-    softmax.Softmax: _rule_softmax,
     attention.ScaledDotProductAttention: _rule_sdpa,
     attention.MultiheadAttention: _rule_mha,
 }

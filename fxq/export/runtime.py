@@ -25,8 +25,6 @@ from fxq.primitives import PRIMITIVES
 from fxq.primitives.arith import DTYPES, shift_round
 from fxq.primitives.arith import RANGES as _RANGES
 from fxq.primitives.arith import exact_dot as _exact_dot
-from fxq.primitives.arith import requant as _requant
-from fxq.primitives.arith import sat32 as _sat32
 
 __all__ = [
     "KERNELS",
@@ -348,101 +346,6 @@ def _k_concat(node, inputs):
 
 
 # -- normalization and softmax ------------------------------------------------------------------
-def _bit_length(v: np.ndarray) -> np.ndarray:
-    """``floor(log2(v)) + 1`` of non-negative int64 values, exactly (0 for 0)."""
-    b = np.frexp(v.astype(np.float64))[1].astype(np.int64)
-    over = (b > 0) & (np.left_shift(np.int64(1), np.maximum(b - 1, 0)) > v)
-    return b - over
-
-
-def _normalize_rows(x: np.ndarray, a: dict, table: np.ndarray) -> np.ndarray:
-    """``Z = sat(shift_round(D R, F + e - Q))`` over the last axis (``docs/arithmetic.md``, 14)."""
-    n, t, f, rounding = a["n"], a["index_bits"], a["fraction_bits"], a["rounding"]
-    s1 = x.sum(-1, keepdims=True)
-    s2 = (x * x).sum(-1, keepdims=True)
-    d = n * x - s1
-    v = np.maximum(n * s2 - s1 * s1 + a["eps_term"], 1)
-    e = (_bit_length(v) - t + 1) // 2
-    m = shift_round(v, 2 * e, rounding)
-    r = table.astype(np.int64)[m - (1 << (t - 2))]
-    z = shift_round(d * r, f + e - a["q_bits"], rounding)
-    return np.clip(z, *_RANGES[a["z_dtype"]])
-
-
-def _k_normalize(node, inputs):
-    a, p = node.attrs, node.params
-    x = inputs[0].astype(np.int64)
-    if a["groups"] is None:
-        z = _normalize_rows(x.reshape(-1, a["n"]), a, p["rsqrt_table"])
-    else:
-        rows = _normalize_rows(x.reshape(x.shape[0], a["groups"], -1), a, p["rsqrt_table"])
-        z = rows.reshape(x.shape[0], x.shape[1], -1)
-    acc = _sat32(z * p["weight"].astype(np.int64) + p["bias"].astype(np.int64))
-    y = _requant(acc, p["multiplier"], p["shift"], a["dtype"], a["rounding"])
-    return [y.reshape(x.shape)]
-
-
-def _k_l2_normalize(node, inputs):
-    """``x / max(||x||_2, eps)`` over ``axes`` (``docs/arithmetic.md``, 27):
-    ``Z = sat(shift_round(X R, F + e - Q))``, ``(R, e)`` the rsqrt of ``max(sum X**2, E, 1)``,
-    then ``Y = sat(shift_round(Z M, S))``."""
-    a, p = node.attrs, node.params
-    t, f, rounding = a["index_bits"], a["fraction_bits"], a["rounding"]
-    x = inputs[0].astype(np.int64)
-    axes = tuple(a["axes"])
-    v = np.maximum((x * x).sum(axis=axes, keepdims=True), max(a["eps_term"], 1))
-    e = (_bit_length(v) - t + 1) // 2
-    m = shift_round(v, 2 * e, rounding)
-    r = p["rsqrt_table"].astype(np.int64)[m - (1 << (t - 2))]
-    z = np.clip(shift_round(x * r, f + e - a["q_bits"], rounding), *_RANGES[a["z_dtype"]])
-    return [_requant(z, p["multiplier"], p["shift"], a["dtype"], a["rounding"])]
-
-
-def _k_softmax(node, inputs):
-    """(Log-)softmax along ``axis`` (``docs/arithmetic.md``, 15); ``causal`` keeps ``j <= i``
-    over the last two axes, the ``keep`` parameter or second input (a bool mask) the entries it
-    marks."""
-    a, p = node.attrs, node.params
-    axis, rounding = a["axis"], a["rounding"]
-    x = inputs[0].astype(np.int64)
-    # the keep-mask (attention masks), broadcast against x: a constant, or the second input
-    keep = inputs[1] if len(inputs) > 1 else p.get("keep")
-    if a["causal"]:
-        rows, cols = x.shape[-2], x.shape[-1]
-        tri = np.tril(np.ones((rows, cols), dtype=bool))
-        keep = tri if keep is None else keep & tri
-    if keep is not None:
-        x = np.where(keep, x, np.iinfo(np.int64).min // 4)
-    u = x.max(axis=axis, keepdims=True) - x
-    if keep is not None:
-        u = np.where(keep, u, 0)
-    t = shift_round(u * np.int64(a["exp_multiplier"]), a["exp_shift"], rounding)
-    bits = a["exp_fraction_bits"]
-    e = shift_round(
-        p["exp2_table"].astype(np.int64)[t & ((1 << bits) - 1)], np.minimum(t >> bits, 40), rounding
-    )
-    if keep is not None:
-        e = np.where(keep, e, 0)
-    total = e.sum(axis=axis, keepdims=True)
-    if a["log"]:
-        ti = a["log_index_bits"]
-        ex = _bit_length(total) - ti
-        m = shift_round(total, ex, rounding)
-        lg = (
-            p["log_table"].astype(np.int64)[m - (1 << (ti - 1))]
-            + (ex + ti) * a["ln2"]
-            + a["log_offset"]
-        )
-        v = shift_round(u * np.int64(a["log_multiplier"]), a["log_shift"], rounding)
-        y = shift_round(-(v + lg) * np.int64(a["out_multiplier"]), a["out_shift"], rounding)
-    else:
-        g = a["out_shift"]
-        num = e * (np.int64(a["out_multiplier"]) << max(-g, 0))
-        den = np.maximum(total, 1) << max(g, 0)
-        y = (2 * num + den) // (2 * den)
-    return [np.clip(y, *_RANGES[a["dtype"]]).astype(DTYPES[a["dtype"]])]
-
-
 def _k_reduce_extreme(node, inputs):
     """``amax`` / ``amin`` of the integers over ``axes``."""
     a = node.attrs
@@ -479,9 +382,6 @@ KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
     "cast": _k_cast,
     "compare": _k_compare,
     "logical": _k_logical,
-    "normalize": _k_normalize,
-    "l2_normalize": _k_l2_normalize,
-    "softmax": _k_softmax,
     "reduce_extreme": _k_reduce_extreme,
     "arg_extreme": _k_arg_extreme,
 }

@@ -399,47 +399,6 @@ def _check_logical(c: _Ctx) -> None:
         raise c.fail("inputs or output not bool")
 
 
-def _rsqrt(c: _Ctx) -> None:
-    a = c.attrs
-    if not 3 <= a["index_bits"] <= 16 or not 0 <= a["fraction_bits"] <= 40:
-        raise c.fail(f"index_bits {a['index_bits']}, fraction_bits {a['fraction_bits']}")
-    if a["z_dtype"] not in ("int8", "int16") or not 0 <= a["q_bits"] <= 31 or a["eps_term"] < 0:
-        raise c.fail(f"z_dtype {a['z_dtype']!r}, q_bits {a['q_bits']}, eps_term {a['eps_term']}")
-    c.size("rsqrt_table", 3 * (1 << (a["index_bits"] - 2)) + 1)
-
-
-def _check_normalize(c: _Ctx) -> None:
-    _rsqrt(c)
-    a = c.attrs
-    if a["n"] < 1 or (a["groups"] is not None and a["groups"] < 1):
-        raise c.fail(f"n {a['n']}, groups {a['groups']}")
-
-
-def _check_l2(c: _Ctx) -> None:
-    _rsqrt(c)
-    for i, axis in enumerate(c.attrs["axes"]):
-        c.axis(f"axes[{i}]", axis)
-
-
-def _check_softmax(c: _Ctx) -> None:
-    a = c.attrs
-    c.axis("axis", a["axis"])
-    if len(c.in_dtypes) > 1 and (c.in_dtypes[1] != "bool" or "keep" in c.params):
-        raise c.fail("a keep-mask input that is not bool, or with a keep param too")
-    if not 1 <= a["exp_fraction_bits"] <= 16:
-        raise c.fail(f"exp_fraction_bits {a['exp_fraction_bits']} outside 1..16")
-    c.size("exp2_table", 1 << a["exp_fraction_bits"])
-    if a["causal"] and c.rank() < 2:
-        raise c.fail("a causal softmax of a rank-1 input")
-    if a["log"]:
-        for k in ("log_multiplier", "log_shift", "log_index_bits", "ln2", "log_offset"):
-            if not _is_int(a.get(k)):
-                raise c.fail(f"log-softmax attribute {k!r} is {a.get(k)!r}, not an integer")
-        if not 2 <= a["log_index_bits"] <= 16 or "log_table" not in c.params:
-            raise c.fail(f"log_index_bits {a['log_index_bits']} or no param 'log_table'")
-        c.size("log_table", (1 << (a["log_index_bits"] - 1)) + 1)
-
-
 def _fn(*names: str) -> Callable[[_Ctx], None]:
     def check(c: _Ctx) -> None:
         if c.attrs["fn"] not in names:
@@ -460,15 +419,6 @@ def _check_arg(c: _Ctx) -> None:
         c.axis("axis", c.attrs["axis"])
 
 
-_RSQRT_ATTRS = {
-    "eps_term": "int",
-    "q_bits": "int",
-    "index_bits": "int",
-    "fraction_bits": "int",
-    "z_dtype": "str",
-    "dtype": "qdtype",
-    "rounding": "rounding",
-}
 _QR = {"dtype": "qdtype", "rounding": "rounding"}
 
 
@@ -740,45 +690,6 @@ OP_SPECS: dict[str, _OpSpec] = {
         _check_compare,
     ),
     "logical": _OpSpec((1, 2), {"fn": "str"}, {}, _check_logical),
-    "normalize": _OpSpec(
-        (1,),
-        {**_RSQRT_ATTRS, "n": "int", "groups": "int?"},
-        {
-            "rsqrt_table": _Param(_I, (1,)),
-            "weight": _Param(("int8",)),
-            "bias": _Param(("int32", "int64")),
-            "weight_scale": _Param(("float32", "float64"), None, False),
-            "multiplier": _SHIFT,
-            "shift": _SHIFT,
-        },
-        _check_normalize,
-    ),
-    "l2_normalize": _OpSpec(
-        (1,),
-        {**_RSQRT_ATTRS, "axes": "ints"},
-        {"rsqrt_table": _Param(_I, (1,)), "multiplier": _SHIFT, "shift": _SHIFT},
-        _check_l2,
-    ),
-    "softmax": _OpSpec(
-        (1, 2),
-        {
-            "axis": "int",
-            "log": "bool",
-            "causal": "bool",
-            "exp_multiplier": "int",
-            "exp_shift": "int",
-            "exp_fraction_bits": "int",
-            "out_multiplier": "int",
-            "out_shift": "int",
-            **_QR,
-        },
-        {
-            "exp2_table": _Param(_I, (1,)),
-            "log_table": _Param(_I, (1,), False),
-            "keep": _Param(("bool",), None, False),
-        },
-        _check_softmax,
-    ),
     "reduce_extreme": _OpSpec(
         (1,), {"fn": "str", "axes": "ints", "keepdim": "bool"}, {}, _check_reduce
     ),

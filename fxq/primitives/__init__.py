@@ -6,7 +6,15 @@ optional: without it only the numpy side loads). ``fxq.primitives.core`` says ho
 records the calls.
 """
 
-from fxq.primitives import accumulate, elementwise, requant, select, table, weighted
+from fxq.primitives import (
+    accumulate,
+    elementwise,
+    normalization,
+    requant,
+    select,
+    table,
+    weighted,
+)
 from fxq.primitives.core import PRIMITIVES, Call, Primitive, is_recording, record, recording
 
 __all__ = [
@@ -18,6 +26,7 @@ __all__ = [
     "is_recording",
     "accumulate",
     "elementwise",
+    "normalization",
     "requant",
     "select",
     "table",

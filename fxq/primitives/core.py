@@ -95,6 +95,9 @@ class Call:
         scales: each output's quantization scale where the caller knows it (an operand moved
             onto the output grid inside a module); a module's results take theirs from the
             QTensors it returns.
+        axis0: how the op uses its first input's axis 0: ``"any"``; ``"not_batch"`` (it
+            reduces over it: refused where that axis is the dynamic batch); ``"batch"`` (it
+            needs it to be the batch: GroupNorm's per-sample statistics).
     """
 
     op: str
@@ -104,6 +107,7 @@ class Call:
     attrs: dict[str, Any] = field(default_factory=dict)
     params: Mapping[str, Any] = field(default_factory=dict)
     scales: Sequence[float | None] | None = None
+    axis0: str = "any"
 
 
 class NotExportable(ValueError):

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from fxq.dtypes import QDType, as_qdtype, qint8, qint16, qint32
 from fxq.march import MarchSpec
 from fxq.march.spec import ScaleConstraint
+from fxq.primitives import normalization as norms
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import check_input, multiplier_for, require_finite
@@ -145,6 +146,27 @@ class Normalization(FunctionalQuantized):
         eps_term = qf.norm_eps_term(eps, n, s_x)
         return NormPlan(eps_term, q, bias.to(torch.int64), m, s)
 
+    def ir_node(
+        self, plan: NormPlan, eps: float, n: int, groups: int | None = None, channels: int = 0
+    ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """The exported ``normalize`` node's attributes and arrays for a call that computed
+        with ``plan`` (rows of ``n``; GroupNorm: ``groups`` per sample of ``channels``)."""
+        shape = [n] if groups is None else [channels, 1]
+
+        def per_channel(t: Tensor, dtype: torch.dtype) -> Tensor:
+            return t.detach().to(dtype).reshape(shape if t.numel() > 1 else [1])
+
+        attrs = {"n": n, "groups": groups, **rsqrt_attrs(self, plan, eps)}
+        params = {
+            "rsqrt_table": qf.rsqrt_table().long(),
+            "weight": per_channel(self.weight, torch.int8),
+            "weight_scale": per_channel(self.weight_scale, torch.float32),
+            "bias": per_channel(plan.bias, torch.int32),
+            "multiplier": per_channel(plan.multiplier, torch.int64),
+            "shift": per_channel(plan.shift, torch.int64),
+        }
+        return attrs, params
+
     def normalize(
         self, rows: Tensor, plan: NormPlan, channel_shape: list[int], out_shape: torch.Size
     ) -> Tensor:
@@ -181,7 +203,11 @@ class LayerNorm(Normalization):
         n = math.prod(shape)
         plan = self.plan(x, n, eps)
         rows = x.values().reshape(*x.shape[: x.dim() - len(shape)], n)
-        return self.wrap(self.normalize(rows, plan, [n], x.shape))
+        y = self.normalize(rows, plan, [n], x.shape)
+        norms.record_call(
+            "normalize", x.values(), y, self.out_dtype_name[1:], lambda: self.ir_node(plan, eps, n)
+        )
+        return self.wrap(y)
 
 
 class GroupNorm(Normalization):
@@ -196,7 +222,31 @@ class GroupNorm(Normalization):
         rows = x.values().reshape(b, groups, n)
         z = qf.normalize_rows(rows, plan.eps_term, plan.q_bits, self.z_dtype, self.rounding)
         z = z.reshape(b, c, -1)
-        return self.wrap(self.affine(z, plan, [c, 1]).reshape(x.shape))
+        y = self.affine(z, plan, [c, 1]).reshape(x.shape)
+        norms.record_call(
+            "normalize",
+            x.values(),
+            y,
+            self.out_dtype_name[1:],
+            lambda: self.ir_node(plan, eps, n, groups, c),
+            axis0="batch",
+        )
+        return self.wrap(y)
+
+
+def rsqrt_attrs(module: FunctionalQuantized, plan: Any, eps: float) -> dict[str, Any]:
+    """The attributes of an exported node that scales by the rsqrt table (``normalize``,
+    ``l2_normalize``) for a call that computed with ``plan``."""
+    return {
+        "eps": eps,
+        "eps_term": plan.eps_term,
+        "q_bits": plan.q_bits,
+        "index_bits": qf.RSQRT_INDEX_BITS,
+        "fraction_bits": qf.RSQRT_FRACTION_BITS,
+        "z_dtype": module.z_dtype.name[1:],
+        "dtype": module.out_dtype_name[1:],
+        "rounding": module.rounding.value,
+    }
 
 
 def unit_range_scale(dtype: QDType, spec: MarchSpec) -> float:
@@ -269,4 +319,21 @@ class L2Normalize(FunctionalQuantized):
         m, s = plan.multiplier.to(z.device), plan.shift.to(z.device)
         y = qf.shift_round(z * m, s, self.rounding)
         dt = self.out_dtype
-        return self.wrap(y.clamp_(dt.qmin, dt.qmax).to(torch.float32))
+        y = y.clamp_(dt.qmin, dt.qmax).to(torch.float32)
+        norms.record_call(
+            "l2_normalize", x.values(), y, dt.name[1:], lambda: self.ir_node(plan, eps, dims)
+        )
+        return self.wrap(y)
+
+    def ir_node(
+        self, plan: L2Plan, eps: float, dims: Any
+    ) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """The exported ``l2_normalize`` node's attributes and arrays for a call that computed
+        with ``plan`` over ``dims``."""
+        attrs = {"axes": list(dims), **rsqrt_attrs(self, plan, eps)}
+        params = {
+            "rsqrt_table": qf.rsqrt_table().long(),
+            "multiplier": plan.multiplier.long().reshape(1),
+            "shift": plan.shift.long().reshape(1),
+        }
+        return attrs, params

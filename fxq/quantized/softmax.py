@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from fxq.dtypes import QDType
 from fxq.march import Rounding
+from fxq.primitives import normalization as norms
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import QuantizedModule, multiplier_for
@@ -124,6 +125,36 @@ def integer_softmax(
     return y.clamp_(out_dtype.qmin, out_dtype.qmax)
 
 
+def softmax_node(
+    plan: SoftmaxPlan, log: bool, axis: int, rounding: str, dtype: str
+) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The attributes and arrays of an exported ``softmax`` node computing with ``plan``
+    (``fxq.primitives.normalization``)."""
+    attrs: dict[str, Any] = {
+        "axis": axis,
+        "log": log,
+        "causal": False,
+        "exp_multiplier": plan.exp_multiplier,
+        "exp_shift": plan.exp_shift,
+        "exp_fraction_bits": qf.EXP_FRACTION_BITS,
+        "out_multiplier": plan.out_multiplier,
+        "out_shift": plan.out_shift,
+        "log_multiplier": plan.log_multiplier,
+        "log_shift": plan.log_shift,
+        "dtype": dtype,
+        "rounding": rounding,
+    }
+    params = {"exp2_table": qf.exp2_table().long()}
+    if log:
+        attrs.update(
+            log_index_bits=qf.LOG_INDEX_BITS,
+            log_offset=-qf.EXP_ONE_BITS * qf.LN2_FIXED,
+            ln2=qf.LN2_FIXED,
+        )
+        params["log_table"] = qf.log_table().long()
+    return attrs, params
+
+
 class Softmax(FunctionalQuantized):
     """Integer ``softmax`` / ``log_softmax`` over any dim (module, function or method)."""
 
@@ -140,4 +171,14 @@ class Softmax(FunctionalQuantized):
         dim = softmax_dim(self.op, args, kwargs, x.dim())
         plan = self.plan(x)
         y = integer_softmax(x.values(), dim, plan, self.out_dtype, self.rounding, self.log)
-        return self.wrap(y.to(torch.float32))
+        y = y.to(torch.float32)
+        dt, r = self.out_dtype_name[1:], self.rounding.value
+        norms.record_call(
+            "softmax",
+            x.values(),
+            y,
+            dt,
+            lambda: softmax_node(plan, self.log, dim, r, dt),
+            axis0="not_batch" if dim == 0 else "any",
+        )
+        return self.wrap(y)

@@ -158,9 +158,8 @@ def test_every_primitive_is_whole():
     from fxq.export import onnx_integer, qdq, runtime, validate
 
     names = {"lut", "segment_lut", "embedding", "requantize", "prelu", "extremum", "where"}
-    assert names | {"add", "mul", "divide", "matmul", "conv", "linear", "channel_affine"} <= set(
-        PRIMITIVES
-    )
+    names |= {"add", "mul", "divide", "matmul", "conv", "linear", "channel_affine", "softmax"}
+    assert names | {"normalize", "l2_normalize"} <= set(PRIMITIVES)
     for name, p in PRIMITIVES.items():
         assert callable(p.numpy) and callable(p.onnx) and isinstance(p.spec, OpSpec), name
         assert runtime.kernel(name) is p.numpy
@@ -187,3 +186,20 @@ def test_a_call_without_an_exported_form_names_the_node(bayes):
     gm = _converted(model, x)
     with pytest.raises(build.ExportError, match=r"node '_1'.*unbatched convolution inputs"):
         fxq.export.to_graph(gm, x[0])
+
+
+class _SoftmaxOverBatch(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x, dim=0)
+
+
+def test_a_recorded_reduction_over_the_dynamic_batch_is_refused(bayes):
+    """Softmax over axis 0 mixes the samples of a batch: the graph could not take another
+    batch size, so export refuses it by name (``Call.axis0``)."""
+    x = torch.randn(2, 3, 8, 8)
+    model = nn.Sequential(
+        fxq.QuantStub(), nn.Conv2d(3, 4, 3), _SoftmaxOverBatch(), fxq.DeQuantStub()
+    )
+    gm = _converted(model, x)
+    with pytest.raises(build.ExportError, match="softmax over the batch dimension is not exported"):
+        fxq.export.to_graph(gm, x)
