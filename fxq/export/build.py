@@ -397,7 +397,9 @@ class _Exporter(Interpreter):
             if name is None:
                 raise self.error(
                     f"{type(self.modules[n.target]).__name__} returned a tensor that none of its "
-                    "primitive calls made (compute integer results with fxq.primitives)"
+                    "primitive calls made: a forward hook that replaces the module's output "
+                    "(remove it, or make it return None), or integer arithmetic outside "
+                    "fxq.primitives (compute integer results with fxq.primitives)"
                 )
             self.alias(r, name)
 

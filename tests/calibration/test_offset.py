@@ -96,9 +96,12 @@ def test_validation_integer_model_and_exported_graph_are_bit_exact(bayes):
             assert torch.equal(a, b)
     # the stored form: q - 128 in int8, undone by the reader
     stored = {}
-    integer.get_submodule("stem.0").register_forward_hook(lambda m, i, o: stored.setdefault("q", o))
+    hook = integer.get_submodule("stem.0").register_forward_hook(
+        lambda m, i, o: stored.setdefault("q", o) and None  # keeps the output as it is
+    )
     with torch.no_grad():
         integer(x)
+    hook.remove()
     q = stored["q"]
     assert isinstance(q, QTensor) and q.offset == 128 and q.int_repr().dtype is torch.int8
     assert int(q.int_repr().min()) == -128  # the ReLU's zeros

@@ -112,7 +112,19 @@ def test_an_integer_result_no_primitive_made_is_an_export_error(bayes):
         fxq.export.to_graph(gm, x)
     message = str(err.value)
     assert "node 'neg'" in message and "_Unrecorded returned a tensor" in message
-    assert "fxq.primitives" in message
+    assert "fxq.primitives" in message and "forward hook" in message
+
+
+def test_a_hook_that_replaces_an_output_is_named(bayes):
+    """A forward hook that returns a value replaces the module's output with something no
+    primitive call made: export says so instead of exporting what the hook did not do."""
+    x = torch.randn(2, 3, 8, 8)
+    model = nn.Sequential(fxq.QuantStub(), nn.Conv2d(3, 4, 3), fxq.DeQuantStub())
+    gm = _converted(model, x)
+    stale = gm.get_submodule("1")(gm.get_submodule("0")(x))  # an earlier call's output
+    gm.get_submodule("1").register_forward_hook(lambda m, i, o: stale)
+    with pytest.raises(build.ExportError, match="forward hook that replaces"):
+        fxq.export.to_graph(gm, x)
 
 
 def test_recorded_nodes_carry_what_forward_computed_with(bayes):
