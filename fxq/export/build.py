@@ -381,12 +381,18 @@ class _Exporter(Interpreter):
                     info = TensorInfo(dtype, list(t.shape), scale)
                 outputs.append((t, info))
             suffix = "" if any(id(t) in final for t, _ in outputs) else f"_{call.op}{k}"
+            attrs, batched = call.attrs, None
+            if call.keeps_batch is not None:  # a move: the batch stays where it was, or not
+                batched = call.keeps_batch and self.batched.get(inputs[0], False)
+                if batched and call.op == "reshape":
+                    attrs = {**attrs, "shape": [0, *attrs["shape"][1:]]}
             names = self.emit(
                 call.op,
                 inputs,
                 [t for t, _ in outputs],
-                call.attrs,
+                attrs,
                 {key: _array(v) for key, v in call.params.items()},
+                batched=batched,
                 suffix=suffix,
                 infos=[info for _, info in outputs],
             )

@@ -15,15 +15,12 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from fxq import registry
 from fxq.march import Rounding
 from fxq.qtensor import QTensor
 from fxq.quantized import (
     attention,
-    elementwise,
     grid_sample,
     interpolate,
-    matmul,
     pooling,
     softmax,
 )
@@ -136,72 +133,6 @@ def _rule_dequantize(ex: _Exporter, m: nn.Module, args, kwargs, result) -> None:
 
 # -- rules: weighted ------------------------------------------------------------------------
 # -- rules: elementwise ---------------------------------------------------------------------
-def _rule_cat(ex: _Exporter, m: elementwise.Cat, args, kwargs, result) -> None:
-    tensors = args[0] if args else kwargs["tensors"]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    names = [_on_output_grid(ex, m, t, f"_requant{i}") for i, t in enumerate(tensors)]
-    if isinstance(m, elementwise.Stack):  # each input gets the new axis, then one concat
-        axis = int(dim) % result.dim()
-        stacked = []
-        for i, (t, name) in enumerate(zip(tensors, names)):
-            shape = [*t.shape[:axis], 1, *t.shape[axis:]]
-            tmp = QTensor(torch.zeros(shape, dtype=torch.float32), m.output_scale, m.out_dtype)
-            batched = ex.batched.get(name, False) and axis > 0
-            if batched:
-                shape = [0, *shape[1:]]  # the batch stays dynamic
-            stacked += ex.emit(
-                "reshape", [name], [tmp], {"shape": shape}, batched=batched, suffix=f"_axis{i}"
-            )
-        names = stacked
-    ex.emit("concat", names, [result], {"axis": int(dim) % result.dim()})
-
-
-def _rule_einsum(ex: _Exporter, m: matmul.Einsum, args, kwargs, result) -> None:
-    """Transposes of the operands (where the equation says), ``matmul``, a transpose of the
-    output (where it is ``[..., j, i]``)."""
-    plan, a, b = m.operands(*args, **kwargs)
-    _, operands = registry.einsum_operands(args, kwargs)
-    names = []
-    for flag, src, moved, tag in zip(
-        (plan.transpose_a, plan.transpose_b), operands, (a, b), ("a", "b")
-    ):
-        if flag:
-            perm = _swap_last(src.dim())
-            names += ex.emit(
-                "transpose",
-                [ex.name_of(src)],
-                [moved],
-                {"perm": perm},
-                batched=None if src.dim() > 2 else False,  # a 2-d transpose moves the batch
-                suffix=f"_{tag}_t",
-            )
-        else:
-            names.append(ex.name_of(src))
-    product = result
-    if plan.transpose_out:
-        shape = [*result.shape[:-2], result.shape[-1], result.shape[-2]]
-        product = _placeholder(shape, result.scale, result.qdtype)
-    _, mult, s = m.requantization(a, b)
-    (p_name,) = ex.emit(
-        "matmul",
-        names,
-        [product],
-        {
-            "multiplier": int(mult.reshape(-1)[0]),
-            "shift": int(s.reshape(-1)[0]),
-            "dtype": _dtype(result),
-            "rounding": _rounding(m),
-        },
-        suffix="_mm" if plan.transpose_out else "",
-    )
-    if plan.transpose_out:
-        ex.emit("transpose", [p_name], [result], {"perm": _swap_last(result.dim())})
-
-
-def _swap_last(rank: int) -> list[int]:
-    return [*range(rank - 2), rank - 1, rank - 2]
-
-
 # -- rules: clamps and tables ---------------------------------------------------------------
 # -- rules: pooling, reductions, resampling --------------------------------------------------
 def _sum_then_requant(
@@ -689,9 +620,6 @@ def _part_scale(m: attention.MultiheadAttention, name: str) -> Tensor:
 RULES: dict[type, Callable[..., None]] = {
     qstubs.Quantize: _rule_quantize,
     qstubs.DeQuantize: _rule_dequantize,
-    elementwise.Cat: _rule_cat,
-    elementwise.Stack: _rule_cat,
-    matmul.Einsum: _rule_einsum,
     pooling.AvgPool: _rule_avg_pool,
     pooling.AdaptiveAvgPool: _rule_adaptive_avg_pool,
     pooling.Mean: _rule_mean,

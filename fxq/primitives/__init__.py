@@ -9,6 +9,7 @@ records the calls.
 from fxq.primitives import (
     accumulate,
     elementwise,
+    movement,
     normalization,
     requant,
     select,
@@ -26,6 +27,7 @@ __all__ = [
     "is_recording",
     "accumulate",
     "elementwise",
+    "movement",
     "normalization",
     "requant",
     "select",

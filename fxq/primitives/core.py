@@ -98,6 +98,9 @@ class Call:
         axis0: how the op uses its first input's axis 0: ``"any"``; ``"not_batch"`` (it
             reduces over it: refused where that axis is the dynamic batch); ``"batch"`` (it
             needs it to be the batch: GroupNorm's per-sample statistics).
+        keeps_batch: for a move, whether the output's axis 0 is the first input's (the
+            dynamic batch stays dynamic: a ``reshape`` then writes 0 for it); None: the
+            exporter tells from the shapes.
     """
 
     op: str
@@ -108,6 +111,7 @@ class Call:
     params: Mapping[str, Any] = field(default_factory=dict)
     scales: Sequence[float | None] | None = None
     axis0: str = "any"
+    keeps_batch: bool | None = None
 
 
 class NotExportable(ValueError):

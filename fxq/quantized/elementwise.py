@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fxq.primitives import elementwise as arithmetic
-from fxq.primitives import requant, select
+from fxq.primitives import movement, requant, select
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
@@ -192,8 +192,6 @@ class Mul(FunctionalQuantized):
 class Cat(FunctionalQuantized):
     """Integer ``torch.cat``: inputs requantized to the output scale (``rescale``)."""
 
-    _JOIN = staticmethod(torch.cat)
-
     def forward(self, tensors, dim: int = 0) -> QTensor:
         s_y = self.output_scale
         scales = self.scale_values(*tensors)
@@ -204,17 +202,21 @@ class Cat(FunctionalQuantized):
             else:
                 m, n = self.derived((s,), lambda t=t: self.rescale(t.scale))
                 datas.append(
-                    qf.requantize_exact(
-                        t.values(), m, n, self.out_dtype, self.rounding, as_float=True
-                    )
+                    requant.requantize(t.values(), m, n, self.out_dtype, self.rounding, scale=s_y)
                 )
-        return self.wrap(self._JOIN(datas, dim))
+        return self.wrap(self.join(datas, dim))
+
+    def join(self, values: list[Tensor], dim: int) -> Tensor:
+        """The operands on the output grid, concatenated."""
+        return movement.concat(values, dim, self.out_dtype)
 
 
 class Stack(Cat):
     """Integer ``torch.stack``: inputs requantized to the output scale, then stacked."""
 
-    _JOIN = staticmethod(torch.stack)
+    def join(self, values: list[Tensor], dim: int) -> Tensor:
+        """The operands on the output grid, each given the new axis, concatenated."""
+        return movement.stack(values, dim, self.out_dtype, self.output_scale)
 
 
 class Maximum(FunctionalQuantized):

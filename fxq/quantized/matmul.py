@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from fxq.primitives import accumulate as products
+from fxq.primitives import movement
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for, warn_if_saturated
@@ -96,5 +97,17 @@ class Einsum(MatMul):
 
     def forward(self, *args: Any, **kwargs: Any) -> QTensor:
         plan, a, b = self.operands(*args, **kwargs)
-        y = super().forward(a, b)
-        return y.transpose(-2, -1) if plan.transpose_out else y
+        _, (a0, b0) = einsum_operands(args, kwargs)
+        va = (
+            movement.swap_last(a0.values(), a0.qdtype, a0.scale) if plan.transpose_a else a.values()
+        )
+        vb = (
+            movement.swap_last(b0.values(), b0.qdtype, b0.scale) if plan.transpose_b else b.values()
+        )
+        k = a.shape[-1]
+        p, m, s = self.requantization(a, b)
+        check = lambda acc: warn_if_saturated(self, acc, lambda: self._saturation_cause(a, b, k))  # noqa: E731
+        y = products.matmul(va, vb, p, m, s, self.out_dtype, self.rounding, check)
+        if plan.transpose_out:  # the product stays inside, on the output grid
+            y = movement.swap_last(y, self.out_dtype, self.output_scale)
+        return self.wrap(y)

@@ -215,3 +215,43 @@ def test_a_recorded_reduction_over_the_dynamic_batch_is_refused(bayes):
     gm = _converted(model, x)
     with pytest.raises(build.ExportError, match="softmax over the batch dimension is not exported"):
         fxq.export.to_graph(gm, x)
+
+
+class _Moves(nn.Module):
+    """cat / stack / einsum: operands requantized, moved and multiplied inside the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = fxq.QuantStub()
+        self.a, self.b = nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3)
+        self.dq = fxq.DeQuantStub()
+
+    def forward(self, x):
+        x = self.q(x)
+        a, b = self.a(x), self.b(x)
+        f, g = a.flatten(2), b.flatten(2)
+        return (
+            self.dq(torch.cat([a, b], 1)),
+            self.dq(torch.stack([a, b], 2)),
+            self.dq(torch.einsum("bij,bkj->bik", f, g)),  # b transposed
+            self.dq(torch.einsum("bji,bjk->bki", f, g)),  # a and the output transposed
+        )
+
+
+def test_moves_inside_a_module_are_recorded_and_keep_the_batch_dynamic(bayes, tmp_path):
+    gm = _converted(_Moves(), torch.randn(4, 3, 8, 8))
+    x = torch.randn(2, 3, 8, 8)
+    graph = fxq.export.to_graph(gm, x)
+    ops = [n.op for n in graph.nodes]
+    assert ops.count("transpose") == 3 and ops.count("concat") == 2 and "reshape" in ops
+    stacked = [n for n in graph.nodes if n.op == "reshape" and n.name.startswith("stack")]
+    assert [n.attrs["shape"][0] for n in stacked] == [0, 0]  # the batch stays dynamic
+    fxq.export.to_onnx(gm, x, tmp_path / "m.onnx")
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"))
+    for batch in (2, 5):
+        xb = torch.randn(batch, 3, 8, 8)
+        want = [t.numpy() for t in gm(xb)]
+        got = graph.run(xb.numpy())
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+        got = session.run(None, {session.get_inputs()[0].name: xb.numpy()})
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
