@@ -14,8 +14,8 @@ import fxq
 import fxq.export
 from fxq.export.onnx import graph_to_onnx
 from fxq.export.onnx_integer import IntegerWriter
-from fxq.primitives.onnx_requant import plan_f32_requant, plan_mul_requant, write_f32_requant
 from fxq.primitives.arith import requant as _requant
+from fxq.primitives.onnx_requant import plan_f32_requant, plan_mul_requant, write_f32_requant
 from tests.export.helpers import assert_equal_outputs, outputs, torchvision_model
 
 onnx = pytest.importorskip("onnx")
