@@ -35,6 +35,7 @@ from fxq.primitives.schema import (
 )
 from fxq.primitives.schema import (
     MARCH_LIMITS,
+    RESULT_ATTRS,
     IntegerGraphFormatError,
 )
 from fxq.primitives.schema import (
@@ -419,9 +420,6 @@ def _check_arg(c: _Ctx) -> None:
         c.axis("axis", c.attrs["axis"])
 
 
-_QR = {"dtype": "qdtype", "rounding": "rounding"}
-
-
 # -- the float ops of float regions (format version 3) ----------------------------------------
 def _float_io(c: _Ctx) -> None:
     dtypes = [*c.in_dtypes, *(t["dtype"] for t in c.outputs)]
@@ -633,7 +631,7 @@ FLOAT_OP_SPECS: dict[str, _OpSpec] = {
 
 #: op -> what a file may hold for it (``docs/integer_graph.md``, 2)
 OP_SPECS: dict[str, _OpSpec] = {
-    "quantize": _OpSpec((1,), {"scale": "float", **_QR}, {}),
+    "quantize": _OpSpec((1,), {"scale": "float", **RESULT_ATTRS}, {}),
     "dequantize": _OpSpec((1,), {"scale": "float"}, {}),
     "clip": _OpSpec((1,), {"lo": "int?", "hi": "int?"}, {}),
     "axis_matmul": _OpSpec(

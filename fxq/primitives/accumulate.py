@@ -19,7 +19,7 @@ import numpy as np
 
 from fxq.primitives.arith import dot_bound, exact_dot, requant, sat32
 from fxq.primitives.core import Call, Primitive, ir_dtype, is_recording, record, register
-from fxq.primitives.schema import OpSpec
+from fxq.primitives.schema import RESULT_ATTRS, OpSpec
 
 try:
     import torch
@@ -63,7 +63,7 @@ register(
         _onnx_matmul,
         OpSpec(
             (2,),
-            {"multiplier": "int", "shift": "int", "dtype": "qdtype", "rounding": "rounding"},
+            {"multiplier": "int", "shift": "int", **RESULT_ATTRS},
             {},
         ),
         _qdq_matmul,

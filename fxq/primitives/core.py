@@ -38,6 +38,7 @@ __all__ = [
     "is_recording",
     "Call",
     "ir_dtype",
+    "record_built",
     "NotExportable",
 ]
 
@@ -153,6 +154,23 @@ def record(call: Call) -> None:
     recorder = _state.recorder
     if recorder is not None:
         recorder(call)
+
+
+def record_built(
+    op: str,
+    inputs: Sequence[Any],
+    output: Any,
+    dtype: str,
+    build: Callable[[], tuple[dict[str, Any], Mapping[str, Any]]],
+    axis0: str = "any",
+) -> None:
+    """Record a call whose kernel is the module's own (a convolution, a normalization):
+    ``op`` read ``inputs`` and made ``output`` (IR dtype ``dtype``); ``build()`` gives the
+    node's attributes and arrays from what it computed with, and runs only while an export
+    records; ``axis0`` as in ``Call``."""
+    if _state.recorder is not None:
+        attrs, params = build()
+        record(Call(op, list(inputs), [output], [dtype], attrs, params, axis0=axis0))
 
 
 def ir_dtype(qdtype: Any) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 
 from fxq.primitives.arith import DTYPES, RANGES, requant
 from fxq.primitives.core import Call, Primitive, ir_dtype, is_recording, record, register
-from fxq.primitives.schema import Ctx, OpSpec
+from fxq.primitives.schema import RESULT_ATTRS, Ctx, OpSpec
 
 try:
     import torch
@@ -165,7 +165,6 @@ def _check_divide(c: Ctx) -> None:
         raise c.fail(f"{len(c.node['inputs'])} inputs with numerator {c.attrs['numerator']!r}")
 
 
-_QR = {"dtype": "qdtype", "rounding": "rounding"}
 register(
     Primitive(
         "add",
@@ -173,7 +172,7 @@ register(
         _onnx_add,
         OpSpec(
             (1, 2, 3, 4, 5, 6, 7, 8),
-            {"multipliers": "ints", "shift": "int", "constant": "int?", **_QR},
+            {"multipliers": "ints", "shift": "int", "constant": "int?", **RESULT_ATTRS},
             {},
             _check_add,
         ),
@@ -187,7 +186,10 @@ register(
         _numpy_mul,
         _onnx_mul,
         OpSpec(
-            (1, 2), {"multiplier": "int", "shift": "int", "sign": "int?", **_QR}, {}, _check_mul
+            (1, 2),
+            {"multiplier": "int", "shift": "int", "sign": "int?", **RESULT_ATTRS},
+            {},
+            _check_mul,
         ),
         _qdq_mul,
         "`sat(shift_round(a * b * m, shift))`, or of `a * sign`",
@@ -200,7 +202,7 @@ register(
         _onnx_divide,
         OpSpec(
             (1, 2),
-            {"multiplier": "int", "shift": "int", "numerator": "int?", **_QR},
+            {"multiplier": "int", "shift": "int", "numerator": "int?", **RESULT_ATTRS},
             {},
             _check_divide,
         ),

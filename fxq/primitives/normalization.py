@@ -13,16 +13,15 @@ The torch side is the integer modules' own kernels (``fxq.quantized.normalizatio
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from fxq.primitives.arith import DTYPES, RANGES, requant, sat32, shift_round
-from fxq.primitives.core import Call, Primitive, is_recording, record, register
-from fxq.primitives.schema import INT_DTYPES, SHIFT, Ctx, OpSpec, Param, is_int
+from fxq.primitives.core import Primitive, register
+from fxq.primitives.schema import INT_DTYPES, RESULT_ATTRS, SHIFT, Ctx, OpSpec, Param, is_int
 
-__all__ = ["record_call", "keep_mask"]
+__all__ = ["keep_mask"]
 
 Node = Any  # fxq.export.graph.Node (fxq.export is above this package)
 
@@ -417,7 +416,6 @@ RSQRT_ATTRS = {
     "dtype": "qdtype",
     "rounding": "rounding",
 }
-_QR = {"dtype": "qdtype", "rounding": "rounding"}
 
 _SPECS = {
     "normalize": OpSpec(
@@ -450,7 +448,7 @@ _SPECS = {
             "exp_fraction_bits": "int",
             "out_multiplier": "int",
             "out_shift": "int",
-            **_QR,
+            **RESULT_ATTRS,
         },
         {
             "exp2_table": Param(INT_DTYPES, (1,)),
@@ -471,20 +469,3 @@ for _op, _numpy, _onnx, _qdq in (
     ("softmax", _numpy_softmax, _onnx_softmax, _qdq_softmax),
 ):
     register(Primitive(_op, _numpy, _onnx, _SPECS[_op], _qdq, _DOCS[_op]))
-
-
-def record_call(
-    op: str,
-    x: Any,
-    y: Any,
-    dtype: str,
-    node: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
-    axis0: str = "any",
-) -> None:
-    """Record a normalization or softmax call while an export records: ``op`` read the
-    integers ``x`` and made ``y`` (IR dtype ``dtype``); ``node()`` gives the attributes and
-    arrays it computed with (built only when recording); ``axis0`` how it uses ``x``'s first
-    axis (``Call.axis0``)."""
-    if is_recording():
-        attrs, params = node()
-        record(Call(op, [x], [y], [dtype], attrs, params, axis0=axis0))

@@ -20,7 +20,7 @@ import numpy as np
 
 from fxq.primitives.arith import bounds, requant
 from fxq.primitives.core import Call, Primitive, ir_dtype, is_recording, record, register
-from fxq.primitives.schema import SHIFT, Ctx, OpSpec
+from fxq.primitives.schema import RESULT_ATTRS, SHIFT, Ctx, OpSpec
 
 try:
     import torch
@@ -157,8 +157,6 @@ def _check_prelu(c: Ctx) -> None:
         raise c.fail("neg_multiplier, neg_shift and neg_sign differ in size")
 
 
-_QR = {"dtype": "qdtype", "rounding": "rounding"}
-
 register(
     Primitive(
         "requantize",
@@ -166,7 +164,7 @@ register(
         _onnx_requantize,
         OpSpec(
             (1, 2),
-            {**_QR, "lo": "int?", "hi": "int?", "count_axes": "ints?"},
+            {**RESULT_ATTRS, "lo": "int?", "hi": "int?", "count_axes": "ints?"},
             {"multiplier": SHIFT, "shift": SHIFT},
             _check_requantize,
         ),
@@ -180,7 +178,9 @@ register(
         "prelu",
         _numpy_prelu,
         _onnx_prelu,
-        OpSpec((1,), {"axis": "int", **_QR}, dict.fromkeys(_PRELU_PARAMS, SHIFT), _check_prelu),
+        OpSpec(
+            (1,), {"axis": "int", **RESULT_ATTRS}, dict.fromkeys(_PRELU_PARAMS, SHIFT), _check_prelu
+        ),
         _qdq_prelu,
         "each side of 0 requantized with its own multiplier (per-channel slopes)",
     )

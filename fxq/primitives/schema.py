@@ -25,6 +25,7 @@ __all__ = [
     "KINDS",
     "SHIFT",
     "OPT_SHIFT",
+    "RESULT_ATTRS",
     "MAX_GEOMETRY",
     "per_channel",
     "geometry",
@@ -44,6 +45,10 @@ PLAIN = ("bool", "int32", "int64", "float32")  # not quantized values (runtime.P
 ROUNDINGS = ("half_up", "half_even")
 ARRAY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "float32", "float64")
 MAX_RANK = 8
+
+
+#: the attributes of an op whose output is a quantized tensor it rounds onto
+RESULT_ATTRS = {"dtype": "qdtype", "rounding": "rounding"}
 
 
 class IntegerGraphFormatError(ValueError):

@@ -17,14 +17,14 @@ computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from fxq.primitives.arith import bounds as _bounds
 from fxq.primitives.arith import dot_bound, exact_dot, requant, sat32, shift_round
-from fxq.primitives.core import Call, Primitive, is_recording, record, register
+from fxq.primitives.core import Primitive, register
 from fxq.primitives.onnx_requant import (
     F32Plan,
     MulPlan,
@@ -43,7 +43,7 @@ from fxq.primitives.schema import (
     per_channel,
 )
 
-__all__ = ["record_layer", "conv_accumulate", "conv_transpose_accumulate", "explicit_pad"]
+__all__ = ["conv_accumulate", "conv_transpose_accumulate", "explicit_pad"]
 
 #: float32 sums of integers are exact below this magnitude
 F32_EXACT = 1 << 24
@@ -720,21 +720,3 @@ register(
         "`x * w[c] + b[c]` on axis 1, saturation, requantization per channel",
     )
 )
-
-
-def record_layer(
-    op: str,
-    x: Any,
-    residual: Any,
-    y: Any,
-    dtype: str,
-    node: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
-) -> None:
-    """Record a weighted layer's call while an export records: ``op`` (``conv``, ``linear``
-    or ``channel_affine``) read the integers ``x`` (and the fused ``residual``) and made
-    ``y`` (IR dtype ``dtype``; ``"float32"`` for the high-precision output); ``node()`` gives
-    the attributes and arrays it computed with (built only when recording)."""
-    if is_recording():
-        attrs, params = node()
-        inputs = [x] if residual is None else [x, residual]
-        record(Call(op, inputs, [y], [dtype], attrs, params))

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from fxq.dtypes import QDType, as_qdtype, qint8, qint32
-from fxq.primitives import weighted as layers
+from fxq.primitives.core import record_built
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import (
@@ -148,8 +148,8 @@ class BatchNorm(QuantizedModule):
             self.hi,
             as_float=True,
         )
-        layers.record_layer(
-            "channel_affine", x.values(), None, q, self.out_dtype_name[1:], lambda: self.ir_node(p)
+        record_built(
+            "channel_affine", [x.values()], q, self.out_dtype_name[1:], lambda: self.ir_node(p)
         )
         return QTensor(q, self.output_scale, self.out_dtype)
 

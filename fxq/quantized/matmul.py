@@ -39,13 +39,15 @@ class MatMul(FunctionalQuantized):
         return self.derived(key, lambda: self._derive(a, b, k))
 
     def forward(self, a: QTensor, b: QTensor) -> QTensor:
+        return self.wrap(self.product(a, b, a.values(), b.values()))
+
+    def product(self, a: QTensor, b: QTensor, va: Tensor, vb: Tensor) -> Tensor:
+        """``a @ b`` on the output grid (exact float32 integers), the operands' integers given
+        as ``va``, ``vb`` (as recorded: ``Einsum`` transposes them first)."""
         k = a.shape[-1]
         plan, m, s = self.requantization(a, b)
         check = lambda acc: warn_if_saturated(self, acc, lambda: self._saturation_cause(a, b, k))  # noqa: E731
-        y = products.matmul(
-            a.values(), b.values(), plan, m, s, self.out_dtype, self.rounding, check
-        )
-        return self.wrap(y)
+        return products.matmul(va, vb, plan, m, s, self.out_dtype, self.rounding, check)
 
     def _derive(self, a: QTensor, b: QTensor, k: int) -> tuple[qf.AccumulationPlan, Tensor, Tensor]:
         """Accumulation plan, multiplier and shift for these operands' dtypes and scales."""
@@ -104,10 +106,7 @@ class Einsum(MatMul):
         vb = (
             movement.swap_last(b0.values(), b0.qdtype, b0.scale) if plan.transpose_b else b.values()
         )
-        k = a.shape[-1]
-        p, m, s = self.requantization(a, b)
-        check = lambda acc: warn_if_saturated(self, acc, lambda: self._saturation_cause(a, b, k))  # noqa: E731
-        y = products.matmul(va, vb, p, m, s, self.out_dtype, self.rounding, check)
+        y = self.product(a, b, va, vb)
         if plan.transpose_out:  # the product stays inside, on the output grid
             y = movement.swap_last(y, self.out_dtype, self.output_scale)
         return self.wrap(y)

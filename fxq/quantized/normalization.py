@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from fxq.dtypes import QDType, as_qdtype, qint8, qint16, qint32
 from fxq.march import MarchSpec
 from fxq.march.spec import ScaleConstraint
-from fxq.primitives import normalization as norms
+from fxq.primitives.core import record_built
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import check_input, multiplier_for, require_finite
@@ -204,8 +204,12 @@ class LayerNorm(Normalization):
         plan = self.plan(x, n, eps)
         rows = x.values().reshape(*x.shape[: x.dim() - len(shape)], n)
         y = self.normalize(rows, plan, [n], x.shape)
-        norms.record_call(
-            "normalize", x.values(), y, self.out_dtype_name[1:], lambda: self.ir_node(plan, eps, n)
+        record_built(
+            "normalize",
+            [x.values()],
+            y,
+            self.out_dtype_name[1:],
+            lambda: self.ir_node(plan, eps, n),
         )
         return self.wrap(y)
 
@@ -223,9 +227,9 @@ class GroupNorm(Normalization):
         z = qf.normalize_rows(rows, plan.eps_term, plan.q_bits, self.z_dtype, self.rounding)
         z = z.reshape(b, c, -1)
         y = self.affine(z, plan, [c, 1]).reshape(x.shape)
-        norms.record_call(
+        record_built(
             "normalize",
-            x.values(),
+            [x.values()],
             y,
             self.out_dtype_name[1:],
             lambda: self.ir_node(plan, eps, n, groups, c),
@@ -320,8 +324,8 @@ class L2Normalize(FunctionalQuantized):
         y = qf.shift_round(z * m, s, self.rounding)
         dt = self.out_dtype
         y = y.clamp_(dt.qmin, dt.qmax).to(torch.float32)
-        norms.record_call(
-            "l2_normalize", x.values(), y, dt.name[1:], lambda: self.ir_node(plan, eps, dims)
+        record_built(
+            "l2_normalize", [x.values()], y, dt.name[1:], lambda: self.ir_node(plan, eps, dims)
         )
         return self.wrap(y)
 

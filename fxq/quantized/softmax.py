@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from fxq.dtypes import QDType
 from fxq.march import Rounding
-from fxq.primitives import normalization as norms
+from fxq.primitives.core import record_built
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import QuantizedModule, multiplier_for
@@ -173,9 +173,9 @@ class Softmax(FunctionalQuantized):
         y = integer_softmax(x.values(), dim, plan, self.out_dtype, self.rounding, self.log)
         y = y.to(torch.float32)
         dt, r = self.out_dtype_name[1:], self.rounding.value
-        norms.record_call(
+        record_built(
             "softmax",
-            x.values(),
+            [x.values()],
             y,
             dt,
             lambda: softmax_node(plan, self.log, dim, r, dt),

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fxq.dtypes import QDType, as_qdtype, qint8, qint32
-from fxq.primitives import weighted as layers
-from fxq.primitives.core import NotExportable
+from fxq.primitives.core import NotExportable, record_built
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import (
@@ -401,7 +400,8 @@ class Weighted(QuantizedModule):
     def _record(self, x: QTensor, residual: QTensor | None, p, y: Tensor, dtype: str) -> None:
         """Report this call to an export that records it (``fxq.primitives.weighted``)."""
         r = residual.values() if self.add else None
-        layers.record_layer(self.IR_OP, x.values(), r, y, dtype, lambda: self.ir_node(x, p))
+        inputs = [x.values()] if r is None else [x.values(), r]
+        record_built(self.IR_OP, inputs, y, dtype, lambda: self.ir_node(x, p))
 
     def ir_node(self, x: QTensor, p) -> tuple[dict, dict]:
         """The exported node's attributes and arrays for a call on ``x`` that computed with
