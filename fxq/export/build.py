@@ -60,6 +60,7 @@ from fxq.primitives import Call, recording
 from fxq.primitives.core import NotExportable
 from fxq.qtensor import QTensor
 from fxq.quantized.base import QuantizedModule, Standalone
+from fxq.quantized.stubs import DeQuantize
 from fxq.registry import Kind
 
 __all__ = [
@@ -371,6 +372,7 @@ class _Exporter(Interpreter):
                     name = self.name_of(arguments.get(id(t), t))
                     known[id(t)] = name
                 inputs.append(name)
+            self._check_broadcast(call, inputs)
             outputs = []
             scales = call.scales or [None] * len(call.outputs)
             for t, dtype, scale in zip(call.outputs, call.dtypes, scales):
@@ -398,8 +400,12 @@ class _Exporter(Interpreter):
             )
             for (t, _), name in zip(outputs, names):
                 known[id(t)] = name
+            if call.counts is not None:
+                self.counts[self.nodes[-1].name] = call.counts
         for r in results:
             name = next((known[k] for k in _held(r) if k in known), None)
+            if name is None and id(r) in self.names:
+                continue  # an argument returned as it is (a float passing a DeQuantize)
             if name is None:
                 raise self.error(
                     f"{type(self.modules[n.target]).__name__} returned a tensor that none of its "
@@ -408,6 +414,19 @@ class _Exporter(Interpreter):
                     "fxq.primitives (compute integer results with fxq.primitives)"
                 )
             self.alias(r, name)
+
+    def _check_broadcast(self, call: Call, inputs: list[str]) -> None:
+        """A call that meets the dynamic batch with a tensor of the same rank that does not
+        carry it but has the example's batch size on axis 0 (a constant attention mask or
+        ``where`` condition of one row per sample) fixes the graph's batch size."""
+        if self.batch is None or self.batch < 2:
+            return
+        ranks = {len(self.tensors[i].shape) for i in inputs if self.batched.get(i, False)}
+        for i in inputs:
+            shape = self.tensors[i].shape
+            if not self.batched.get(i, False) and len(shape) in ranks and shape[0] == self.batch:
+                self.fixed.append(f"{self.fx_node.name}: {call.op} of {i!r}, of the batch's size")
+                return
 
     def _check_axis0(self, call: Call, first: str | None) -> None:
         """A call's use of its first input's axis 0 against the dynamic batch."""
@@ -475,8 +494,8 @@ def rule_for_module(module: Any) -> Any:
     ``record_calls`` (any other integer module, ``Standalone`` excepted); None for other
     modules."""
     rule = RULES.get(type(module))
-    if rule is None and isinstance(module, QuantizedModule) and not isinstance(module, Standalone):
-        return record_calls
+    if rule is None and isinstance(module, (QuantizedModule, DeQuantize)):
+        return None if isinstance(module, Standalone) else record_calls
     return rule
 
 

@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 
 from fxq.primitives import PRIMITIVES, Primitive
-from fxq.primitives.arith import RANGES as _RANGES
 from fxq.primitives.arith import bounds as _bounds
 
 from .graph import IntegerGraph, Node
@@ -237,28 +236,6 @@ class IntegerWriter:
         """The primitive's lowering for this writer's form (integer ONNX)."""
         return primitive.onnx
 
-    def op_quantize(self, node: Node, outs: list[str]) -> None:
-        a = node.attrs
-        v = self.op("Div", [self.name(node.inputs[0]), self.const(a["scale"], np.float32)])
-        if a["rounding"] == "half_up":  # floor(v) + (v - floor(v) >= 1/2), exact
-            low = self.op("Floor", [v])
-            frac = self.op("Sub", [v, low])
-            up = self.cast(
-                self.op("GreaterOrEqual", [frac, self.const(0.5, np.float32)]), "float32"
-            )
-            v = self.op("Add", [low, up])
-        else:
-            v = self.op("Round", [v])
-        lo, hi = _RANGES[a["dtype"]]
-        v = self.op(
-            "Clip", [v, self.const(float(lo), np.float32), self.const(float(hi), np.float32)]
-        )
-        self.cast(v, a["dtype"], outs[0])
-
-    def op_dequantize(self, node: Node, outs: list[str]) -> None:
-        x = self.as_float(node.inputs[0])
-        self.op("Mul", [x, self.const(node.attrs["scale"], np.float32)], outs[0])
-
     def bits(self, ir_name: str) -> int:
         """The bit width of an IR tensor's dtype."""
         return {"int8": 8, "int16": 16, "int32": 32, "int64": 64}[self.graph.tensors[ir_name].dtype]
@@ -282,108 +259,6 @@ class IntegerWriter:
             ],
         )
         self.cast(v, dtype, outs[0])
-
-    def op_axis_matmul(self, node: Node, outs: list[str]) -> None:
-        """One ``MatMul`` per axis: float32 while the sums stay below ``2**24`` (``mag``
-        bounds the values after each step), int64 after."""
-        rank = self.rank(node.inputs[0])
-        x = self.name(node.inputs[0])
-        if node.attrs.get("ones"):  # whole axes summed, at any size
-            axes = self.const(np.array(node.attrs["axes"], np.int64))
-            self.op("ReduceSum", [self.cast(x, "int64"), axes], outs[0], keepdims=1)
-            return
-        mag = 1 << (self.bits(node.inputs[0]) - 1)
-        dtype = None
-        for i, axis in enumerate(node.attrs["axes"]):
-            matrix = node.params[f"matrix_{i}"].astype(np.int64)
-            mag *= int(np.abs(matrix).sum(0).max()) if matrix.size else 0
-            if dtype != "int64":
-                dtype = "float32" if mag < _F32_EXACT else "int64"
-            x = self.cast(x, dtype)
-            m = self.const(
-                matrix.astype(np.float32 if dtype == "float32" else np.int64), hint="matrix"
-            )
-            if axis == rank - 1:
-                x = self.op("MatMul", [x, m])
-                continue
-            perm = list(range(rank))
-            perm[axis], perm[-1] = perm[-1], perm[axis]
-            x = self.op(
-                "Transpose",
-                [self.op("MatMul", [self.op("Transpose", [x], perm=perm), m])],
-                perm=perm,
-            )
-        self.cast(x, "int64", outs[0])
-
-    def _grid_gather(self, x: str, iy: str, ix: str, size: tuple[int, ...], border: bool) -> str:
-        """``x[n, c, iy, ix]`` of an int64 ``x`` reshaped to ``(N, C, H*W)``, for int64
-        coordinates ``iy, ix (N, Ho, Wo)``; 0 outside the input unless ``border``."""
-        c, h, w, ho, wo = size
-        clip = lambda v, n: self.op(  # noqa: E731
-            "Clip", [v, self.int_const(0), self.int_const(n - 1)]
-        )
-        index = self.op("Add", [self.op("Mul", [clip(iy, h), self.int_const(w)]), clip(ix, w)])
-        index = self.op("Reshape", [index, self.const([0, 1, -1], np.int64)])
-        index = self.op("Expand", [index, self.const([1, c, 1], np.int64)])
-        out = self.op("GatherElements", [x, index], axis=2)
-        out = self.op("Reshape", [out, self.const([0, c, ho, wo], np.int64)])
-        if border:
-            return out
-        zero = self.int_const(0)
-        inside = [
-            self.op(cmp, [v, bound])
-            for v, n in ((iy, h), (ix, w))
-            for cmp, bound in (("GreaterOrEqual", zero), ("Less", self.int_const(n)))
-        ]
-        valid = self.op("And", [self.op("And", inside[:2]), self.op("And", inside[2:])])
-        valid = self.op("Unsqueeze", [self.cast(valid, "int64"), self.const([1], np.int64)])
-        return self.op("Mul", [out, valid])
-
-    def op_grid_sample(self, node: Node, outs: list[str]) -> None:
-        """int64 arithmetic, as the numpy runtime: the coordinates ``shift_round(G m, s)``
-        (``|G m| < 2**31``), the neighbours gathered, the weighted sum (``|acc| < 2**33``)."""
-        a, p = node.attrs, node.params
-        bits, rounding = a["fraction_bits"], a["rounding"]
-        border = a["padding_mode"] == "border"
-        _, c, h, w = self.graph.tensors[node.inputs[0]].shape
-        x = self.op("Reshape", [self.as_int(node.inputs[0]), self.const([0, 0, -1], np.int64)])
-        if len(node.inputs) > 1:
-            ho, wo = self.graph.tensors[node.inputs[1]].shape[1:3]
-            g = self.as_int(node.inputs[1])
-        else:  # a constant grid
-            ho, wo = p["grid"].shape[1:3]
-            g = self.const(p["grid"].astype(np.int64), hint="grid")
-        coords = []
-        for i, (axis, size) in enumerate((("x", w), ("y", h))):
-            gi = self.op("Gather", [g, self.const([i], np.int64)], axis=3)
-            gi = self.op("Squeeze", [gi, self.const([3], np.int64)])
-            gi = self.op("Mul", [gi, self.const(np.asarray(p[f"multiplier_{axis}"], np.int64))])
-            v = self.shift_round(gi, p[f"shift_{axis}"], rounding)
-            v = self.op("Add", [v, self.int_const((size - 1) << (bits - 1))])
-            if border:
-                v = self.op("Clip", [v, self.int_const(0), self.int_const((size - 1) << bits)])
-            coords.append(v)
-        px, py = coords
-        size = (c, h, w, ho, wo)
-        if a["mode"] == "nearest":
-            iy = self.shift_round(py, bits, rounding)
-            ix = self.shift_round(px, bits, rounding)
-            self.cast(self._grid_gather(x, iy, ix, size, border), "int64", outs[0])
-            return
-        one = self.int_const(1 << bits)
-        x0, y0 = self.floor_shift(px, bits), self.floor_shift(py, bits)
-        wx1 = self.op("Sub", [px, self.op("Mul", [x0, one])])
-        wy1 = self.op("Sub", [py, self.op("Mul", [y0, one])])
-        y1 = self.op("Add", [y0, self.int_const(1)])
-        x1 = self.op("Add", [x0, self.int_const(1)])
-        wx0, wy0 = self.op("Sub", [one, wx1]), self.op("Sub", [one, wy1])
-        acc = None
-        for iy, wy in ((y0, wy0), (y1, wy1)):
-            for ix, wx in ((x0, wx0), (x1, wx1)):
-                weight = self.op("Unsqueeze", [self.op("Mul", [wy, wx]), self.const([1], np.int64)])
-                term = self.op("Mul", [self._grid_gather(x, iy, ix, size, border), weight])
-                acc = term if acc is None else self.op("Add", [acc, term])
-        self.cast(acc, "int64", outs[0])
 
     def op_max_pool(self, node: Node, outs: list[str]) -> None:
         a = node.attrs

@@ -87,6 +87,11 @@ class QDQWriter(IntegerWriter):
             return 1.0
         return self._sum_scales[ir_name]
 
+    def set_unit(self, ir_name: str, unit: float) -> None:
+        """Say what one unit of an unscaled tensor (exact sums) is worth: ``fscale``'s answer
+        for it and for reshapes of it."""
+        self._sum_scales[ir_name] = unit
+
     def qdq(self, v: str, ir_name: str, out: str) -> str:
         """``DequantizeLinear(QuantizeLinear(v))`` at the scale and dtype of ``ir_name``."""
         t = self.graph.tensors[ir_name]
@@ -152,54 +157,10 @@ class QDQWriter(IntegerWriter):
         """The primitive's QDQ lowering, else its integer one."""
         return primitive.qdq or primitive.onnx
 
-    def op_quantize(self, node: Node, outs: list[str]) -> None:
-        self.qdq(self.name(node.inputs[0]), node.outputs[0], outs[0])
-
-    def op_dequantize(self, node: Node, outs: list[str]) -> None:
-        self.op("Identity", [self.name(node.inputs[0])], outs[0])
-
     def op_clip(self, node: Node, outs: list[str]) -> None:
         a, s = node.attrs, self.fscale(node.inputs[0])
         lo, hi = self.const(a["lo"] * s, np.float32), self.const(a["hi"] * s, np.float32)
         self.op("Clip", [self.name(node.inputs[0]), lo, hi], outs[0])
-
-    def op_axis_matmul(self, node: Node, outs: list[str]) -> None:
-        self._sum_scales[node.outputs[0]] = self.fscale(node.inputs[0])
-        rank = self.rank(node.inputs[0])
-        x = self.name(node.inputs[0])
-        axes = node.attrs["axes"]
-        for i, axis in enumerate(axes):
-            m = self.const(node.params[f"matrix_{i}"].astype(np.float32), hint="matrix")
-            last = i == len(axes) - 1
-            if axis == rank - 1:
-                x = self.op("MatMul", [x, m], outs[0] if last else None)
-                continue
-            perm = list(range(rank))
-            perm[axis], perm[-1] = perm[-1], perm[axis]
-            moved = self.op("MatMul", [self.op("Transpose", [x], perm=perm), m])
-            x = self.op("Transpose", [moved], outs[0] if last else None, perm=perm)
-
-    def op_grid_sample(self, node: Node, outs: list[str]) -> None:
-        """ONNX GridSample on the dequantized input and grid; bilinear sums are in units of
-        ``2**-2F`` of the input's scale (the requantize that follows divides them out)."""
-        a = node.attrs
-        self._sum_scales[node.outputs[0]] = self.fscale(node.inputs[0])
-        bilinear = a["mode"] == "bilinear"
-        if len(node.inputs) > 1:
-            grid = self.name(node.inputs[1])
-        else:  # a constant grid: its dequantized values
-            grid = self.const(node.params["grid"].astype(np.float32) * np.float32(a["grid_scale"]))
-        y = self.op(
-            "GridSample",
-            [self.name(node.inputs[0]), grid],
-            None if bilinear else outs[0],
-            mode="bilinear" if bilinear else "nearest",  # onnxruntime 1.x: not "linear"
-            padding_mode=a["padding_mode"],
-            align_corners=int(node.attrs.get("align_corners", 0)),
-        )
-        if bilinear:
-            one = np.float32(1 << (2 * a["fraction_bits"]))
-            self.op("Mul", [y, self.const(one, np.float32)], outs[0])
 
     def op_reshape(self, node: Node, outs: list[str]) -> None:
         if node.inputs[0] in self._sum_scales:

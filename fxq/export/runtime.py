@@ -22,9 +22,8 @@ from typing import Any
 import numpy as np
 
 from fxq.primitives import PRIMITIVES
-from fxq.primitives.arith import DTYPES, shift_round
-from fxq.primitives.arith import RANGES as _RANGES
-from fxq.primitives.arith import exact_dot as _exact_dot
+from fxq.primitives.arith import DTYPES, quantize, shift_round
+from fxq.primitives.window import adaptive_windows
 
 __all__ = [
     "KERNELS",
@@ -41,41 +40,6 @@ __all__ = [
 #: dtypes of the tensors that are not quantized values: graph inputs (token ids, masks), casts,
 #: comparisons and the arithmetic of a float or integer region (``docs/integer_graph.md``, 2)
 PLAIN_DTYPES = ("bool", "int32", "int64", "float32")
-
-
-def _round_float(v: np.ndarray, rounding: str) -> np.ndarray:
-    """``half_up``: floor(v + 1/2) of the exact value of ``v``; ``half_even``: ties to even."""
-    if rounding == "half_up":
-        low = np.floor(v)
-        with np.errstate(invalid="ignore"):  # +-inf - +-inf: the sum stays +-inf
-            return low + ((v - low) >= 0.5)
-    if rounding == "half_even":
-        return np.round(v)
-    raise ValueError(f"unknown rounding {rounding!r}")
-
-
-def quantize(x: np.ndarray, scale: float, dtype: str, rounding: str = "half_up") -> np.ndarray:
-    """``clamp(round(x / scale))``: the IEEE division in float32 (float64 for float64 and
-    integers wider than 16 bits), as ``fxq.quantized.functional.quantize``."""
-    x = np.asarray(x)
-    wide = x.dtype == np.float64 or (x.dtype.kind in "iu" and x.dtype.itemsize > 2)
-    ft = np.float64 if wide else np.float32
-    v = x.astype(ft) / ft(scale)
-    if dtype == "int32":
-        v = v.astype(np.float64)
-    lo, hi = _RANGES[dtype]
-    return np.clip(_round_float(v, rounding), lo, hi).astype(DTYPES[dtype])
-
-
-# -- quantize / dequantize / requantize ---------------------------------------------------
-def _k_quantize(node, inputs):
-    a = node.attrs
-    return [quantize(inputs[0], a["scale"], a["dtype"], a["rounding"])]
-
-
-def _k_dequantize(node, inputs):
-    with np.errstate(over="ignore"):  # beyond float32's range: +-inf, as in torch
-        return [inputs[0].astype(np.float32) * np.float32(node.attrs["scale"])]
 
 
 # -- conv / linear / affine ---------------------------------------------------------------
@@ -179,61 +143,6 @@ def _k_logical(node, inputs):
 
 # -- tables ------------------------------------------------------------------------------------
 # -- pooling and resampling ---------------------------------------------------------------------
-def _k_axis_matmul(node, inputs):
-    """``y = x`` contracted with an integer matrix ``A_i [n_in, n_out]`` along each axis."""
-    x = inputs[0].astype(np.int64)
-    if node.attrs.get("ones"):  # whole axes summed, at any size (exact in int64)
-        return [x.sum(tuple(node.attrs["axes"]), keepdims=True)]
-    for i, axis in enumerate(node.attrs["axes"]):
-        m = node.params[f"matrix_{i}"].astype(np.int64)
-        moved = np.moveaxis(x, axis, -1)
-        bound = int(np.abs(moved).max() if moved.size else 0) * int(np.abs(m).sum(0).max())
-        out = _exact_dot(moved, m, bound, "...k,kj->...j")
-        x = np.moveaxis(out, -1, axis)
-    return [x]
-
-
-def _grid_gather(x: np.ndarray, iy: np.ndarray, ix: np.ndarray, border: bool) -> np.ndarray:
-    """``x[n, c, iy, ix]`` for int64 ``x (N, C, H, W)`` and ``iy, ix (N, Ho, Wo)``; 0 outside
-    the input unless ``border``."""
-    n, c, h, w = x.shape
-    valid = (iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)
-    index = (np.clip(iy, 0, h - 1) * w + np.clip(ix, 0, w - 1)).reshape(n, 1, -1)
-    out = np.take_along_axis(x.reshape(n, c, h * w), index, axis=2).reshape(n, c, *iy.shape[1:])
-    return out if border else out * valid[:, None].astype(np.int64)
-
-
-def _k_grid_sample(node, inputs):
-    """``grid_sample`` accumulator (``docs/arithmetic.md``, grid_sample): fixed-point coordinates
-    ``P = shift_round(G m, s) + (n - 1) 2**(F-1)``; bilinear: int64 ``sum X wy wx`` in units of
-    ``2**-2F``; nearest: ``X`` at ``shift_round(P, F)``."""
-    a, p = node.attrs, node.params
-    x = inputs[0].astype(np.int64)
-    g = (inputs[1] if len(inputs) > 1 else p["grid"]).astype(np.int64)
-    bits, rounding = a["fraction_bits"], a["rounding"]
-    border = a["padding_mode"] == "border"
-    h, w = x.shape[-2:]
-    coords = []
-    for i, (axis, size) in enumerate((("x", w), ("y", h))):
-        c = shift_round(g[..., i] * p[f"multiplier_{axis}"], p[f"shift_{axis}"], rounding)
-        c = c + ((size - 1) << (bits - 1))
-        coords.append(np.clip(c, 0, (size - 1) << bits) if border else c)
-    px, py = coords
-    if a["mode"] == "nearest":
-        return [
-            _grid_gather(
-                x, shift_round(py, bits, rounding), shift_round(px, bits, rounding), border
-            )
-        ]
-    one = 1 << bits
-    x0, y0, wx1, wy1 = px >> bits, py >> bits, px & (one - 1), py & (one - 1)
-    acc = np.zeros(x.shape[:2] + px.shape[1:], np.int64)
-    for iy, wy in ((y0, one - wy1), (y0 + 1, wy1)):
-        for ix, wx in ((x0, one - wx1), (x0 + 1, wx1)):
-            acc += _grid_gather(x, iy, ix, border) * (wy * wx)[:, None]
-    return [acc]
-
-
 def _pool_windows(n: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
     eff = d * (k - 1) + 1
     num = n + 2 * p - eff
@@ -290,11 +199,6 @@ def max_pool_windows(x, attrs: dict, low, combine) -> Any:
 def _k_max_pool(node, inputs):
     x = inputs[0]
     return [max_pool_windows(x, node.attrs, np.iinfo(x.dtype).min, np.maximum)]
-
-
-def adaptive_windows(n: int, o: int) -> list[tuple[int, int]]:
-    """torch's adaptive pooling windows ``[floor(i n / o), ceil((i + 1) n / o))``."""
-    return [((i * n) // o, -((-(i + 1) * n) // o)) for i in range(o)]
 
 
 def _k_adaptive_max_pool(node, inputs):
@@ -366,11 +270,7 @@ def _k_arg_extreme(node, inputs):
 
 #: op name -> kernel
 KERNELS: dict[str, Callable[[Any, list[np.ndarray]], list[np.ndarray]]] = {
-    "quantize": _k_quantize,
-    "dequantize": _k_dequantize,
     "clip": _k_clip,
-    "axis_matmul": _k_axis_matmul,
-    "grid_sample": _k_grid_sample,
     "max_pool": _k_max_pool,
     "adaptive_max_pool": _k_adaptive_max_pool,
     "reshape": _k_reshape,

@@ -35,7 +35,6 @@ from fxq.primitives.schema import (
 )
 from fxq.primitives.schema import (
     MARCH_LIMITS,
-    RESULT_ATTRS,
     IntegerGraphFormatError,
 )
 from fxq.primitives.schema import (
@@ -46,9 +45,6 @@ from fxq.primitives.schema import (
 )
 from fxq.primitives.schema import (
     QUANT as _QUANT,
-)
-from fxq.primitives.schema import (
-    SHIFT as _SHIFT,
 )
 from fxq.primitives.schema import (
     Ctx as _Ctx,
@@ -248,38 +244,6 @@ def _check_ranges(c: _Ctx) -> None:
             c.shift(f"param {k!r}", p)
         elif k == "multiplier" or "multiplier_" in k or k.endswith("_multiplier"):
             c.multiplier(f"param {k!r}", p)
-
-
-def _check_axis_matmul(c: _Ctx) -> None:
-    if c.attrs.get("ones"):
-        for i, axis in enumerate(c.attrs["axes"]):
-            c.axis(f"axes[{i}]", axis)
-        if any(k.startswith("matrix_") for k in c.params):
-            raise c.fail("matrices with ones (whole axes summed)")
-        return
-    for i, axis in enumerate(c.attrs["axes"]):
-        c.axis(f"axes[{i}]", axis)
-        m = c.params.get(f"matrix_{i}")
-        if m is None or m.ndim != 2:
-            raise c.fail(f"no 2-d param 'matrix_{i}' for axes[{i}]")
-        size = c.in_shapes[0][axis]
-        if _is_int(size) and size != m.shape[0]:
-            raise c.fail(f"matrix_{i} has {m.shape[0]} rows for an axis of {size}")
-    extra = [k for k in c.params if k.startswith("matrix_")]
-    if len(extra) != len(c.attrs["axes"]):
-        raise c.fail(f"{len(extra)} matrices for {len(c.attrs['axes'])} axes")
-
-
-def _check_grid_sample(c: _Ctx) -> None:
-    a = c.attrs
-    if a["mode"] not in ("bilinear", "nearest") or a["padding_mode"] not in ("zeros", "border"):
-        raise c.fail(f"mode {a['mode']!r} / padding_mode {a['padding_mode']!r}")
-    if not 1 <= a["fraction_bits"] <= 16:
-        raise c.fail(f"fraction_bits {a['fraction_bits']} outside 1..16")
-    if c.rank() != 4 or (len(c.node["inputs"]) == 1 and "grid" not in c.params):
-        raise c.fail("grid_sample takes a rank-4 input and a grid (an input or param 'grid')")
-    for k in ("multiplier_x", "shift_x", "multiplier_y", "shift_y"):
-        c.size(k, 1)
 
 
 def _check_pool(c: _Ctx) -> None:
@@ -631,24 +595,7 @@ FLOAT_OP_SPECS: dict[str, _OpSpec] = {
 
 #: op -> what a file may hold for it (``docs/integer_graph.md``, 2)
 OP_SPECS: dict[str, _OpSpec] = {
-    "quantize": _OpSpec((1,), {"scale": "float", **RESULT_ATTRS}, {}),
-    "dequantize": _OpSpec((1,), {"scale": "float"}, {}),
     "clip": _OpSpec((1,), {"lo": "int?", "hi": "int?"}, {}),
-    "axis_matmul": _OpSpec(
-        (1,), {"axes": "ints", "ones": "bool?"}, {}, _check_axis_matmul, extra_params="matrix_"
-    ),
-    "grid_sample": _OpSpec(
-        (1, 2),
-        {"mode": "str", "padding_mode": "str", "fraction_bits": "int", "rounding": "rounding"},
-        {
-            "multiplier_x": _SHIFT,
-            "shift_x": _SHIFT,
-            "multiplier_y": _SHIFT,
-            "shift_y": _SHIFT,
-            "grid": _Param(_I, (4,), False),
-        },
-        _check_grid_sample,
-    ),
     "max_pool": _OpSpec(
         (1,),
         {

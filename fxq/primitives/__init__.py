@@ -15,6 +15,7 @@ from fxq.primitives import (
     select,
     table,
     weighted,
+    window,
 )
 from fxq.primitives.core import PRIMITIVES, Call, Primitive, is_recording, record, recording
 
@@ -33,4 +34,5 @@ __all__ = [
     "select",
     "table",
     "weighted",
+    "window",
 ]

@@ -16,6 +16,7 @@ __all__ = [
     "sat32",
     "exact_dot",
     "dot_bound",
+    "quantize",
 ]
 
 #: float64 sums of integers are exact below this magnitude
@@ -99,3 +100,27 @@ def dot_bound(x: np.ndarray, w: np.ndarray, k: int) -> int:
     mx = int(np.abs(x.astype(np.int64)).max()) if x.size else 0
     mw = int(np.abs(w.astype(np.int64)).max()) if w.size else 0
     return mx * mw * max(k, 1)
+
+
+def _round_float(v: np.ndarray, rounding: str) -> np.ndarray:
+    """``half_up``: floor(v + 1/2) of the exact value of ``v``; ``half_even``: ties to even."""
+    if rounding == "half_up":
+        low = np.floor(v)
+        with np.errstate(invalid="ignore"):  # +-inf - +-inf: the sum stays +-inf
+            return low + ((v - low) >= 0.5)
+    if rounding == "half_even":
+        return np.round(v)
+    raise ValueError(f"unknown rounding {rounding!r}")
+
+
+def quantize(x: np.ndarray, scale: float, dtype: str, rounding: str = "half_up") -> np.ndarray:
+    """``clamp(round(x / scale))``: the IEEE division in float32 (float64 for float64 and
+    integers wider than 16 bits), as ``fxq.quantized.functional.quantize``."""
+    x = np.asarray(x)
+    wide = x.dtype == np.float64 or (x.dtype.kind in "iu" and x.dtype.itemsize > 2)
+    ft = np.float64 if wide else np.float32
+    v = x.astype(ft) / ft(scale)
+    if dtype == "int32":
+        v = v.astype(np.float64)
+    lo, hi = RANGES[dtype]
+    return np.clip(_round_float(v, rounding), lo, hi).astype(DTYPES[dtype])

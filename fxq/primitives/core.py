@@ -102,6 +102,9 @@ class Call:
         keeps_batch: for a move, whether the output's axis 0 is the first input's (the
             dynamic batch stays dynamic: a ``reshape`` then writes 0 for it); None: the
             exporter tells from the shapes.
+        counts: for a ``requantize`` after window sums, the multiplier and shift for other
+            element counts (``counts -> (multipliers, shifts)``, numpy): a mean over axes that
+            are dynamic at export takes them from a table (``fxq.export.dynamic``).
     """
 
     op: str
@@ -113,6 +116,7 @@ class Call:
     scales: Sequence[float | None] | None = None
     axis0: str = "any"
     keeps_batch: bool | None = None
+    counts: Callable[[Any], tuple[Any, Any]] | None = None
 
 
 class NotExportable(ValueError):

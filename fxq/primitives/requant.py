@@ -8,6 +8,10 @@
   ``x >= 0``: ``requantize(x, M, S)``; ``x < 0``: ``requantize(x * sign[c], N[c], T[c])``
   with ``N[c] 2**-T[c] ~ |a[c]| s_x / s_y``.
 
+* ``quantize``: float values onto a grid, ``clamp(round(x / s))`` (the IEEE float32 division,
+  as ``fxq.quantized.functional.quantize``);
+* ``dequantize``: integers back to float32, ``q * s``.
+
 The rounding shift is exact integer arithmetic (``fxq.quantized.functional.requantize_exact``
 in torch, ``fxq.primitives.arith.requant`` in numpy).
 """
@@ -18,8 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from fxq.primitives.arith import bounds, requant
-from fxq.primitives.core import Call, Primitive, ir_dtype, is_recording, record, register
+from fxq.primitives.arith import RANGES, bounds, quantize, requant
+from fxq.primitives.core import (
+    Call,
+    NotExportable,
+    Primitive,
+    ir_dtype,
+    is_recording,
+    record,
+    register,
+)
 from fxq.primitives.schema import RESULT_ATTRS, SHIFT, Ctx, OpSpec
 
 try:
@@ -27,7 +39,7 @@ try:
 except ImportError:  # the numpy runtime without torch
     torch = None
 
-__all__ = ["requantize", "prelu", "MAX_COUNT_TABLE"]
+__all__ = ["requantize", "prelu", "quantize_values", "dequantize", "MAX_COUNT_TABLE"]
 
 #: the longest multiplier table of a requantize by element count (``count_axes``)
 MAX_COUNT_TABLE = 1 << 24
@@ -60,6 +72,16 @@ def _numpy_prelu(node, inputs):
         x * per["neg_sign"], per["neg_multiplier"], per["neg_shift"], a["dtype"], a["rounding"]
     )
     return [np.where(x >= 0, pos, neg)]
+
+
+def _numpy_quantize(node, inputs):
+    a = node.attrs
+    return [quantize(inputs[0], a["scale"], a["dtype"], a["rounding"])]
+
+
+def _numpy_dequantize(node, inputs):
+    with np.errstate(over="ignore"):  # beyond float32's range: +-inf, as in torch
+        return [inputs[0].astype(np.float32) * np.float32(node.attrs["scale"])]
 
 
 # -- integer ONNX -------------------------------------------------------------------------------
@@ -100,6 +122,28 @@ def _onnx_prelu(w, node, outs: list[str]) -> None:
     w.cast(w.op("Where", [ge, pos, neg_out]), dtype, outs[0])
 
 
+def _onnx_quantize(w, node, outs: list[str]) -> None:
+    """``x / s`` in float32, rounded exactly (half up: ``floor(v) + (v - floor(v) >= 1/2)``),
+    clipped and cast."""
+    a = node.attrs
+    v = w.op("Div", [w.name(node.inputs[0]), w.const(a["scale"], np.float32)])
+    if a["rounding"] == "half_up":
+        low = w.op("Floor", [v])
+        frac = w.op("Sub", [v, low])
+        up = w.cast(w.op("GreaterOrEqual", [frac, w.const(0.5, np.float32)]), "float32")
+        v = w.op("Add", [low, up])
+    else:
+        v = w.op("Round", [v])
+    lo, hi = RANGES[a["dtype"]]
+    v = w.op("Clip", [v, w.const(float(lo), np.float32), w.const(float(hi), np.float32)])
+    w.cast(v, a["dtype"], outs[0])
+
+
+def _onnx_dequantize(w, node, outs: list[str]) -> None:
+    x = w.as_float(node.inputs[0])
+    w.op("Mul", [x, w.const(node.attrs["scale"], np.float32)], outs[0])
+
+
 # -- QDQ ONNX -----------------------------------------------------------------------------------
 def _qdq_requantize(w, node, outs: list[str]) -> None:
     """A float ``Mul`` only where the factor is not 1 (averaging ``1 / count``, resampling
@@ -131,6 +175,14 @@ def _qdq_prelu(w, node, outs: list[str]) -> None:
     x = w.op("Mul", [w.name(node.inputs[0]), w.const(r * factor, np.float32)])
     slope = (rn * sign / r).astype(np.float32)
     w.qdq(w.op("PRelu", [x, w.const(slope, np.float32)]), node.outputs[0], outs[0])
+
+
+def _qdq_quantize(w, node, outs: list[str]) -> None:
+    w.qdq(w.name(node.inputs[0]), node.outputs[0], outs[0])
+
+
+def _qdq_dequantize(w, node, outs: list[str]) -> None:
+    w.op("Identity", [w.name(node.inputs[0])], outs[0])
 
 
 # -- file schema --------------------------------------------------------------------------------
@@ -183,6 +235,28 @@ register(
         ),
         _qdq_prelu,
         "each side of 0 requantized with its own multiplier (per-channel slopes)",
+    )
+)
+
+
+register(
+    Primitive(
+        "quantize",
+        _numpy_quantize,
+        _onnx_quantize,
+        OpSpec((1,), {"scale": "float", **RESULT_ATTRS}, {}),
+        _qdq_quantize,
+        "`clamp(round(x / scale))` of float values (the float32 IEEE division)",
+    )
+)
+register(
+    Primitive(
+        "dequantize",
+        _numpy_dequantize,
+        _onnx_dequantize,
+        OpSpec((1,), {"scale": "float"}, {}),
+        _qdq_dequantize,
+        "`q * scale` in float32",
     )
 )
 
@@ -264,3 +338,40 @@ if torch is not None:
             params = {k: t.long() for k, t in zip(_PRELU_PARAMS, values)}
             record(Call("prelu", [v], [y], [d], attrs, params))
         return y
+
+    def quantize_values(x: Tensor, scale: Tensor, dtype: QDType, rounding: Rounding) -> Tensor:
+        """``clamp(round(x / scale))`` of a float tensor (``fxq.quantized.functional.quantize``:
+        any real dtype, the float32 scale) as exact float32 values of ``dtype`` (storage form
+        beyond 24 bits)."""
+        q = qf.quantize(x, scale, dtype, rounding, as_float=dtype.bits <= 24)
+        if is_recording():
+            d = ir_dtype(dtype)
+            attrs = {"scale": float(scale), "dtype": d, "rounding": rounding.value}
+            record(Call("quantize", [x], [q], [d], attrs))
+        return q
+
+    def dequantize(q: Any, dtype: Any = None) -> Tensor:
+        """A QTensor's real values ``(q + offset) * scale`` in float32 (then ``dtype``, a
+        float region's dtype, where given).
+
+        Raises:
+            NotExportable: while an export records, for a per-channel QTensor, one stored with
+                an offset, or a ``dtype`` other than float32.
+        """
+        out = q.dequantize()
+        if dtype is not None and dtype is not out.dtype:
+            out = out.to(dtype)
+        if is_recording():
+            if dtype is not None and dtype is not torch.float32:
+                raise NotExportable(
+                    f"the model runs its float regions in {dtype}; export a float32 model"
+                )
+            if q.scale.numel() != 1:
+                raise NotExportable("per-channel QTensors are not exported")
+            if q.offset:
+                raise NotExportable(
+                    f"dequantizing a tensor stored with offset {q.offset} is not exported "
+                    "(an offset activation read by a float op): calibrate without offsets"
+                )
+            record(Call("dequantize", [q.values()], [out], ["float32"], {"scale": float(q.scale)}))
+        return out

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from fxq.march import Rounding
+from fxq.primitives import requant, window
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
@@ -115,8 +116,10 @@ class GridSample(FunctionalQuantized):
     """Integer ``F.grid_sample`` (bilinear / nearest; zeros / border padding) on a 4-d
     QTensor input and a QTensor grid."""
 
-    def _coordinates(self, grid: QTensor, size: int, axis: int, align: bool) -> Tensor:
-        m, s = self.derived(
+    def _coordinate_factor(self, grid: QTensor, size: int, align: bool) -> tuple[Tensor, Tensor]:
+        """The multiplier and shift from grid integers to fixed-point pixels of an axis of
+        ``size`` (cached per grid scale)."""
+        return self.derived(
             ("grid", float(grid.scale), size, align),
             lambda: multiplier_for(
                 self,
@@ -125,6 +128,9 @@ class GridSample(FunctionalQuantized):
                 left_shift=True,
             ),
         )
+
+    def _coordinates(self, grid: QTensor, size: int, axis: int, align: bool) -> Tensor:
+        m, s = self._coordinate_factor(grid, size, align)
         g = grid.values()[..., axis].to(torch.int64)
         return sample_coordinates(g, m.to(g.device), s.to(g.device), size, self.rounding)
 
@@ -144,14 +150,28 @@ class GridSample(FunctionalQuantized):
             )
         (s_x, _) = self.scale_values(x, grid)
         h, w = x.shape[-2:]
-        px = self._coordinates(grid, w, 0, p["align_corners"])
-        py = self._coordinates(grid, h, 1, p["align_corners"])
+        align = p["align_corners"]
+        px = self._coordinates(grid, w, 0, align)
+        py = self._coordinates(grid, h, 1, align)
         acc = grid_sample_sum(
             x.values().to(torch.int64), px, py, p["mode"], p["padding_mode"], self.rounding
-        )
+        ).to(torch.float64)
+        attrs = {
+            "mode": p["mode"],
+            "padding_mode": p["padding_mode"],
+            "align_corners": align,
+            "fraction_bits": qf.INTERP_FRACTION_BITS,
+            "grid_scale": float(grid.scale),
+            "rounding": self.rounding.value,
+        }
+
+        def coordinates() -> dict[str, Tensor]:
+            out = {}
+            for axis, size in (("x", w), ("y", h)):
+                m, s = self._coordinate_factor(grid, size, align)
+                out[f"multiplier_{axis}"], out[f"shift_{axis}"] = m.long(), s.long()
+            return out
+
+        window.record_grid_sample(x.values(), grid.values(), acc, attrs, coordinates)
         m, s = self.derived((s_x, p["mode"]), lambda: self.output_factor(x.scale, p["mode"]))
-        return self.wrap(
-            qf.requantize_exact(
-                acc.to(torch.float64), m, s, self.out_dtype, self.rounding, as_float=True
-            )
-        )
+        return self.wrap(requant.requantize(acc, m, s, self.out_dtype, self.rounding))

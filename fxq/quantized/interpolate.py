@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from fxq.primitives import requant, window
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
@@ -102,7 +104,24 @@ class Interpolate(FunctionalQuantized):
         acc = x.values().to(torch.float64)
         for d in range(dims):
             acc = _resample_axis(acc, 2 + d, out_sizes[d], scales[d], align)
-        m, s = self.requantization(x)
-        return self.wrap(
-            qf.requantize_exact(acc, m, s, self.out_dtype, self.rounding, as_float=True)
+        in_sizes = list(x.shape[2:])
+        window.record_window_sums(
+            x.values(),
+            acc,
+            range(2, 2 + dims),
+            lambda: [_weight_matrix(*a, align) for a in zip(in_sizes, out_sizes, scales)],
         )
+        m, s = self.requantization(x)
+        return self.wrap(requant.requantize(acc, m, s, self.out_dtype, self.rounding))
+
+
+def _weight_matrix(n: int, o: int, scale: float | None, align_corners: bool) -> np.ndarray:
+    """The ``[n, o]`` integer matrix of one axis's neighbour weights (units of ``2**-F``):
+    what ``_resample_axis`` sums, as an ``axis_matmul`` matrix."""
+    i0, i1, w1 = qf.linear_weights(n, o, scale, align_corners, "cpu")
+    one = 1 << qf.INTERP_FRACTION_BITS
+    a = np.zeros((n, o), dtype=np.int64)
+    for j in range(o):
+        a[int(i0[j]), j] += one - int(w1[j])
+        a[int(i1[j]), j] += int(w1[j])
+    return a

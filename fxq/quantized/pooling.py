@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fxq.primitives import window
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
@@ -38,32 +40,55 @@ _ADAPTIVE_MODULES = {1: nn.AdaptiveAvgPool1d, 2: nn.AdaptiveAvgPool2d, 3: nn.Ada
 def _requant_by_count(
     module: FunctionalQuantized, sums: Tensor, counts: Tensor, x: QTensor
 ) -> QTensor:
-    """``clamp(shift_round(sums * M_d, S_d))`` with one multiplier per distinct count ``d``.
+    """``clamp(shift_round(sums * M_d, S_d))`` with one multiplier per distinct count ``d``
+    (``fxq.primitives.window.requantize_by_count``).
 
     ``counts`` broadcasts against ``sums`` and depends on shapes only, never on the
     input's values (under ``torch.export`` it is a constant; see ``fxq.quantized.base``).
     """
     (s_x,) = module.scale_values(x)
     counts = counts.to(torch.float64).cpu()  # on the host already where it is made
+    distinct, inverse = torch.unique(counts, return_inverse=True)
 
-    def factors() -> Tensor:
-        distinct, inverse = torch.unique(counts, return_inverse=True)
-        return _count_factors(module, x.scale, distinct)[inverse].to(sums.device)
+    def plan() -> tuple[Tensor, Tensor]:
+        m, s = _count_plan(module, x.scale, distinct)
+        return (m[inverse], s[inverse]) if distinct.numel() > 1 else (m, s)
 
     # one factor per output element, kept on the device (no copy to it per call)
     key = ("counts", s_x, str(sums.device), tuple(counts.shape), counts.numpy().tobytes())
-    r = module.derived(key, factors)
-    v = qf.round_float(sums.to(torch.float64) * r, module.rounding, inplace=True, exact=False)
+
+    def factor() -> Tensor:
+        m, s = plan()
+        return qf.ldexp(m, -s).to(sums.device)
+
+    r = module.derived(key, factor)
+    by_count = None
+    if distinct.numel() == 1:  # the multiplier for any other count (dynamic dims)
+        s_scale = x.scale
+
+        def by_count(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            m, s = _count_plan(module, s_scale, torch.from_numpy(n))
+            return m.numpy().astype(np.int64).reshape(-1), s.numpy().astype(np.int64).reshape(-1)
+
     dt = module.out_dtype
-    return module.wrap(v.clamp_(dt.qmin, dt.qmax).to(dt.storage))
+    q = window.requantize_by_count(sums, r, dt, module.rounding, plan, by_count)
+    return module.wrap(q)
 
 
-def _count_factors(module: FunctionalQuantized, s_x: Tensor, counts: Tensor) -> Tensor:
-    """``M_d * 2**-S_d`` (float64, CPU) for each window element count ``d``."""
+def _count_plan(module: FunctionalQuantized, s_x: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """The multiplier and shift (``M_d 2**-S_d ~ s_x / (d s_y)``) for each window element
+    count ``d`` (float64 counts on the host)."""
     s_y = module.output_scale.to(torch.float64).cpu()
-    real = s_x.to(torch.float64).cpu() / (counts * s_y)
-    m, s = multiplier_for(module, real, {"input": s_x, "output": s_y})
-    return qf.ldexp(m, -s)
+    real = s_x.to(torch.float64).cpu() / (counts.to(torch.float64) * s_y)
+    return multiplier_for(module, real, {"input": s_x, "output": s_y})
+
+
+def _ints(v: Any, d: int) -> list[int]:
+    """A pooling parameter (an int, or one / ``d`` entries) as ``d`` ints."""
+    if isinstance(v, (tuple, list)):
+        v = list(v)
+        return [int(x) for x in (v * d if len(v) == 1 else v)]
+    return [int(v)] * d
 
 
 def _pool_dims(module: FunctionalQuantized, ops: dict[int, Any], modules: dict[int, type]) -> int:
@@ -149,7 +174,7 @@ class AvgPool(FunctionalQuantized):
         return counts.squeeze(2) if one_d else counts
 
     def forward(self, x: QTensor, *args: Any, **kwargs: Any) -> QTensor:
-        params = self.arguments(args, kwargs)
+        params = given = self.arguments(args, kwargs)
         data = x.values()
         dims = self.pool_dims(x)
         unbatched = data.dim() == dims + 1  # (C, *spatial), as torch's pooling accepts
@@ -166,7 +191,25 @@ class AvgPool(FunctionalQuantized):
             sums = sums.squeeze(2)
         if unbatched:
             sums, counts = sums.squeeze(0), counts.squeeze(0)
+        window.record_window_sums(
+            x.values(),
+            sums,
+            range(x.dim() - dims, x.dim()),
+            lambda: self._matrices(x, sums, dims, given),
+        )
         return _requant_by_count(self, sums, counts, x)
+
+    @staticmethod
+    def _matrices(x: QTensor, sums: Tensor, dims: int, params: dict[str, Any]) -> list:
+        """The 0 / 1 window matrix of each pooled axis (``axis_matmul``)."""
+        k = _ints(params["kernel_size"], dims)
+        stride = params["stride"]
+        st = k if stride is None or stride == [] or stride == () else _ints(stride, dims)
+        pad = _ints(params["padding"], dims)
+        return [
+            window.window_matrix(n, o, [(j * s - p, j * s - p + kk) for j in range(o)])
+            for n, o, s, p, kk in zip(x.shape[-dims:], sums.shape[-dims:], st, pad, k)
+        ]
 
 
 def window_sums_adaptive(
@@ -185,8 +228,7 @@ def window_sums_adaptive(
         axis = x.dim() - dims + d
         n = sums.shape[axis]
         o = n if o is None else o
-        starts = [(i * n) // o for i in range(o)]
-        ends = [-((-(i + 1) * n) // o) for i in range(o)]
+        starts, ends = zip(*window.adaptive_windows(n, o))
         if o == 1:  # the global average (exact: integers, any order)
             sums = sums.sum(axis, keepdim=True)
         elif o != n:
@@ -216,6 +258,12 @@ class AdaptiveAvgPool(FunctionalQuantized):
         dims = self.pool_dims(x)
         size = (size,) * dims if isinstance(size, int) or size is None else tuple(size)
         sums, counts = window_sums_adaptive(x.values(), size, expand=False)
+
+        def matrices() -> list:
+            sizes = zip(x.shape[-dims:], sums.shape[-dims:])
+            return [window.window_matrix(n, o, window.adaptive_windows(n, o)) for n, o in sizes]
+
+        window.record_window_sums(x.values(), sums, range(x.dim() - dims, x.dim()), matrices)
         return _requant_by_count(self, sums, counts, x)
 
 
@@ -234,7 +282,7 @@ class Mean(FunctionalQuantized):
     def forward(self, x: QTensor, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> QTensor:
         dims = reduce_dims(x, kwargs.pop("axis", dim))
         count = math.prod(x.shape[d] for d in dims)
-        sums = x.values().to(torch.float64).sum(dims, keepdim=keepdim)
+        sums = _whole_axes_sums(x, dims, keepdim)
         return _requant_by_count(self, sums, torch.tensor(float(count), dtype=torch.float64), x)
 
 
@@ -243,5 +291,14 @@ class Sum(FunctionalQuantized):
 
     def forward(self, x: QTensor, dim: Any = None, keepdim: bool = False, **kwargs: Any) -> QTensor:
         dims = reduce_dims(x, kwargs.pop("axis", dim))
-        sums = x.values().to(torch.float64).sum(dims, keepdim=keepdim)
+        sums = _whole_axes_sums(x, dims, keepdim)
         return _requant_by_count(self, sums, torch.ones((), dtype=torch.float64), x)
+
+
+def _whole_axes_sums(x: QTensor, dims: list[int], keepdim: bool) -> Tensor:
+    """Exact float64 sums of ``x``'s integers over ``dims`` (recorded: ``axis_matmul`` with
+    a column of ones per axis, then a ``reshape`` without them unless ``keepdim``)."""
+    dims = sorted(dims)
+    sums = x.values().to(torch.float64).sum(dims, keepdim=True)
+    window.record_window_sums(x.values(), sums, dims, None)
+    return sums if keepdim else window.drop_axes(sums, dims)

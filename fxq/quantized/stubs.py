@@ -48,7 +48,8 @@ class Quantize(QuantizedModule):
             return x
         if isinstance(x, QTensor):
             return Requantize(self.scale, self.dtype, self.march)(x)
-        return QTensor.quantize(x, self.scale, self.dtype, self.rounding)
+        q = requant.quantize_values(x, self.scale, self.dtype, self.rounding)
+        return QTensor(q, self.scale, self.dtype)
 
     def extra_repr(self) -> str:
         return f"scale={self.scale.item():.6g}, dtype={self.dtype_name}"
@@ -85,8 +86,7 @@ def _dequantize(x, dtype):
     def leaf(v):
         if not isinstance(v, QTensor):
             return v
-        out = v.dequantize()
-        return out if dtype is None or dtype is out.dtype else out.to(dtype)
+        return requant.dequantize(v, dtype)
 
     if isinstance(x, (QTensor, Tensor)):  # the common case, without the tree walk
         return leaf(x)

@@ -134,7 +134,7 @@ def test_refuses_adaptive_pool_to_fixed_size() -> None:
         fxq.export.to_graph(integer, x, dynamic_dims={"x": {3: "W"}})
     msg = str(e.value)
     assert msg.startswith(
-        "fxq.export: cannot keep 'W' (dimension 3 of input 'x') dynamic: node 'pool_sum' "
+        "fxq.export: cannot keep 'W' (dimension 3 of input 'x') dynamic: node 'pool_axis_matmul0' "
         "(op axis_matmul, "
     )
     assert msg.endswith(
