@@ -153,7 +153,7 @@ def test_no_import_cycles():
 #
 # * ``self`` or ``cls``;
 # * a name bound at the top level of the same file (a def, a class, an assignment);
-# * a name imported from fxq.export (``from fxq.export.rules import _Exporter``,
+# * a name imported from fxq.export (``from fxq.export.common import _Exporter``,
 #   ``from . import runtime``);
 # * a parameter annotated with, or a local assigned from a call of, such a name
 #   (``ex: _Exporter``, ``ex = _Exporter(gm)``), in the function or one enclosing it.
@@ -276,7 +276,7 @@ def test_export_reads_no_private_names_of_other_modules():
 
 def test_the_private_access_rule_catches_what_it_should():
     source = """
-from fxq.export.rules import _Exporter
+from fxq.export.common import _Exporter
 from fxq.quantized import pooling
 from fxq.quantized.pooling import _AVG_PARAMS, AvgPool
 _TABLE = {}

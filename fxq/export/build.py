@@ -2,15 +2,13 @@
 
 The converted GraphModule runs once on the example inputs under an
 ``torch.fx.Interpreter``; every node is turned into IR nodes by an export
-rule, with what the integer module computed *for the scales its inputs
-actually carry* (so a graph edit that changes a scale is exported as the
-model computes it). The rules:
+rule. The rules:
 
-* ``record_calls``: an integer module whose forward computes with
-  ``fxq.primitives`` runs while its primitive calls are recorded, and each call
-  becomes one IR node: export is what forward did;
-* ``RULES``: the integer classes not yet written in primitives -> a rule that
-  reads the module's public plan and emits the IR nodes;
+* ``record_calls``: an integer module (every one: its forward computes with
+  ``fxq.primitives``) runs while its primitive calls are recorded, and each call
+  becomes one IR node, with what the module computed *for the scales its inputs
+  actually carry* (so a graph edit that changes a scale is exported as the model
+  computes it): export is what forward did, never a re-derivation of it;
 * ``VALUE_RULES``: pass-through registry rows that compute on values (ReLU,
   max pooling);
 * every other pass-through row only moves integers: its rule applies the float
@@ -40,6 +38,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_flatten
 
 from fxq import registry
+from fxq.export.common import _dtype
 from fxq.export.dynamic import Dim, merge_probes, probe_inputs, probe_size, resolve_dims
 from fxq.export.float_ops import float_op_rule
 from fxq.export.graph import IntegerGraph, TensorInfo
@@ -53,7 +52,6 @@ from fxq.export.moves import (
     value_rule,
 )
 from fxq.export.plain import CAST_METHODS, TORCH_DTYPES, cast_rule, materialize, plain_rule
-from fxq.export.rules import RULES, _dtype
 from fxq.fx.graph_utils import reads_metadata_only
 from fxq.fx.tracer import SELF, call_wrapped_method
 from fxq.primitives import Call, recording
@@ -67,7 +65,6 @@ __all__ = [
     "to_graph",
     "Dim",
     "ExportError",
-    "RULES",
     "VALUE_RULES",
     "FLOAT_RULES",
     "rule_for_row",
@@ -490,27 +487,25 @@ def record_calls(ex: _Exporter, module: Any, args, kwargs, result) -> None:
 
 
 def rule_for_module(module: Any) -> Any:
-    """The export rule of an integer module: its class's ``RULES`` entry, else
-    ``record_calls`` (any other integer module, ``Standalone`` excepted); None for other
-    modules."""
-    rule = RULES.get(type(module))
-    if rule is None and isinstance(module, (QuantizedModule, DeQuantize)):
-        return None if isinstance(module, Standalone) else record_calls
-    return rule
+    """The export rule of a module: ``record_calls`` for an integer module (and a
+    ``DeQuantize``), ``Standalone`` excepted; None for other modules."""
+    if isinstance(module, (QuantizedModule, DeQuantize)) and not isinstance(module, Standalone):
+        return record_calls
+    return None
 
 
 def rule_for_row(row: registry.OpRow) -> Any:
     """The export rule of a registry row (``OpRow.export`` reads it here), or None.
 
-    * a row with an integer class: ``RULES[row.integer_class]``, else ``record_calls`` (its
-      forward's primitive calls), called as ``rule(exporter, module, args, kwargs, result)``;
+    * a row with an integer class: ``record_calls`` (its forward's primitive calls), called
+      as ``rule(exporter, module, args, kwargs, result)``;
     * a pass-through row: its ``VALUE_RULES`` entry, else the movement rule (a
       ``"custom"`` row only when listed in ``MOVEMENT_CUSTOM_ROWS``), called as
       ``rule(exporter, node, module, args, kwargs, result)``;
     * any other row (float ops, shapes, rows refined per call): None.
     """
     if row.integer is not None:
-        return RULES.get(row.integer_class, record_calls)
+        return record_calls
     if row.kind is not Kind.PASSTHROUGH:
         return None
     rule = value_rule(row.name)

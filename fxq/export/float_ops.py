@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx import Node
 
-from fxq.export.rules import _Exporter, _ints, rule_in
+from fxq.export.common import _Exporter, _ints, rule_in
 from fxq.fused import Fused
 from fxq.quantized.pooling import AVG_POOL_PARAMS
 

@@ -16,8 +16,8 @@ from torch.fx import Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxq import registry
+from fxq.export.common import _dtype, _Exporter, _ints, _np  # noqa: F401
 from fxq.export.plain import TORCH_DTYPES, number_attr
-from fxq.export.rules import _dtype, _Exporter, _ints, _np  # noqa: F401
 from fxq.qtensor import QTensor
 
 __all__ = ["VALUE_RULES", "MOVEMENT_CUSTOM_ROWS", "FLOAT_RULES", "value_rule"]

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.fx import Node
 
-from fxq.export.rules import _Exporter, _np, depends_on_inputs, rule_in
+from fxq.export.common import _Exporter, _np, depends_on_inputs, rule_in
 from fxq.qtensor import QTensor
 
 __all__ = [

@@ -2,8 +2,8 @@
 
 * ``matmul``: ``sat(shift_round(sat32(A @ B) * M, S))`` of two integer operands
   (``torch.matmul`` broadcasting); the int32 accumulator saturates as the march's does.
-  Attention's rules add a ``factor`` attribute (the float scale folded into ``M``) for the
-  QDQ form.
+  Attention's score matmul records a ``factor`` attribute (the float scale folded into
+  ``M``) for the QDQ form.
 
 The torch kernel sums exactly whatever the device (``fxq.quantized.functional.accumulate``:
 float32 limbs where a float32 GEMM would round); numpy and ONNX sum in float64 / float32 only
@@ -91,6 +91,8 @@ if torch is not None:
         dtype: QDType,
         rounding: Rounding,
         check: Callable[[Tensor], Any] | None = None,
+        factor: float | None = None,
+        scale: Tensor | None = None,
     ) -> Tensor:
         """``sat(shift_round(sat32(a @ b) * multiplier, shift))`` of exact integers, summed
         as ``plan`` says; exact float32 values of ``dtype``.
@@ -98,6 +100,10 @@ if torch is not None:
         Args:
             check: called with the exact accumulator before it saturates, where ``plan``'s
                 bound can exceed int32 (the module's saturation warning).
+            factor: a float scale the multiplier holds (attention's ``1 / sqrt(d)``), recorded
+                as the node's ``factor`` attribute, which the QDQ form multiplies by.
+            scale: the output grid's scale, for the exported tensor (a result that stays
+                inside the module: attention's scores).
         """
         acc = qf.accumulate(_product, a, b, None, plan)
         if check is not None and (plan.bound >= 1 << 31 or plan.limbs > 1):
@@ -112,5 +118,8 @@ if torch is not None:
                 "dtype": d,
                 "rounding": rounding.value,
             }
-            record(Call("matmul", [a, b], [y], [d], attrs))
+            if factor is not None:
+                attrs["factor"] = float(factor)
+            scales = [None if scale is None else float(scale)]
+            record(Call("matmul", [a, b], [y], [d], attrs, {}, scales))
         return y

@@ -1,4 +1,4 @@
-"""Data movement inside an integer module: concatenation, a new axis, a transpose.
+"""Data movement inside an integer module: concatenation, a new axis, a reshape, a transpose.
 
 These move integers without computing them. Their IR ops (``concat``, ``reshape``,
 ``transpose``) are the graph's data-movement vocabulary, which ``fxq.export`` defines with
@@ -19,13 +19,16 @@ try:
 except ImportError:  # the numpy runtime without torch
     torch = None
 
-__all__ = ["concat", "stack", "swap_last"]
+__all__ = ["concat", "stack", "swap_last", "reshape", "permute"]
 
 
 if torch is not None:
     from torch import Tensor
 
     from fxq.dtypes import QDType
+
+    def _ir(dtype: QDType | str) -> str:
+        return dtype if isinstance(dtype, str) else ir_dtype(dtype)
 
     def concat(values: Sequence[Tensor], axis: int, dtype: QDType) -> Tensor:
         """``torch.cat`` of integers on one grid (``dtype``)."""
@@ -80,6 +83,52 @@ if torch is not None:
                     {},
                     scales,
                     keeps_batch=rank > 2,
+                )
+            )
+        return y
+
+    def reshape(
+        v: Tensor,
+        shape: Sequence[int],
+        dtype: QDType | str,
+        scale: Tensor | None = None,
+        keeps_batch: bool = False,
+    ) -> Tensor:
+        """``v.reshape(shape)`` of integers of ``dtype`` (an IR dtype such as ``"bool"`` for a
+        plain tensor: a mask), on a grid of ``scale`` where the result stays inside the module.
+
+        Args:
+            keeps_batch: whether the result's axis 0 is ``v``'s (a dynamic batch stays
+                dynamic: the exported shape has 0 there).
+        """
+        y = v.reshape(shape)
+        if is_recording():
+            attrs = {"shape": [int(s) for s in y.shape]}
+            scales = [None if scale is None else float(scale)]
+            record(
+                Call("reshape", [v], [y], [_ir(dtype)], attrs, {}, scales, keeps_batch=keeps_batch)
+            )
+        return y
+
+    def permute(
+        v: Tensor, perm: Sequence[int], dtype: QDType | str, scale: Tensor | None = None
+    ) -> Tensor:
+        """``v.permute(perm)`` of integers of ``dtype`` (as ``reshape``); a dynamic batch stays
+        dynamic where axis 0 stays first."""
+        perm = [int(p) % v.dim() for p in perm]
+        y = v.permute(perm)
+        if is_recording():
+            scales = [None if scale is None else float(scale)]
+            record(
+                Call(
+                    "transpose",
+                    [v],
+                    [y],
+                    [_ir(dtype)],
+                    {"perm": perm},
+                    {},
+                    scales,
+                    keeps_batch=perm[0] == 0,
                 )
             )
         return y

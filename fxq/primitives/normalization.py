@@ -8,20 +8,22 @@ table, and a requantization (``docs/arithmetic.md``, sections 14-16).
   ``keep`` mask (an input or a constant) and ``causal`` masking.
 
 The torch side is the integer modules' own kernels (``fxq.quantized.normalization``,
-``fxq.quantized.softmax``), which record each call here.
+``fxq.quantized.softmax``), which record each call here (``record_softmax`` for attention's
+masked softmax).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from fxq.primitives.arith import DTYPES, RANGES, requant, sat32, shift_round
-from fxq.primitives.core import Primitive, register
+from fxq.primitives.core import Call, Primitive, is_recording, record, register
 from fxq.primitives.schema import INT_DTYPES, RESULT_ATTRS, SHIFT, Ctx, OpSpec, Param, is_int
 
-__all__ = ["keep_mask"]
+__all__ = ["keep_mask", "record_softmax"]
 
 Node = Any  # fxq.export.graph.Node (fxq.export is above this package)
 
@@ -469,3 +471,31 @@ for _op, _numpy, _onnx, _qdq in (
     ("softmax", _numpy_softmax, _onnx_softmax, _qdq_softmax),
 ):
     register(Primitive(_op, _numpy, _onnx, _SPECS[_op], _qdq, _DOCS[_op]))
+
+
+# -- recording ----------------------------------------------------------------------------------
+def record_softmax(
+    x: Any,
+    y: Any,
+    dtype: str,
+    build: Callable[[], tuple[dict[str, Any], Mapping[str, Any]]],
+    keep: Any = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> None:
+    """Record that ``y`` (IR dtype ``dtype``) is the integer softmax of ``x`` that ``build()``
+    describes (the node's attributes and tables, ``fxq.quantized.softmax.softmax_node``; built
+    only while an export records).
+
+    Args:
+        keep: a bool keep-mask tensor broadcast against ``x`` (the node's second input: a mask
+            of the graph, or a constant of the model), or None.
+        causal: whether only ``j <= i`` of the last two axes is kept as well (the kernels
+            build that triangle at the input's size, so the sequence length may be dynamic).
+        scale: the output grid's scale, where the result stays inside the module.
+    """
+    if is_recording():
+        attrs, params = build()
+        attrs = {**attrs, "causal": bool(causal)}
+        inputs = [x] if keep is None else [x, keep]
+        record(Call("softmax", inputs, [y], [dtype], attrs, params, [scale]))

@@ -14,6 +14,14 @@ out, torch's conventions); a float mask must be *additive* with only two kinds o
 included: left out). Any other entry raises ``ValueError``. A row with no entry left gives
 probability 0 everywhere (its output row is the requantized 0 (+ bias); torch gives NaN for
 bool masks and a uniform row for ``finfo.min`` masks). The QAT module uses the same rule.
+
+``forward`` computes with ``fxq.primitives`` only, so that an export records it: the
+matmuls (``accumulate.matmul``), the softmax (``normalization.record_softmax``), the
+projections (a ``linear`` node), the moves into heads and back (``movement``), the head sum
+of the returned weights (``window``) and their requantization (``requant``); the ops that
+turn a mask into a keep-mask (``dequantize``, ``compare``, ``logical``, ``reshape``) are
+recorded too, so a mask computed from the graph's inputs (a padding mask from
+``attention_mask``) and a constant mask (a buffer) both export.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fxq.dtypes import QDType, as_qdtype, qint8, qint32
+from fxq.primitives import accumulate, movement, normalization, requant, window
+from fxq.primitives.core import Call, NotExportable, ir_dtype, is_recording, record
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import (
@@ -35,7 +45,7 @@ from fxq.quantized.base import (
     warn_if_saturated,
 )
 from fxq.quantized.ops_base import FunctionalQuantized
-from fxq.quantized.softmax import SoftmaxPlan, integer_softmax, softmax_plan
+from fxq.quantized.softmax import SoftmaxPlan, integer_softmax, softmax_node, softmax_plan
 
 __all__ = [
     "ScaledDotProductAttention",
@@ -93,6 +103,14 @@ def _checking() -> bool:
     return not (compiling is not None and compiling())
 
 
+def _mask_op(op: str, inputs: list[Tensor], y: Tensor, attrs: dict[str, Any]) -> Tensor:
+    """``y``, the bool result of a ``compare`` / ``logical`` op on masks, recorded while an
+    export records (``fxq.export``'s plain-tensor ops)."""
+    if is_recording():
+        record(Call(op, inputs, [y], ["bool"], attrs))
+    return y
+
+
 def keep_mask(mask: Tensor, where: str, what: str, attend: bool = True) -> Tensor:
     """The bool keep-mask (True = the score takes part in the softmax) of an attention mask.
 
@@ -103,22 +121,32 @@ def keep_mask(mask: Tensor, where: str, what: str, attend: bool = True) -> Tenso
         what: the argument's name (``"attn_mask"``, ``"key_padding_mask"``).
         attend: the meaning of True in a bool mask: attend (SDPA) or leave out (MHA).
 
+    While an export records, each op is recorded: ``dequantize`` (a quantized mask),
+    ``compare le`` and ``logical not`` (a float mask), ``logical not`` (a bool mask of MHA).
+
     Raises:
         ValueError: a float mask with another value (a bias, e.g. ALiBi or relative
             positions: it has no integer form here; keep the op float with a qconfig of None).
         TypeError: an integer-dtype mask.
+        NotExportable: while an export records, a float mask other than float32, or a
+            quantized mask with per-channel scales or an offset.
     """
     if isinstance(mask, QTensor):  # a mask computed by quantized ops: its real values
-        mask = mask.dequantize()
+        mask = requant.dequantize(mask)
     if mask.dtype is torch.bool:
-        return mask if attend else ~mask
+        return mask if attend else _mask_op("logical", [mask], ~mask, {"fn": "not"})
     if not mask.is_floating_point():
         raise TypeError(
             f"{where}: {what} of dtype {mask.dtype}: integer attention takes a bool mask or a "
             "float additive mask (0 / -inf); convert it with .bool() or give the op a qconfig "
             "of None"
         )
-    left_out = mask <= ADDITIVE_MASK_LIMIT
+    if is_recording() and mask.dtype is not torch.float32:
+        raise NotExportable(f"its float {what} is {mask.dtype}; export takes float32 or bool masks")
+    limit = {"fn": "le", "compute_dtype": "float32", "scalar": float(ADDITIVE_MASK_LIMIT)}
+    left_out = _mask_op(
+        "compare", [mask], mask <= ADDITIVE_MASK_LIMIT, {**limit, "scalar_first": False}
+    )
     if _checking() and not bool((left_out | (mask == 0)).all()):
         bad = mask[~left_out & (mask != 0)]
         raise ValueError(
@@ -127,7 +155,7 @@ def keep_mask(mask: Tensor, where: str, what: str, attend: bool = True) -> Tenso
             "takes additive masks of 0 (attend) and -inf / finfo.min (left out) only, not "
             "additive biases. Keep this op float with a qconfig of None, or pass a bool mask"
         )
-    return ~left_out
+    return _mask_op("logical", [left_out], ~left_out, {"fn": "not"})
 
 
 def sdpa_keep(
@@ -170,17 +198,21 @@ def mha_keep(
     scores (bool masks: True = left out; float masks: additive), or None without masks.
 
     ``key_padding_mask`` is ``[B, S]`` (or ``[S]``); ``attn_mask`` is ``[L, S]`` or
-    ``[B * H, L, S]``.
+    ``[B * H, L, S]``. Each op is recorded while an export records (``keep_mask``; the
+    reshapes, the ``logical and``).
     """
     keep = None
     if key_padding_mask is not None:
         kpm = keep_mask(key_padding_mask, where, "key_padding_mask", attend=False)
-        keep = kpm.reshape(-1 if kpm.dim() == 2 else 1, 1, 1, kpm.shape[-1])
+        batched = kpm.dim() == 2
+        shape = (-1 if batched else 1, 1, 1, kpm.shape[-1])
+        keep = movement.reshape(kpm, shape, "bool", keeps_batch=batched)
     if attn_mask is not None:
         am = keep_mask(attn_mask, where, "attn_mask", attend=False)
         if am.dim() == 3:
-            am = am.reshape(batch, heads, am.shape[-2], am.shape[-1])
-        keep = am if keep is None else keep & am
+            shape = (batch, heads, am.shape[-2], am.shape[-1])
+            am = movement.reshape(am, shape, "bool", keeps_batch=heads == 1)
+        keep = am if keep is None else _mask_op("logical", [keep, am], keep & am, {"fn": "and"})
     return keep
 
 
@@ -193,14 +225,18 @@ def integer_matmul(
     multiplier: Tensor,
     shift: Tensor,
     out_dtype: QDType,
+    factor: float | None = None,
+    scale: Tensor | None = None,
 ) -> Tensor:
-    """``sat(shift_round(sat32(a @ b) M, S))`` with an exact accumulation; float32 integers.
+    """``sat(shift_round(sat32(a @ b) M, S))`` with an exact accumulation; float32 integers
+    (``fxq.primitives.accumulate.matmul``: ``factor`` the float scale ``M`` holds, ``scale``
+    the result's where it stays inside the module).
 
     Warns (once per module) when the int32 accumulator saturates (int16 q and k)."""
     k = a.shape[-1]
     plan = qf.plan_accumulation(a_bits, k * (1 << (b_bits - 1)), other_bits=b_bits)
-    acc = qf.accumulate(lambda x, w, _: torch.matmul(x, w), a, b, None, plan)
-    if plan.bound >= 1 << 31 or plan.limbs > 1:
+
+    def check(acc: Tensor) -> None:
         warn_if_saturated(
             module,
             acc,
@@ -210,8 +246,10 @@ def integer_matmul(
                 "qconfig), or keep the op in float with a qconfig of None"
             ),
         )
-    acc = qf.saturate_int32(acc)
-    return qf.requantize_exact(acc, multiplier, shift, out_dtype, module.rounding, as_float=True)
+
+    return accumulate.matmul(
+        a, b, plan, multiplier, shift, out_dtype, module.rounding, check, factor, scale
+    )
 
 
 class ScaledDotProductAttention(FunctionalQuantized):
@@ -251,10 +289,25 @@ class ScaledDotProductAttention(FunctionalQuantized):
         return m_s, k_s, soft, m_o, k_o
 
     def forward(self, q: QTensor, k: QTensor, v: QTensor, *args: Any, **kwargs: Any) -> QTensor:
-        scale, keep = sdpa_scale_and_keep(self.name, q, k, args, kwargs)
+        options = sdpa_arguments(args, kwargs)
+        mask = options["attn_mask"]
+        keep = None if mask is None else keep_mask(mask, self.name, "attn_mask")
+        scale = sdpa_scale(options, q.shape[-1])
         m_s, k_s, soft, m_o, k_o = self.plan(q, k, v, scale)
-        out = attention_core(self, q, k, v, (m_s, k_s), soft, (m_o, k_o), self.inner_dtype, keep)
-        return self.wrap(out[0])
+        out, _ = attention_core(
+            self,
+            q,
+            k,
+            v,
+            (m_s, k_s),
+            soft,
+            (m_o, k_o),
+            self.inner_dtype,
+            keep,
+            causal=bool(options["is_causal"]),
+            factor=scale,
+        )
+        return self.wrap(out)
 
 
 def attention_core(
@@ -268,21 +321,44 @@ def attention_core(
     inner: QDType,
     keep: Tensor | None,
     out_dtype: QDType | None = None,
+    causal: bool = False,
+    factor: float = 1.0,
+    out_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Integer scores, probabilities and output of attention; returns ``(out, probs)`` as float32
-    integers (``out`` in ``out_dtype``, default the module's, ``probs`` in ``inner``).
+    integers (``out`` in ``out_dtype``, default the module's, on ``out_scale`` where it stays
+    inside the module; ``probs`` in ``inner``).
 
-    ``keep``: a bool mask broadcastable against the scores (False: left out of the softmax)."""
+    ``keep``: a bool mask broadcastable against the scores (False: left out of the softmax);
+    ``causal``: only ``j <= i`` is kept as well; ``factor``: the score scale the multiplier
+    holds (the exported score matmul's ``factor``)."""
+    key_t = movement.swap_last(k.values(), k.qdtype, k.scale)
     scores = integer_matmul(
         module,
         q.values(),
-        k.values().transpose(-2, -1),
+        key_t,
         q.qdtype.bits,
         k.qdtype.bits,
         *scores_requant,
         inner,
+        factor=factor,
+        scale=module.scores_scale,
     )
-    probs = integer_softmax(scores, -1, soft, inner, module.rounding, keep=keep).to(torch.float32)
+    full = keep
+    if causal:
+        tri = causal_keep(scores.shape[-2], scores.shape[-1], scores.device)
+        full = tri if keep is None else keep & tri
+    probs = integer_softmax(scores, -1, soft, inner, module.rounding, keep=full).to(torch.float32)
+    d, r = ir_dtype(inner), module.rounding.value
+    normalization.record_softmax(
+        scores,
+        probs,
+        d,
+        lambda: softmax_node(soft, False, scores.dim() - 1, r, d),
+        keep,
+        causal,
+        float(module.probs_scale),
+    )
     out = integer_matmul(
         module,
         probs,
@@ -291,6 +367,7 @@ def attention_core(
         v.qdtype.bits,
         *out_requant,
         out_dtype or module.out_dtype,
+        scale=out_scale,
     )
     return out, probs
 
@@ -300,20 +377,47 @@ def integer_linear(
     x: Tensor,
     x_bits: int,
     weight: Tensor,
+    weight_scale: Tensor,
     bias: Tensor | None,
     multiplier: Tensor,
     shift: Tensor,
     out_dtype: QDType,
+    scale: Tensor | None = None,
 ) -> Tensor:
-    """``sat(shift_round(sat32(x W^T + B) M[c], S[c]))`` per output channel; float32 integers."""
+    """``sat(shift_round(sat32(x W^T + B) M[c], S[c]))`` per output channel; float32 integers.
+
+    While an export records, the call is one ``linear`` node (``fxq.primitives.weighted``):
+    the int8 weight (out-major) with its per-channel scale, the int32 bias, multiplier and
+    shift; its output on ``scale`` where it stays inside the module."""
     w_abs = int(weight.to(torch.int64).abs().sum(1).max())
     b_abs = int(bias.abs().max()) if bias is not None else 0
     plan = qf.plan_accumulation(x_bits, w_abs, b_abs)
     acc = qf.accumulate(lambda a, w, b: F.linear(a, w, b), x, weight, bias, plan, channel_axis=-1)
     acc = qf.saturate_int32(acc)
-    return qf.requantize_exact(
+    y = qf.requantize_exact(
         acc, multiplier, shift, out_dtype, module.rounding, channel_axis=-1, as_float=True
     )
+    if is_recording():
+        d = ir_dtype(out_dtype)
+        params = {
+            "weight": weight.to(torch.int8),
+            "weight_scale": weight_scale.float().reshape(-1),
+            "multiplier": multiplier.to(torch.int32),
+            "shift": shift.to(torch.int32),
+        }
+        if bias is not None:
+            params["bias"] = bias.to(torch.int32)
+        attrs = {
+            "out_dtype": d,
+            "rounding": module.rounding.value,
+            "lo": None,
+            "hi": None,
+            "float_max": None,
+            "activation": None,
+        }
+        scales = [None if scale is None else float(scale)]
+        record(Call("linear", [x], [y], [d], attrs, params, scales))
+    return y
 
 
 class MultiheadAttention(FunctionalQuantized):
@@ -422,16 +526,22 @@ class MultiheadAttention(FunctionalQuantized):
             raise ValueError(
                 f"MultiheadAttention {self.name!r}: integer attention takes batched (3-d) inputs"
             )
+        if not self.batch_first and is_recording():
+            raise NotExportable("nn.MultiheadAttention is exported with batch_first=True only")
         plan = self.plan(query, key, value)
         e, h = self.embed_dim, self.num_heads
         batch = query.shape[0] if self.batch_first else query.shape[1]
         keep = mha_keep(self.name, options["key_padding_mask"], options["attn_mask"], batch, h)
         heads = []
-        for x, name, (w, b, m, s) in zip((query, key, value), "qkv", plan["proj"]):
+        for i, (x, name, (w, b, m, s)) in enumerate(zip((query, key, value), "qkv", plan["proj"])):
+            scale, dtype = getattr(self, f"{name}_scale"), self.proj_dtype
             vals = x.values() if self.batch_first else x.values().transpose(0, 1)  # [B, L, E]
-            y = integer_linear(self, vals, x.qdtype.bits, w, b, m, s, self.proj_dtype)
-            y = y.reshape(y.shape[0], y.shape[1], h, e // h).transpose(1, 2)  # [B, H, L, d]
-            heads.append(QTensor(y, getattr(self, f"{name}_scale"), self.proj_dtype))
+            s_w = self.in_weight_scale[i * e : (i + 1) * e]
+            y = integer_linear(self, vals, x.qdtype.bits, w, s_w, b, m, s, dtype, scale)
+            shape = (y.shape[0], y.shape[1], h, e // h)
+            y = movement.reshape(y, shape, dtype, scale, keeps_batch=True)
+            y = movement.permute(y, (0, 2, 1, 3), dtype, scale)  # [B, H, L, d]
+            heads.append(QTensor(y, scale, dtype))
         ctx, probs = attention_core(
             self,
             *heads,
@@ -441,19 +551,25 @@ class MultiheadAttention(FunctionalQuantized):
             self.inner_dtype,
             keep,
             self.proj_dtype,
+            factor=1.0 / math.sqrt(e // h),
+            out_scale=self.context_scale,
         )
-        ctx = ctx.transpose(1, 2).reshape(ctx.shape[0], ctx.shape[2], e)  # [B, L, E]
+        ctx = movement.permute(ctx, (0, 2, 1, 3), self.proj_dtype, self.context_scale)
+        shape = (ctx.shape[0], ctx.shape[1], e)  # [B, L, E]
+        ctx = movement.reshape(ctx, shape, self.proj_dtype, self.context_scale, keeps_batch=True)
         w, b, m, s = plan["out"]
-        y = integer_linear(self, ctx, self.proj_dtype.bits, w, b, m, s, self.out_dtype)
+        y = integer_linear(
+            self, ctx, self.proj_dtype.bits, w, self.out_weight_scale, b, m, s, self.out_dtype
+        )
         if not self.batch_first:
             y = y.transpose(0, 1)
         weights = None
         if options["need_weights"]:  # requantized to the output's grid (see the QAT module)
-            if options["average_attn_weights"]:
-                probs, (m, s) = probs.sum(1), plan["weights_mean"]
+            if options["average_attn_weights"]:  # the head sum: exact in float32
+                sums = probs.sum(1, keepdim=True)
+                window.record_window_sums(probs, sums, [1], None)
+                probs, (m, s) = window.drop_axes(sums, [1]), plan["weights_mean"]
             else:
                 m, s = plan["weights"]
-            weights = self.wrap(
-                qf.requantize_exact(probs, m, s, self.out_dtype, self.rounding, as_float=True)
-            )
+            weights = self.wrap(requant.requantize(probs, m, s, self.out_dtype, self.rounding))
         return self.wrap(y), weights

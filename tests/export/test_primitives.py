@@ -255,3 +255,90 @@ def test_moves_inside_a_module_are_recorded_and_keep_the_batch_dynamic(bayes, tm
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
         got = session.run(None, {session.get_inputs()[0].name: xb.numpy()})
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+# -- attention: recorded like any integer module, masks from the graph's inputs included --------
+class _PaddedAttention(nn.Module):
+    """``nn.MultiheadAttention`` and ``F.scaled_dot_product_attention`` over a padded batch: the
+    padding mask comes from the int64 input ``mask`` (``mask == 0``), with a constant causal
+    ``attn_mask`` (a buffer of ``-inf``) for one call and the averaged weights returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.dq = fxq.QuantStub(), fxq.DeQuantStub()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+        self.register_buffer("causal", torch.zeros(6, 6).masked_fill(causal, float("-inf")))
+
+    def forward(self, x, mask):
+        h = self.q(x)
+        pad = mask == 0
+        out, weights = self.mha(h, h, h, key_padding_mask=pad, attn_mask=self.causal)
+        plain, _ = self.mha(h, h, h, key_padding_mask=pad, need_weights=False)
+        heads = h.view(h.shape[0], 6, 2, 4).transpose(1, 2)
+        keep = ~pad[:, None, None, :]
+        sdpa = torch.nn.functional.scaled_dot_product_attention(heads, heads, heads, attn_mask=keep)
+        return self.dq(out), self.dq(weights), self.dq(plain), self.dq(sdpa)
+
+
+def _padded(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(batch, 6, dtype=torch.long)
+    mask[0, 3:] = 0
+    return torch.randn(batch, 6, 8, generator=g), mask
+
+
+def test_attention_exports_by_recording_with_a_padding_mask_from_the_inputs(bayes):
+    from fxq.export.onnx import graph_to_onnx
+    from fxq.quantized import attention
+    from tests.export.helpers import assert_exact_in_runtimes, convert_calibrated
+
+    classes = (attention.ScaledDotProductAttention, attention.MultiheadAttention)
+    assert not hasattr(build, "RULES")  # no integer class has a hand-written export rule
+    torch.manual_seed(0)
+    integer = convert_calibrated(_PaddedAttention(), [_padded(2, 1), _padded(3, 2)])
+    found = [m for m in integer.modules() if isinstance(m, classes)]
+    assert {type(m) for m in found} == set(classes)
+    assert all(build.rule_for_module(m) is build.record_calls for m in found)
+    graph = fxq.export.to_graph(integer, _padded(2))
+    assert graph.dynamic_batch and graph.tensors["mask"].dtype == "int64"
+    softmax = [n for n in graph.nodes if n.op == "softmax"]
+    # the keep-masks are computed in the graph: each softmax's second input
+    assert len(softmax) == 3 and all(
+        len(n.inputs) == 2 and not n.params.get("keep") for n in softmax
+    )
+    assert {"axis_matmul", "linear", "compare", "logical", "constant"} <= {
+        n.op for n in graph.nodes
+    }
+    onnx_model = graph_to_onnx(graph)
+    for batch, seed in ((2, 3), (3, 4), (1, 5)):
+        assert_exact_in_runtimes(integer, graph, onnx_model, _padded(batch, seed))
+    # the mask is an input: padding changes the kept tokens' outputs
+    x, mask = _padded(2, 3)
+    a = graph.run(x.numpy(), mask.numpy())[0]
+    b = graph.run(x.numpy(), np.ones_like(mask.numpy()))[0]
+    assert not np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+def test_attention_refusals_and_constant_masks_of_the_batch_size(bayes):
+    from tests.export.helpers import registry_model
+
+    # a constant keep-mask with one row per sample (the registry's example) fixes the batch
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    integer, x = registry_model("scaled_dot_product_attention", sdpa)
+    assert not fxq.export.to_graph(integer, x).dynamic_batch
+
+    class SequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.dq = fxq.QuantStub(), fxq.DeQuantStub()
+            self.mha = nn.MultiheadAttention(8, 2)
+
+        def forward(self, x):
+            h = self.q(x)
+            return self.dq(self.mha(h, h, h)[0])
+
+    x = torch.randn(5, 2, 8)
+    gm = _converted(SequenceFirst(), x)
+    with pytest.raises(fxq.export.ExportError, match=r"'mha'.*batch_first=True only"):
+        fxq.export.to_graph(gm, x)
