@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from fxq.primitives import movement
 from fxq.primitives.arith import exact_dot, shift_round
 from fxq.primitives.core import (
     Call,
@@ -406,9 +407,5 @@ if torch is not None:
     def drop_axes(sums: Tensor, axes: Sequence[int]) -> Tensor:
         """``sums`` without its summed ``axes`` (size 1: a reduction's ``keepdim=False``),
         recorded as a ``reshape`` that keeps a dynamic batch unless axis 0 is dropped."""
-        y = sums.squeeze(tuple(axes))
-        if is_recording():
-            attrs = {"shape": [int(s) for s in y.shape]}
-            keeps = 0 not in axes and y.dim() > 0
-            record(Call("reshape", [sums], [y], ["int64"], attrs, keeps_batch=keeps))
-        return y
+        shape = [n for i, n in enumerate(sums.shape) if i not in axes]
+        return movement.reshape(sums, shape, "int64", keeps_batch=0 not in axes and bool(shape))
