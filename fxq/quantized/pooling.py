@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fxq.primitives import window
+from fxq.primitives.core import is_recording
 from fxq.qtensor import QTensor
 from fxq.quantized import functional as qf
 from fxq.quantized.base import multiplier_for
@@ -48,9 +49,9 @@ def _requant_by_count(
     """
     (s_x,) = module.scale_values(x)
     counts = counts.to(torch.float64).cpu()  # on the host already where it is made
-    distinct, inverse = torch.unique(counts, return_inverse=True)
 
     def plan() -> tuple[Tensor, Tensor]:
+        distinct, inverse = torch.unique(counts, return_inverse=True)
         m, s = _count_plan(module, x.scale, distinct)
         return (m[inverse], s[inverse]) if distinct.numel() > 1 else (m, s)
 
@@ -61,17 +62,17 @@ def _requant_by_count(
         m, s = plan()
         return qf.ldexp(m, -s).to(sums.device)
 
+    def by_count(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The multiplier and shift for other element counts (a mean over dynamic dims)."""
+        m, s = _count_plan(module, x.scale, torch.from_numpy(n))
+        return m.numpy().astype(np.int64).reshape(-1), s.numpy().astype(np.int64).reshape(-1)
+
     r = module.derived(key, factor)
-    by_count = None
-    if distinct.numel() == 1:  # the multiplier for any other count (dynamic dims)
-        s_scale = x.scale
-
-        def by_count(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            m, s = _count_plan(module, s_scale, torch.from_numpy(n))
-            return m.numpy().astype(np.int64).reshape(-1), s.numpy().astype(np.int64).reshape(-1)
-
-    dt = module.out_dtype
-    q = window.requantize_by_count(sums, r, dt, module.rounding, plan, by_count)
+    # an export reads the count table only where one count serves every output
+    one_count = is_recording() and bool((counts == counts.reshape(-1)[0]).all())
+    q = window.requantize_by_count(
+        sums, r, module.out_dtype, module.rounding, plan, by_count if one_count else None
+    )
     return module.wrap(q)
 
 
