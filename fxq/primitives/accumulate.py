@@ -8,6 +8,7 @@
 The torch kernel sums exactly whatever the device (``fxq.quantized.functional.accumulate``:
 float32 limbs where a float32 GEMM would round); numpy and ONNX sum in float64 / float32 only
 below the exactness bound of the operands, else in int64.
+Traced by ``torch.export`` / ``torch.compile``, a call is one ``fxq::matmul`` op.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from typing import Any
 import numpy as np
 
 from fxq.primitives.arith import dot_bound, exact_dot, requant, sat32
-from fxq.primitives.core import Call, Primitive, ir_dtype, is_recording, record, register
+from fxq.primitives.core import (
+    Call,
+    Primitive,
+    ir_dtype,
+    is_recording,
+    record,
+    register,
+    traced,
+)
 from fxq.primitives.schema import RESULT_ATTRS, OpSpec
 
 try:
@@ -75,12 +84,49 @@ register(
 if torch is not None:
     from torch import Tensor
 
-    from fxq.dtypes import QDType
+    from fxq.dtypes import QDType, as_qdtype
     from fxq.march import Rounding
     from fxq.quantized import functional as qf
 
     def _product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return torch.matmul(x, w)
+
+    def _kernel(
+        a: Tensor,
+        b: Tensor,
+        plan: qf.AccumulationPlan,
+        multiplier: Tensor,
+        shift: Tensor,
+        dtype: QDType,
+        rounding: Rounding,
+        check: Callable[[Tensor], Any] | None = None,
+    ) -> Tensor:
+        acc = qf.accumulate(_product, a, b, None, plan)
+        if check is not None and (plan.bound >= 1 << 31 or plan.limbs > 1):
+            check(acc)
+        acc = qf.saturate_int32(acc)
+        return qf.requantize_exact(acc, multiplier, shift, dtype, rounding, as_float=True)
+
+    @torch.library.custom_op("fxq::matmul", mutates_args=())
+    def _matmul_op(
+        a: Tensor,
+        b: Tensor,
+        multiplier: Tensor,
+        shift: Tensor,
+        plan: list[int],
+        out_bits: int,
+        half_even: bool,
+    ) -> Tensor:
+        double, limbs, width, bound, in_kernel = plan
+        p = qf.AccumulationPlan(
+            torch.float64 if double else torch.float32, limbs, width, bound, bool(in_kernel)
+        )
+        rounding = Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
+        return _kernel(a, b, p, multiplier, shift, as_qdtype(f"qint{out_bits}"), rounding)
+
+    @_matmul_op.register_fake
+    def _(a, b, multiplier, shift, plan, out_bits, half_even):
+        return torch.empty_like(torch.matmul(a.float(), b.float()))
 
     def matmul(
         a: Tensor,
@@ -105,11 +151,13 @@ if torch is not None:
             scale: the output grid's scale, for the exported tensor (a result that stays
                 inside the module: attention's scores).
         """
-        acc = qf.accumulate(_product, a, b, None, plan)
-        if check is not None and (plan.bound >= 1 << 31 or plan.limbs > 1):
-            check(acc)
-        acc = qf.saturate_int32(acc)
-        y = qf.requantize_exact(acc, multiplier, shift, dtype, rounding, as_float=True)
+        if traced():  # one fxq::matmul op in the traced graph
+            fields = [plan.dtype is torch.float64, plan.limbs, plan.width, plan.bound]
+            fields.append(int(plan.bias_in_kernel))
+            half_even = rounding is Rounding.HALF_EVEN
+            y = _matmul_op(a, b, multiplier, shift, fields, dtype.bits, half_even)
+        else:
+            y = _kernel(a, b, plan, multiplier, shift, dtype, rounding, check)
         if is_recording():
             d = ir_dtype(dtype)
             attrs = {

@@ -40,6 +40,7 @@ __all__ = [
     "ir_dtype",
     "record_built",
     "NotExportable",
+    "traced",
 ]
 
 #: ``kernel(node, inputs) -> outputs`` (``fxq.export.runtime``)
@@ -175,6 +176,15 @@ def record_built(
     if _state.recorder is not None:
         attrs, params = build()
         record(Call(op, list(inputs), [output], [dtype], attrs, params, axis0=axis0))
+
+
+def traced() -> bool:
+    """Whether a primitive should call its ``torch.library`` op (``fxq::<name>``) rather than
+    its kernel: while ``torch.compile`` or ``torch.export`` traces, so the graph holds the
+    primitive as one op. Eager calls run the kernel directly, without the dispatcher."""
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 def ir_dtype(qdtype: Any) -> str:

@@ -7,17 +7,28 @@
   of one operand times a number (``scalar``, whose magnitude is in ``M``).
 * ``divide``: ``sat(round(N / (B 2**S)))`` exactly, ``N = A m`` (two operands) or the constant
   ``numerator``; ``B = 0`` gives the saturated value of ``N``'s sign (0 for ``0 / 0``).
+
+Traced by ``torch.export`` / ``torch.compile``, each call is one ``torch.library`` op
+(``fxq::add``, ``fxq::mul``, ``fxq::divide``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from fxq.primitives.arith import DTYPES, RANGES, requant
-from fxq.primitives.core import Call, Primitive, ir_dtype, is_recording, record, register
+from fxq.primitives.core import (
+    Call,
+    Primitive,
+    ir_dtype,
+    is_recording,
+    record,
+    register,
+    traced,
+)
 from fxq.primitives.schema import RESULT_ATTRS, Ctx, OpSpec
 
 try:
@@ -216,12 +227,98 @@ register(
 if torch is not None:
     from torch import Tensor
 
-    from fxq.dtypes import QDType
+    from fxq.dtypes import QDType, as_qdtype
     from fxq.march import Rounding
     from fxq.quantized import functional as qf
 
     def _int(t: Any) -> int:
         return int(t.reshape(-1)[0]) if isinstance(t, Tensor) else int(t)
+
+    def _mul_kernel(
+        a: Tensor,
+        b: Tensor | None,
+        m: Tensor,
+        s: Tensor,
+        sign: int | None,
+        dtype: QDType,
+        rounding: Rounding,
+    ) -> Tensor:
+        x = a.to(torch.float64)
+        product = x * (b.to(torch.float64) if b is not None else float(sign))
+        return qf.requantize_exact(product, m, s, dtype, rounding, as_float=True)
+
+    def _divide_kernel(
+        a: Tensor | None,
+        b: Tensor,
+        multiplier: int,
+        shift: int,
+        numerator: int | None,
+        dtype: QDType,
+    ) -> Tensor:
+        den = b.to(torch.int64)
+        if a is not None:
+            num = a.to(torch.int64) * multiplier
+        else:
+            num = torch.full((), numerator, dtype=torch.int64, device=den.device)
+        num, den = torch.broadcast_tensors(num, den)
+        return divide_exact(num, den, shift, dtype.qmin, dtype.qmax).to(torch.float32)
+
+    def _rounding(half_even: bool) -> Rounding:
+        return Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
+
+    @torch.library.custom_op("fxq::add", mutates_args=())
+    def _add_op(
+        values: list[Tensor],
+        multipliers: list[int],
+        constant: Optional[Tensor],  # noqa: UP045 (torch.library reads the annotation)
+        shift: Tensor,
+        out_bits: int,
+        half_even: bool,
+    ) -> Tensor:
+        dtype = as_qdtype(f"qint{out_bits}")
+        terms = list(zip(values, multipliers))
+        return qf.add_requant(terms, constant, shift, dtype, _rounding(half_even))
+
+    @_add_op.register_fake
+    def _(values, multipliers, constant, shift, out_bits, half_even):
+        shape = torch.broadcast_shapes(*(v.shape for v in values))
+        storage = as_qdtype(f"qint{out_bits}").storage
+        return values[0].new_empty(shape, dtype=storage)
+
+    @torch.library.custom_op("fxq::mul", mutates_args=())
+    def _mul_op(
+        a: Tensor,
+        b: Optional[Tensor],  # noqa: UP045
+        multiplier: Tensor,
+        shift: Tensor,
+        sign: int,
+        out_bits: int,
+        half_even: bool,
+    ) -> Tensor:
+        dtype = as_qdtype(f"qint{out_bits}")
+        return _mul_kernel(a, b, multiplier, shift, sign, dtype, _rounding(half_even))
+
+    @_mul_op.register_fake
+    def _(a, b, multiplier, shift, sign, out_bits, half_even):
+        shape = a.shape if b is None else torch.broadcast_shapes(a.shape, b.shape)
+        return a.new_empty(shape, dtype=torch.float32)
+
+    @torch.library.custom_op("fxq::divide", mutates_args=())
+    def _divide_op(
+        a: Optional[Tensor],  # noqa: UP045
+        b: Tensor,
+        multiplier: int,
+        shift: int,
+        numerator: int,
+        out_bits: int,
+    ) -> Tensor:
+        dtype = as_qdtype(f"qint{out_bits}")
+        return _divide_kernel(a, b, multiplier, shift, numerator, dtype)
+
+    @_divide_op.register_fake
+    def _(a, b, multiplier, shift, numerator, out_bits):
+        shape = b.shape if a is None else torch.broadcast_shapes(a.shape, b.shape)
+        return b.new_empty(shape, dtype=torch.float32)
 
     def add(
         values: Sequence[Tensor],
@@ -236,7 +333,17 @@ if torch is not None:
         """``sat(shift_round(sum_i values_i * multipliers_i + constant, shift))`` in ``dtype``
         storage; ``factors`` and ``scalar`` (the float sum ``sum_i f_i x_i + scalar``) are
         recorded for the QDQ form."""
-        y = qf.add_requant(list(zip(values, multipliers)), constant, shift, dtype, rounding)
+        if traced():  # one fxq::add op in the traced graph
+            y = _add_op(
+                list(values),
+                [int(m) for m in multipliers],
+                constant,
+                shift,
+                dtype.bits,
+                rounding is Rounding.HALF_EVEN,
+            )
+        else:
+            y = qf.add_requant(list(zip(values, multipliers)), constant, shift, dtype, rounding)
         if is_recording():
             d = ir_dtype(dtype)
             attrs = {
@@ -271,11 +378,13 @@ if torch is not None:
             scale: the output grid's scale where the result stays inside a module (the
                 square inside a cube).
         """
-        x = a.to(torch.float64)
-        product = x * (b.to(torch.float64) if b is not None else float(sign))
         m = torch.as_tensor(multiplier, dtype=torch.int64).reshape(1)
         s = torch.as_tensor(shift, dtype=torch.int64).reshape(1)
-        y = qf.requantize_exact(product, m, s, dtype, rounding, as_float=True)
+        half_even = rounding is Rounding.HALF_EVEN
+        if traced():  # one fxq::mul op in the traced graph
+            y = _mul_op(a, b, m, s, 0 if sign is None else int(sign), dtype.bits, half_even)
+        else:
+            y = _mul_kernel(a, b, m, s, sign, dtype, rounding)
         if is_recording():
             d = ir_dtype(dtype)
             attrs = {
@@ -316,13 +425,11 @@ if torch is not None:
         """``sat(round(N / (b 2**shift)))`` with ``N = a * multiplier``, or ``numerator``
         without ``a``, as exact float32 values of ``dtype``; ``scalar`` (the number over
         ``b``) is recorded for the QDQ form."""
-        den = b.to(torch.int64)
-        if a is not None:
-            num = a.to(torch.int64) * multiplier
+        if traced():  # one fxq::divide op in the traced graph
+            n = 0 if numerator is None else int(numerator)
+            y = _divide_op(a, b, int(multiplier), int(shift), n, dtype.bits)
         else:
-            num = torch.full((), numerator, dtype=torch.int64, device=den.device)
-        num, den = torch.broadcast_tensors(num, den)
-        y = divide_exact(num, den, shift, dtype.qmin, dtype.qmax).to(torch.float32)
+            y = _divide_kernel(a, b, multiplier, shift, numerator, dtype)
         if is_recording():
             d = ir_dtype(dtype)
             attrs = {

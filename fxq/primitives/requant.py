@@ -31,6 +31,7 @@ from fxq.primitives.core import (
     is_recording,
     record,
     register,
+    traced,
 )
 from fxq.primitives.schema import RESULT_ATTRS, SHIFT, Ctx, OpSpec
 
@@ -265,7 +266,7 @@ register(
 if torch is not None:
     from torch import Tensor
 
-    from fxq.dtypes import QDType
+    from fxq.dtypes import QDType, as_qdtype
     from fxq.march import Rounding
     from fxq.quantized import functional as qf
 
@@ -300,7 +301,7 @@ if torch is not None:
             record(Call("requantize", [v], [y], [d], attrs, params, scales))
         return y
 
-    def prelu(
+    def _prelu_kernel(
         v: Tensor,
         multiplier: Tensor,
         shift: Tensor,
@@ -311,10 +312,6 @@ if torch is not None:
         dtype: QDType,
         rounding: Rounding,
     ) -> Tensor:
-        """Each side of 0 of exact integers ``v`` requantized apart: ``v >= 0`` by
-        ``multiplier, shift``, ``v < 0`` as ``v * neg_sign[c]`` by ``neg_multiplier[c],
-        neg_shift[c]`` (one, or one per channel of ``axis``); exact float32 values of
-        ``dtype``."""
         per_channel = neg_multiplier.numel() > 1
         shape = [1] * v.dim()
         if per_channel:
@@ -330,7 +327,51 @@ if torch is not None:
             axis if per_channel else None,
             as_float=True,
         )
-        y = torch.where(v >= 0, pos, neg)
+        return torch.where(v >= 0, pos, neg)
+
+    @torch.library.custom_op("fxq::prelu", mutates_args=())
+    def _prelu_op(
+        v: Tensor,
+        multiplier: Tensor,
+        shift: Tensor,
+        neg_multiplier: Tensor,
+        neg_shift: Tensor,
+        neg_sign: Tensor,
+        axis: int,
+        out_bits: int,
+        half_even: bool,
+    ) -> Tensor:
+        rounding = Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
+        dtype = as_qdtype(f"qint{out_bits}")
+        values = (multiplier, shift, neg_multiplier, neg_shift, neg_sign)
+        return _prelu_kernel(v, *values, axis, dtype, rounding)
+
+    @_prelu_op.register_fake
+    def _(v, multiplier, shift, neg_multiplier, neg_shift, neg_sign, axis, out_bits, half_even):
+        return v.new_empty(v.shape, dtype=torch.float32)
+
+    def prelu(
+        v: Tensor,
+        multiplier: Tensor,
+        shift: Tensor,
+        neg_multiplier: Tensor,
+        neg_shift: Tensor,
+        neg_sign: Tensor,
+        axis: int,
+        dtype: QDType,
+        rounding: Rounding,
+    ) -> Tensor:
+        """Each side of 0 of exact integers ``v`` requantized apart: ``v >= 0`` by
+        ``multiplier, shift``, ``v < 0`` as ``v * neg_sign[c]`` by ``neg_multiplier[c],
+        neg_shift[c]`` (one, or one per channel of ``axis``); exact float32 values of
+        ``dtype``."""
+        if traced():  # one fxq::prelu op in the traced graph
+            values = (multiplier, shift, neg_multiplier, neg_shift, neg_sign)
+            y = _prelu_op(v, *values, axis, dtype.bits, rounding is Rounding.HALF_EVEN)
+        else:
+            y = _prelu_kernel(
+                v, multiplier, shift, neg_multiplier, neg_shift, neg_sign, axis, dtype, rounding
+            )
         if is_recording():
             d = ir_dtype(dtype)
             attrs = {"dtype": d, "rounding": rounding.value, "axis": axis}

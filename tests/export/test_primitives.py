@@ -190,6 +190,35 @@ def test_torch_export_keeps_a_table_lookup_as_one_op(bayes):
     assert torch.equal(program.module()(x), gm(x))
 
 
+class _Arithmetic(nn.Module):
+    """An integer matmul, residual add, product and division between quantized tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant = fxq.QuantStub()
+        self.dequant = fxq.DeQuantStub()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.quant(x)
+        y = self.fc(x)
+        s = torch.matmul(y, x.transpose(-2, -1))
+        z = (y + x) * x
+        return self.dequant(s), self.dequant(z / (y.abs() + 1))
+
+
+def test_torch_export_keeps_each_arithmetic_primitive_as_one_op(bayes):
+    x = torch.randn(2, 5, 8)
+    gm = _converted(_Arithmetic(), x)
+    program = torch.export.export(gm, (x,))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    for op in ("matmul", "add", "mul", "divide"):
+        assert f"fxq.{op}.default" in targets, op
+    xs = torch.randn(2, 5, 8) * 2
+    for got, want in zip(program.module()(xs), gm(xs)):
+        assert torch.equal(got, want)
+
+
 def test_a_call_without_an_exported_form_names_the_node(bayes):
     """An unbatched convolution runs (as torch's does) but has no exported form: the error
     names the node and says what to do."""
