@@ -19,15 +19,7 @@ from typing import Any
 import numpy as np
 
 from fxq.primitives.arith import dot_bound, exact_dot, requant, sat32
-from fxq.primitives.core import (
-    Call,
-    Primitive,
-    ir_dtype,
-    is_recording,
-    record,
-    register,
-    traced,
-)
+from fxq.primitives.core import Call, Primitive, ir_dtype, is_recording, record, register, traced
 from fxq.primitives.schema import RESULT_ATTRS, OpSpec
 
 try:
@@ -91,22 +83,6 @@ if torch is not None:
     def _product(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return torch.matmul(x, w)
 
-    def _kernel(
-        a: Tensor,
-        b: Tensor,
-        plan: qf.AccumulationPlan,
-        multiplier: Tensor,
-        shift: Tensor,
-        dtype: QDType,
-        rounding: Rounding,
-        check: Callable[[Tensor], Any] | None = None,
-    ) -> Tensor:
-        acc = qf.accumulate(_product, a, b, None, plan)
-        if check is not None and (plan.bound >= 1 << 31 or plan.limbs > 1):
-            check(acc)
-        acc = qf.saturate_int32(acc)
-        return qf.requantize_exact(acc, multiplier, shift, dtype, rounding, as_float=True)
-
     @torch.library.custom_op("fxq::matmul", mutates_args=())
     def _matmul_op(
         a: Tensor,
@@ -122,7 +98,7 @@ if torch is not None:
             torch.float64 if double else torch.float32, limbs, width, bound, bool(in_kernel)
         )
         rounding = Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
-        return _kernel(a, b, p, multiplier, shift, as_qdtype(f"qint{out_bits}"), rounding)
+        return matmul(a, b, p, multiplier, shift, as_qdtype(f"qint{out_bits}"), rounding)
 
     @_matmul_op.register_fake
     def _(a, b, multiplier, shift, plan, out_bits, half_even):
@@ -156,8 +132,12 @@ if torch is not None:
             fields.append(int(plan.bias_in_kernel))
             half_even = rounding is Rounding.HALF_EVEN
             y = _matmul_op(a, b, multiplier, shift, fields, dtype.bits, half_even)
-        else:
-            y = _kernel(a, b, plan, multiplier, shift, dtype, rounding, check)
+        else:  # the kernel (also the op's implementation, which calls this function eagerly)
+            acc = qf.accumulate(_product, a, b, None, plan)
+            if check is not None and (plan.bound >= 1 << 31 or plan.limbs > 1):
+                check(acc)
+            acc = qf.saturate_int32(acc)
+            y = qf.requantize_exact(acc, multiplier, shift, dtype, rounding, as_float=True)
         if is_recording():
             d = ir_dtype(dtype)
             attrs = {

@@ -20,15 +20,7 @@ from typing import Any, Optional
 import numpy as np
 
 from fxq.primitives.arith import DTYPES, RANGES, requant
-from fxq.primitives.core import (
-    Call,
-    Primitive,
-    ir_dtype,
-    is_recording,
-    record,
-    register,
-    traced,
-)
+from fxq.primitives.core import Call, Primitive, ir_dtype, is_recording, record, register, traced
 from fxq.primitives.schema import RESULT_ATTRS, Ctx, OpSpec
 
 try:

@@ -301,53 +301,16 @@ if torch is not None:
             record(Call("requantize", [v], [y], [d], attrs, params, scales))
         return y
 
-    def _prelu_kernel(
-        v: Tensor,
-        multiplier: Tensor,
-        shift: Tensor,
-        neg_multiplier: Tensor,
-        neg_shift: Tensor,
-        neg_sign: Tensor,
-        axis: int,
-        dtype: QDType,
-        rounding: Rounding,
-    ) -> Tensor:
-        per_channel = neg_multiplier.numel() > 1
-        shape = [1] * v.dim()
-        if per_channel:
-            shape[axis] = -1
-        sign = neg_sign.to(v.device).reshape(shape)
-        pos = qf.requantize_exact(v, multiplier, shift, dtype, rounding, as_float=True)
-        neg = qf.requantize_exact(
-            v * sign,
-            neg_multiplier,
-            neg_shift,
-            dtype,
-            rounding,
-            axis if per_channel else None,
-            as_float=True,
-        )
-        return torch.where(v >= 0, pos, neg)
-
     @torch.library.custom_op("fxq::prelu", mutates_args=())
     def _prelu_op(
-        v: Tensor,
-        multiplier: Tensor,
-        shift: Tensor,
-        neg_multiplier: Tensor,
-        neg_shift: Tensor,
-        neg_sign: Tensor,
-        axis: int,
-        out_bits: int,
-        half_even: bool,
+        v: Tensor, plan: list[Tensor], axis: int, out_bits: int, half_even: bool
     ) -> Tensor:
+        """``prelu`` as one op: ``plan`` holds its five arrays in ``_PRELU_PARAMS`` order."""
         rounding = Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
-        dtype = as_qdtype(f"qint{out_bits}")
-        values = (multiplier, shift, neg_multiplier, neg_shift, neg_sign)
-        return _prelu_kernel(v, *values, axis, dtype, rounding)
+        return prelu(v, *plan, axis, as_qdtype(f"qint{out_bits}"), rounding)
 
     @_prelu_op.register_fake
-    def _(v, multiplier, shift, neg_multiplier, neg_shift, neg_sign, axis, out_bits, half_even):
+    def _(v, plan, axis, out_bits, half_even):
         return v.new_empty(v.shape, dtype=torch.float32)
 
     def prelu(
@@ -366,12 +329,25 @@ if torch is not None:
         neg_shift[c]`` (one, or one per channel of ``axis``); exact float32 values of
         ``dtype``."""
         if traced():  # one fxq::prelu op in the traced graph
-            values = (multiplier, shift, neg_multiplier, neg_shift, neg_sign)
-            y = _prelu_op(v, *values, axis, dtype.bits, rounding is Rounding.HALF_EVEN)
-        else:
-            y = _prelu_kernel(
-                v, multiplier, shift, neg_multiplier, neg_shift, neg_sign, axis, dtype, rounding
+            plan = [multiplier, shift, neg_multiplier, neg_shift, neg_sign]
+            y = _prelu_op(v, plan, axis, dtype.bits, rounding is Rounding.HALF_EVEN)
+        else:  # the kernel (also the op's implementation, which calls this function eagerly)
+            per_channel = neg_multiplier.numel() > 1
+            shape = [1] * v.dim()
+            if per_channel:
+                shape[axis] = -1
+            sign = neg_sign.to(v.device).reshape(shape)
+            pos = qf.requantize_exact(v, multiplier, shift, dtype, rounding, as_float=True)
+            neg = qf.requantize_exact(
+                v * sign,
+                neg_multiplier,
+                neg_shift,
+                dtype,
+                rounding,
+                axis if per_channel else None,
+                as_float=True,
             )
+            y = torch.where(v >= 0, pos, neg)
         if is_recording():
             d = ir_dtype(dtype)
             attrs = {"dtype": d, "rounding": rounding.value, "axis": axis}

@@ -191,17 +191,18 @@ def test_torch_export_keeps_a_table_lookup_as_one_op(bayes):
 
 
 class _Arithmetic(nn.Module):
-    """An integer matmul, residual add, product and division between quantized tensors."""
+    """An integer matmul, residual add, product, division and leaky ReLU."""
 
     def __init__(self) -> None:
         super().__init__()
         self.quant = fxq.QuantStub()
         self.dequant = fxq.DeQuantStub()
         self.fc = nn.Linear(8, 8)
+        self.act = nn.LeakyReLU(0.1)
 
     def forward(self, x):
         x = self.quant(x)
-        y = self.fc(x)
+        y = self.act(self.fc(x))
         s = torch.matmul(y, x.transpose(-2, -1))
         z = (y + x) * x
         return self.dequant(s), self.dequant(z / (y.abs() + 1))
@@ -212,7 +213,7 @@ def test_torch_export_keeps_each_arithmetic_primitive_as_one_op(bayes):
     gm = _converted(_Arithmetic(), x)
     program = torch.export.export(gm, (x,))
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
-    for op in ("matmul", "add", "mul", "divide"):
+    for op in ("matmul", "add", "mul", "divide", "prelu"):
         assert f"fxq.{op}.default" in targets, op
     xs = torch.randn(2, 5, 8) * 2
     for got, want in zip(program.module()(xs), gm(xs)):
