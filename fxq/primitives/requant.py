@@ -356,11 +356,25 @@ if torch is not None:
             record(Call("prelu", [v], [y], [d], attrs, params))
         return y
 
+    @torch.library.custom_op("fxq::quantize", mutates_args=())
+    def _quantize_op(x: Tensor, scale: Tensor, out_bits: int, half_even: bool) -> Tensor:
+        """``quantize_values`` as one op."""
+        rounding = Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
+        return quantize_values(x, scale, as_qdtype(f"qint{out_bits}"), rounding)
+
+    @_quantize_op.register_fake
+    def _(x, scale, out_bits, half_even):
+        dtype = as_qdtype(f"qint{out_bits}")
+        return x.new_empty(x.shape, dtype=torch.float32 if out_bits <= 24 else dtype.storage)
+
     def quantize_values(x: Tensor, scale: Tensor, dtype: QDType, rounding: Rounding) -> Tensor:
         """``clamp(round(x / scale))`` of a float tensor (``fxq.quantized.functional.quantize``:
         any real dtype, the float32 scale) as exact float32 values of ``dtype`` (storage form
         beyond 24 bits)."""
-        q = qf.quantize(x, scale, dtype, rounding, as_float=dtype.bits <= 24)
+        if traced():  # one fxq::quantize op in the traced graph
+            q = _quantize_op(x, scale, dtype.bits, rounding is Rounding.HALF_EVEN)
+        else:
+            q = qf.quantize(x, scale, dtype, rounding, as_float=dtype.bits <= 24)
         if is_recording():
             d = ir_dtype(dtype)
             attrs = {"scale": float(scale), "dtype": d, "rounding": rounding.value}

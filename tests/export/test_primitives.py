@@ -213,7 +213,7 @@ def test_torch_export_keeps_each_arithmetic_primitive_as_one_op(bayes):
     gm = _converted(_Arithmetic(), x)
     program = torch.export.export(gm, (x,))
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
-    for op in ("matmul", "add", "mul", "divide", "prelu"):
+    for op in ("quantize", "matmul", "add", "mul", "divide", "prelu"):
         assert f"fxq.{op}.default" in targets, op
     xs = torch.randn(2, 5, 8) * 2
     for got, want in zip(program.module()(xs), gm(xs)):
