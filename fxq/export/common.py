@@ -30,13 +30,6 @@ def _np(t: Tensor, dtype: Any = None) -> np.ndarray:
     return a.astype(dtype) if dtype is not None else a.copy()
 
 
-def _ints(v: Any, d: int) -> list[int]:
-    if isinstance(v, (tuple, list)):
-        v = list(v)
-        return [int(x) for x in (v * d if len(v) == 1 else v)]
-    return [int(v)] * d
-
-
 def rule_in(table: dict, target: Any) -> Callable[..., None] | None:
     """``table``'s rule for an FX call ``target`` (a module class, a function or a ``Tensor``
     method name; an in-place method ``x.relu_`` as its out-of-place twin); None when it has

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx import Node
 
-from fxq.export.common import _Exporter, _ints, rule_in
+from fxq.export.common import _Exporter, rule_in
 from fxq.fused import Fused
+from fxq.primitives.window import per_axis
 from fxq.quantized.pooling import AVG_POOL_PARAMS
 
 __all__ = ["FLOAT_OP_RULES", "float_op_rule"]
@@ -92,7 +93,7 @@ def _pads(ex: _Exporter, padding: Any, k: list[int], dilation: list[int]) -> lis
         return [[t // 2, t - t // 2] for t in total]
     if isinstance(padding, str):
         raise ex.error(f"padding {padding!r}")
-    return [[p, p] for p in _ints(padding, dim)]
+    return [[p, p] for p in per_axis(padding, dim)]
 
 
 def _conv(ex: _Exporter, x: Tensor, w: Any, b: Any, geometry: tuple, out: Tensor, suffix=""):
@@ -105,10 +106,10 @@ def _conv(ex: _Exporter, x: Tensor, w: Any, b: Any, geometry: tuple, out: Tensor
             "dimension only ([N, C, *spatial])"
         )
     k = list(weight.shape[2:])
-    dilation = _ints(dilation, dim)
+    dilation = per_axis(dilation, dim)
     attrs = {
         "dim": dim,
-        "stride": _ints(stride, dim),
+        "stride": per_axis(stride, dim),
         "dilation": dilation,
         "groups": int(groups),
         "pads": _pads(ex, padding, k, dilation),
@@ -295,14 +296,14 @@ def _pool_rule(fn: str, dims: int) -> Callable[..., None]:
             raise ex.error("pooling with return_indices or divisor_override is not exported")
         if x.dim() != dims + 2:
             raise ex.error(f"a {dims}-d pooling of a rank-{x.dim()} input ([N, C, *spatial])")
-        k = _ints(p["kernel_size"], dims)
+        k = per_axis(p["kernel_size"], dims)
         stride = p["stride"]
         attrs = {
             "fn": fn,
             "kernel": k,
-            "stride": k if stride is None or stride in ([], ()) else _ints(stride, dims),
-            "padding": _ints(p["padding"] or 0, dims),
-            "dilation": _ints(p.get("dilation") or 1, dims),
+            "stride": k if stride is None or stride in ([], ()) else per_axis(stride, dims),
+            "padding": per_axis(p["padding"] or 0, dims),
+            "dilation": per_axis(p.get("dilation") or 1, dims),
             "ceil_mode": bool(p["ceil_mode"]),
             "count_include_pad": bool(p.get("count_include_pad", True) is not False),
         }

@@ -16,8 +16,9 @@ from torch.fx import Node
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxq import registry
-from fxq.export.common import _dtype, _Exporter, _ints, _np  # noqa: F401
+from fxq.export.common import _dtype, _Exporter, _np  # noqa: F401
 from fxq.export.plain import TORCH_DTYPES, number_attr
+from fxq.primitives.window import per_axis
 from fxq.qtensor import QTensor
 
 __all__ = ["VALUE_RULES", "MOVEMENT_CUSTOM_ROWS", "FLOAT_RULES", "value_rule"]
@@ -40,7 +41,7 @@ def _rule_max_pool(ex: _Exporter, n, module, args, kwargs, result) -> None:
         p = dict(zip(_POOL_ARGS, args[1:]))
         p.update(kwargs)
     dims = int(registry.row_for(n, ex.modules)[0].name[-2])
-    k = _ints(p["kernel_size"], dims)
+    k = per_axis(p["kernel_size"], dims)
     stride = p.get("stride")
     values = result[0] if isinstance(result, tuple) else result
     ex.emit(
@@ -49,9 +50,11 @@ def _rule_max_pool(ex: _Exporter, n, module, args, kwargs, result) -> None:
         [values],
         {
             "kernel": k,
-            "stride": k if stride is None or stride == [] or stride == () else _ints(stride, dims),
-            "padding": _ints(p.get("padding", 0), dims),
-            "dilation": _ints(p.get("dilation", 1), dims),
+            "stride": k
+            if stride is None or stride == [] or stride == ()
+            else per_axis(stride, dims),
+            "padding": per_axis(p.get("padding", 0), dims),
+            "dilation": per_axis(p.get("dilation", 1), dims),
             "ceil_mode": bool(p.get("ceil_mode", False)),
         },
     )

@@ -90,18 +90,17 @@ if torch is not None:
         multiplier: Tensor,
         shift: Tensor,
         plan: list[int],
-        out_bits: int,
-        half_even: bool,
+        dtype: str,
+        rounding: str,
     ) -> Tensor:
         double, limbs, width, bound, in_kernel = plan
         p = qf.AccumulationPlan(
             torch.float64 if double else torch.float32, limbs, width, bound, bool(in_kernel)
         )
-        rounding = Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
-        return matmul(a, b, p, multiplier, shift, as_qdtype(f"qint{out_bits}"), rounding)
+        return matmul(a, b, p, multiplier, shift, as_qdtype(dtype), Rounding(rounding))
 
     @_matmul_op.register_fake
-    def _(a, b, multiplier, shift, plan, out_bits, half_even):
+    def _(a, b, multiplier, shift, plan, dtype, rounding):
         return torch.empty_like(torch.matmul(a.float(), b.float()))
 
     def matmul(
@@ -130,8 +129,7 @@ if torch is not None:
         if traced():  # one fxq::matmul op in the traced graph
             fields = [plan.dtype is torch.float64, plan.limbs, plan.width, plan.bound]
             fields.append(int(plan.bias_in_kernel))
-            half_even = rounding is Rounding.HALF_EVEN
-            y = _matmul_op(a, b, multiplier, shift, fields, dtype.bits, half_even)
+            y = _matmul_op(a, b, multiplier, shift, fields, dtype.name, rounding.value)
         else:  # the kernel (also the op's implementation, which calls this function eagerly)
             acc = qf.accumulate(_product, a, b, None, plan)
             if check is not None and (plan.bound >= 1 << 31 or plan.limbs > 1):

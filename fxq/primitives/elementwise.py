@@ -255,27 +255,22 @@ if torch is not None:
         num, den = torch.broadcast_tensors(num, den)
         return divide_exact(num, den, shift, dtype.qmin, dtype.qmax).to(torch.float32)
 
-    def _rounding(half_even: bool) -> Rounding:
-        return Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
-
     @torch.library.custom_op("fxq::add", mutates_args=())
     def _add_op(
         values: list[Tensor],
         multipliers: list[int],
         constant: Optional[Tensor],  # noqa: UP045 (torch.library reads the annotation)
         shift: Tensor,
-        out_bits: int,
-        half_even: bool,
+        dtype: str,
+        rounding: str,
     ) -> Tensor:
-        dtype = as_qdtype(f"qint{out_bits}")
         terms = list(zip(values, multipliers))
-        return qf.add_requant(terms, constant, shift, dtype, _rounding(half_even))
+        return qf.add_requant(terms, constant, shift, as_qdtype(dtype), Rounding(rounding))
 
     @_add_op.register_fake
-    def _(values, multipliers, constant, shift, out_bits, half_even):
+    def _(values, multipliers, constant, shift, dtype, rounding):
         shape = torch.broadcast_shapes(*(v.shape for v in values))
-        storage = as_qdtype(f"qint{out_bits}").storage
-        return values[0].new_empty(shape, dtype=storage)
+        return values[0].new_empty(shape, dtype=as_qdtype(dtype).storage)
 
     @torch.library.custom_op("fxq::mul", mutates_args=())
     def _mul_op(
@@ -284,14 +279,13 @@ if torch is not None:
         multiplier: Tensor,
         shift: Tensor,
         sign: int,
-        out_bits: int,
-        half_even: bool,
+        dtype: str,
+        rounding: str,
     ) -> Tensor:
-        dtype = as_qdtype(f"qint{out_bits}")
-        return _mul_kernel(a, b, multiplier, shift, sign, dtype, _rounding(half_even))
+        return _mul_kernel(a, b, multiplier, shift, sign, as_qdtype(dtype), Rounding(rounding))
 
     @_mul_op.register_fake
-    def _(a, b, multiplier, shift, sign, out_bits, half_even):
+    def _(a, b, multiplier, shift, sign, dtype, rounding):
         shape = a.shape if b is None else torch.broadcast_shapes(a.shape, b.shape)
         return a.new_empty(shape, dtype=torch.float32)
 
@@ -302,13 +296,12 @@ if torch is not None:
         multiplier: int,
         shift: int,
         numerator: int,
-        out_bits: int,
+        dtype: str,
     ) -> Tensor:
-        dtype = as_qdtype(f"qint{out_bits}")
-        return _divide_kernel(a, b, multiplier, shift, numerator, dtype)
+        return _divide_kernel(a, b, multiplier, shift, numerator, as_qdtype(dtype))
 
     @_divide_op.register_fake
-    def _(a, b, multiplier, shift, numerator, out_bits):
+    def _(a, b, multiplier, shift, numerator, dtype):
         shape = b.shape if a is None else torch.broadcast_shapes(a.shape, b.shape)
         return b.new_empty(shape, dtype=torch.float32)
 
@@ -326,14 +319,8 @@ if torch is not None:
         storage; ``factors`` and ``scalar`` (the float sum ``sum_i f_i x_i + scalar``) are
         recorded for the QDQ form."""
         if traced():  # one fxq::add op in the traced graph
-            y = _add_op(
-                list(values),
-                [int(m) for m in multipliers],
-                constant,
-                shift,
-                dtype.bits,
-                rounding is Rounding.HALF_EVEN,
-            )
+            multipliers = [int(m) for m in multipliers]
+            y = _add_op(list(values), multipliers, constant, shift, dtype.name, rounding.value)
         else:
             y = qf.add_requant(list(zip(values, multipliers)), constant, shift, dtype, rounding)
         if is_recording():
@@ -372,9 +359,9 @@ if torch is not None:
         """
         m = torch.as_tensor(multiplier, dtype=torch.int64).reshape(1)
         s = torch.as_tensor(shift, dtype=torch.int64).reshape(1)
-        half_even = rounding is Rounding.HALF_EVEN
         if traced():  # one fxq::mul op in the traced graph
-            y = _mul_op(a, b, m, s, 0 if sign is None else int(sign), dtype.bits, half_even)
+            sign_ = 0 if sign is None else int(sign)
+            y = _mul_op(a, b, m, s, sign_, dtype.name, rounding.value)
         else:
             y = _mul_kernel(a, b, m, s, sign, dtype, rounding)
         if is_recording():
@@ -419,7 +406,7 @@ if torch is not None:
         ``b``) is recorded for the QDQ form."""
         if traced():  # one fxq::divide op in the traced graph
             n = 0 if numerator is None else int(numerator)
-            y = _divide_op(a, b, int(multiplier), int(shift), n, dtype.bits)
+            y = _divide_op(a, b, int(multiplier), int(shift), n, dtype.name)
         else:
             y = _divide_kernel(a, b, multiplier, shift, numerator, dtype)
         if is_recording():

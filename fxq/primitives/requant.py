@@ -302,15 +302,12 @@ if torch is not None:
         return y
 
     @torch.library.custom_op("fxq::prelu", mutates_args=())
-    def _prelu_op(
-        v: Tensor, plan: list[Tensor], axis: int, out_bits: int, half_even: bool
-    ) -> Tensor:
+    def _prelu_op(v: Tensor, plan: list[Tensor], axis: int, dtype: str, rounding: str) -> Tensor:
         """``prelu`` as one op: ``plan`` holds its five arrays in ``_PRELU_PARAMS`` order."""
-        rounding = Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
-        return prelu(v, *plan, axis, as_qdtype(f"qint{out_bits}"), rounding)
+        return prelu(v, *plan, axis, as_qdtype(dtype), Rounding(rounding))
 
     @_prelu_op.register_fake
-    def _(v, plan, axis, out_bits, half_even):
+    def _(v, plan, axis, dtype, rounding):
         return v.new_empty(v.shape, dtype=torch.float32)
 
     def prelu(
@@ -330,7 +327,7 @@ if torch is not None:
         ``dtype``."""
         if traced():  # one fxq::prelu op in the traced graph
             plan = [multiplier, shift, neg_multiplier, neg_shift, neg_sign]
-            y = _prelu_op(v, plan, axis, dtype.bits, rounding is Rounding.HALF_EVEN)
+            y = _prelu_op(v, plan, axis, dtype.name, rounding.value)
         else:  # the kernel (also the op's implementation, which calls this function eagerly)
             per_channel = neg_multiplier.numel() > 1
             shape = [1] * v.dim()
@@ -357,22 +354,21 @@ if torch is not None:
         return y
 
     @torch.library.custom_op("fxq::quantize", mutates_args=())
-    def _quantize_op(x: Tensor, scale: Tensor, out_bits: int, half_even: bool) -> Tensor:
+    def _quantize_op(x: Tensor, scale: Tensor, dtype: str, rounding: str) -> Tensor:
         """``quantize_values`` as one op."""
-        rounding = Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
-        return quantize_values(x, scale, as_qdtype(f"qint{out_bits}"), rounding)
+        return quantize_values(x, scale, as_qdtype(dtype), Rounding(rounding))
 
     @_quantize_op.register_fake
-    def _(x, scale, out_bits, half_even):
-        dtype = as_qdtype(f"qint{out_bits}")
-        return x.new_empty(x.shape, dtype=torch.float32 if out_bits <= 24 else dtype.storage)
+    def _(x, scale, dtype, rounding):
+        q = as_qdtype(dtype)
+        return x.new_empty(x.shape, dtype=torch.float32 if q.bits <= 24 else q.storage)
 
     def quantize_values(x: Tensor, scale: Tensor, dtype: QDType, rounding: Rounding) -> Tensor:
         """``clamp(round(x / scale))`` of a float tensor (``fxq.quantized.functional.quantize``:
         any real dtype, the float32 scale) as exact float32 values of ``dtype`` (storage form
         beyond 24 bits)."""
         if traced():  # one fxq::quantize op in the traced graph
-            q = _quantize_op(x, scale, dtype.bits, rounding is Rounding.HALF_EVEN)
+            q = _quantize_op(x, scale, dtype.name, rounding.value)
         else:
             q = qf.quantize(x, scale, dtype, rounding, as_float=dtype.bits <= 24)
         if is_recording():

@@ -244,7 +244,7 @@ register(
 if torch is not None:
     from torch import Tensor
 
-    from fxq.dtypes import QDType, qint8, qint16
+    from fxq.dtypes import QDType, as_qdtype
     from fxq.march import Rounding
     from fxq.quantized import functional as qf
 
@@ -341,19 +341,16 @@ if torch is not None:
     def _(q, table):
         return q.new_empty(q.shape, dtype=table.dtype)
 
-    _DTYPES = {8: torch.int8, 16: torch.int16}
-
     @torch.library.custom_op("fxq::segment_lut", mutates_args=())
     def _segment_lut_op(
-        q: Tensor, dense: Tensor, sparse: Tensor, bits: int, half_even: bool, out_bits: int
+        q: Tensor, dense: Tensor, sparse: Tensor, bits: int, rounding: str, dtype: str
     ) -> Tensor:
-        rounding = Rounding.HALF_EVEN if half_even else Rounding.HALF_UP
-        out = qint8 if out_bits == 8 else qint16
-        return _segment_lut_kernel(q, dense, sparse, bits, rounding, out)
+        out = as_qdtype(dtype)
+        return _segment_lut_kernel(q, dense, sparse, bits, Rounding(rounding), out)
 
     @_segment_lut_op.register_fake
-    def _(q, dense, sparse, bits, half_even, out_bits):
-        return q.new_empty(q.shape, dtype=_DTYPES[out_bits])
+    def _(q, dense, sparse, bits, rounding, dtype):
+        return q.new_empty(q.shape, dtype=as_qdtype(dtype).storage)
 
     def lut(q: Tensor, table: Tensor, info: Callable[[], dict[str, Any]] | None = None) -> Tensor:
         """``table[q + 128]`` for int8 values ``q`` (any dtype holding them); the table's
@@ -386,8 +383,8 @@ if torch is not None:
                 table.dense,
                 table.sparse,
                 table.dense_bits,
-                rounding is Rounding.HALF_EVEN,
-                table.out_dtype.bits,
+                rounding.value,
+                table.out_dtype.name,
             )
         else:
             y = _segment_lut_kernel(

@@ -42,6 +42,7 @@ except ImportError:  # the numpy runtime without torch
     torch = None
 
 __all__ = [
+    "per_axis",
     "adaptive_windows",
     "window_matrix",
     "record_window_sums",
@@ -51,6 +52,14 @@ __all__ = [
 ]
 
 _F32_EXACT = 1 << 24  # float32 holds every integer below 2**24 exactly
+
+
+def per_axis(v: Any, d: int) -> list[int]:
+    """A pooling / convolution parameter (an int, or one or ``d`` entries) as ``d`` ints."""
+    if isinstance(v, (tuple, list)):
+        v = list(v)
+        return [int(x) for x in (v * d if len(v) == 1 else v)]
+    return [int(v)] * d
 
 
 def adaptive_windows(n: int, o: int) -> list[tuple[int, int]]:

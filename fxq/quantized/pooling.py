@@ -84,14 +84,6 @@ def _count_plan(module: FunctionalQuantized, s_x: Tensor, counts: Tensor) -> tup
     return multiplier_for(module, real, {"input": s_x, "output": s_y})
 
 
-def _ints(v: Any, d: int) -> list[int]:
-    """A pooling parameter (an int, or one / ``d`` entries) as ``d`` ints."""
-    if isinstance(v, (tuple, list)):
-        v = list(v)
-        return [int(x) for x in (v * d if len(v) == 1 else v)]
-    return [int(v)] * d
-
-
 def _pool_dims(module: FunctionalQuantized, ops: dict[int, Any], modules: dict[int, type]) -> int:
     """1, 2 or 3: how many spatial dims the pooling op works on (0 when unknown)."""
     for dims, cls in modules.items():
@@ -203,10 +195,10 @@ class AvgPool(FunctionalQuantized):
     @staticmethod
     def _matrices(x: QTensor, sums: Tensor, dims: int, params: dict[str, Any]) -> list:
         """The 0 / 1 window matrix of each pooled axis (``axis_matmul``)."""
-        k = _ints(params["kernel_size"], dims)
+        k = window.per_axis(params["kernel_size"], dims)
         stride = params["stride"]
-        st = k if stride is None or stride == [] or stride == () else _ints(stride, dims)
-        pad = _ints(params["padding"], dims)
+        st = k if stride is None or stride == [] or stride == () else window.per_axis(stride, dims)
+        pad = window.per_axis(params["padding"], dims)
         return [
             window.window_matrix(n, o, [(j * s - p, j * s - p + kk) for j in range(o)])
             for n, o, s, p, kk in zip(x.shape[-dims:], sums.shape[-dims:], st, pad, k)
