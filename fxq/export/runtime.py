@@ -42,8 +42,7 @@ __all__ = [
 PLAIN_DTYPES = ("bool", "int32", "int64", "float32")
 
 
-# -- conv / linear / affine ---------------------------------------------------------------
-# -- elementwise -----------------------------------------------------------------------------
+# -- clamps ----------------------------------------------------------------------------------
 def _k_clip(node, inputs):
     a = node.attrs
     x = inputs[0]
@@ -141,8 +140,7 @@ def _k_logical(node, inputs):
     return [_LOGICAL[fn](inputs[0], inputs[1])]
 
 
-# -- tables ------------------------------------------------------------------------------------
-# -- pooling and resampling ---------------------------------------------------------------------
+# -- max pooling --------------------------------------------------------------------------------
 def _pool_windows(n: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
     eff = d * (k - 1) + 1
     num = n + 2 * p - eff
@@ -249,7 +247,7 @@ def _k_concat(node, inputs):
     return [np.concatenate(inputs, axis=node.attrs["axis"])]
 
 
-# -- normalization and softmax ------------------------------------------------------------------
+# -- reductions to extremes ---------------------------------------------------------------------
 def _k_reduce_extreme(node, inputs):
     """``amax`` / ``amin`` of the integers over ``axes``."""
     a = node.attrs
