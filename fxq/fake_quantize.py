@@ -280,7 +280,14 @@ class FakeQuantize(nn.Module):
             gives a freshly prepared model the saved dtype, or fails naming the
             fake quant when its march cannot run it (a state dict without it,
             from before, keeps the qconfig's dtype).
+        on_chip_with: "" for a tensor the integer model stores; else the path of the
+            normalization that the march runs fused with this tensor's producer, the
+            tensor never leaving the chip (``MarchSpec.norm_input_dtype``; set by
+            ``prepare_qat_fx``). Activation-byte budgets do not count it.
     """
+
+    #: see the class docstring
+    on_chip_with = ""
 
     def __init__(
         self,

@@ -170,8 +170,9 @@ def mixed_precision(
         budget_unit: ``"tensors"``: the budgets count activations as tensors;
             ``"bytes"``: as their elements on the first batch of ``batches``
             (the share of the int8 activation bytes that widens; an activation
-            already int16 counts its elements, not its bytes, and one that the
-            first batch does not reach is not chosen).
+            already int16 counts its elements, not its bytes, one that the
+            first batch does not reach is not chosen, and a sum the march keeps on
+            chip, ``FakeQuantize.on_chip_with``, is not counted).
         show: print the choices.
         input_fn: maps a batch to the models' arguments.
         ranking: how the int16 candidates are ranked. ``"raise_one"``: the model-output
@@ -463,7 +464,7 @@ def _activation_sizes(
     handles = [
         v.fake_quant.register_forward_hook(count(v.name))
         for v in quantized_values(calib_model)
-        if v.kind == "activation"
+        if v.kind == "activation" and not v.fake_quant.on_chip_with  # a fused sum is not stored
     ]
     try:
         with eval_no_grad(calib_model), bypass(calib_model):

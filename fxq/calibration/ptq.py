@@ -42,9 +42,9 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
      each LayerNorm whose output only linear layers read moves its per-channel spread into
      their weights (``smooth=True``, ``fxq.calibration.smooth``, SmoothQuant; pre-norm
      blocks; in post-norm blocks the linear layer that adds it back as its residual,
-     ``linear_add``, takes the factor on that residual); after it, the ranges of the residual stream before each normalization (the
-     adds and the layers writing into them) are clipped where the error after that
-     normalization is smaller (``search_ranges``, ``fxq.calibration.range_search``; a few
+     ``linear_add``, takes the factor on that residual); after it, the ranges of the int8 activations before each normalization (the
+     residual stream, the GELU outputs, ...; not the normalizations' own outputs) are
+     clipped where the error after that normalization is smaller (``search_ranges``, ``fxq.calibration.range_search``; a few
      extreme values, such as BERT's first-token outliers, otherwise take every level from
      the rest). Neither runs on a graph without such layers (CNNs); see
      ``docs/transformers.md``;
@@ -338,8 +338,8 @@ def ptq(
             MobileNetV2 on 2 cores) and gains a few tenths of a dB. An int: that many
             epochs (``True``: ``fxq.calibration.bias_tuning.DEFAULT_EPOCHS``).
         search_ranges: for ``"default"`` and ``"best"``, clip the ranges of the
-            activations that reach a normalization layer through residual adds where the
-            error after that normalization is smaller (``fxq.calibration.range_search``;
+            int8 activations that reach a normalization layer (other than the
+            normalizations' outputs) where the error after that normalization is smaller (``fxq.calibration.range_search``;
             after the calibration pass, before any learned rounding); ``None``: where a
             normalization layer feeds a linear layer (transformers), never in CNNs.
         smooth: for ``"default"`` and ``"best"``, move the per-channel spread of each

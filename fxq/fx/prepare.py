@@ -152,12 +152,66 @@ def prepare_qat_fx(
             "(conv, linear, add, pooling, ...; see fxq.registry.ROWS)"
         )
     _report_float_ops(preparer.float_ops, float_ops)
+    fuse_norm_inputs(gm, spec)
     _follow_model_device(gm)
     set_fake_quantize(gm, FakeQuantState.QAT)
     return gm
 
 
 _FLOAT_OPS_CHOICES = ("warn", "error", "ignore")
+
+
+def _is_sum(module: nn.Module) -> bool:
+    """An add, or a conv / linear with its residual add fused (``conv_add``, ``linear_add``)."""
+    from fxq.qat.elementwise import Add
+
+    return (isinstance(module, Add) or bool(getattr(module, "add", False))) and (
+        getattr(module, "activation", None) is None
+    )
+
+
+def fuse_norm_inputs(gm: GraphModule, spec: MarchSpec) -> list[str]:
+    """Widen the residual sums that only a normalization reads to ``spec.norm_input_dtype``.
+
+    On a march that runs a sum and the LayerNorm / GroupNorm reading it as one op
+    (``MarchSpec.norm_input_dtype``), the sum never leaves the chip, so its grid is the
+    wider dtype's whatever the qconfig says: an int8 sum before a LayerNorm is what costs
+    an int8 post-norm transformer most (``docs/transformers.md``). A sum qualifies when it
+    is an add or a conv / linear with a fused add and no activation after it, its output is
+    int8 on a symmetric grid (not a fixed scale, not high precision), and its only reader is
+    one call of a normalization (not a standalone one). Its fake quant records the
+    normalization (``FakeQuantize.on_chip_with``). Returns the sums' module paths.
+    """
+    from fxq.qat.normalization import GroupNorm, LayerNorm
+
+    wide = spec.norm_input_dtype
+    if wide is None:
+        return []
+    modules = dict(gm.named_modules())
+    fused = []
+    for node in gm.graph.nodes:
+        norm = modules.get(node.target) if node.op == "call_module" else None
+        if not isinstance(norm, (LayerNorm, GroupNorm)) or norm.standalone or not node.args:
+            continue
+        source = node.args[0]
+        if not isinstance(source, Node) or source.op != "call_module" or len(source.users) != 1:
+            continue
+        producer = modules.get(source.target)
+        if not isinstance(producer, QATModule) or not _is_sum(producer):
+            continue
+        fq = producer.activation_post_process if producer.has_output_quant else None
+        if (
+            not isinstance(fq, FakeQuantize)
+            or fq.dtype.bits >= wide.bits
+            or fq.is_high_precision
+            or fq.is_fixed_scale
+            or fq.offset
+        ):
+            continue
+        fq.set_dtype(wide)
+        fq.on_chip_with = node.target
+        fused.append(source.target)
+    return fused
 
 
 def _float_op_list(entries: list[str]) -> str:

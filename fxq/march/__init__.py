@@ -57,6 +57,7 @@ MARCH_SPECS: dict[March, MarchSpec] = {
         description="int8 and int16 activations, any float scale, 16-bit multipliers",
         activation_dtypes=(qint8, qint16),
         int16_lut=True,
+        norm_input_dtype=qint16,
     ),
     March.BAYES_E: MarchSpec(
         march=March.BAYES_E,

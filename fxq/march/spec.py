@@ -93,6 +93,11 @@ class MarchSpec:
         int16_lut: non-linear ops on int16 inputs use segmented lookup tables.
         high_precision_output: a final conv / linear may emit its int32
             accumulator (``default_qat_8bit_weight_32bit_out_fake_quant_qconfig``).
+        norm_input_dtype: a residual sum (an add, or a conv / linear with its fused
+            add) that nothing but one LayerNorm or GroupNorm reads runs as one op with
+            that normalization: the sum stays on chip in this dtype and is never stored
+            (``docs/arithmetic.md``, section 14). None: the sum is an ordinary
+            activation of its qconfig's dtype.
     """
 
     march: March
@@ -108,6 +113,7 @@ class MarchSpec:
     fusions: frozenset[str] = FUSIONS
     int16_lut: bool = False
     high_precision_output: bool = True
+    norm_input_dtype: QDType | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.fusions) - FUSIONS
@@ -115,6 +121,13 @@ class MarchSpec:
             raise ValueError(f"march {self.march.value}: unknown fusions {sorted(unknown)}")
         if not self.activation_dtypes:
             raise ValueError(f"march {self.march.value}: no activation dtype")
+        if self.norm_input_dtype is not None and not self.supports_activation(
+            self.norm_input_dtype
+        ):
+            raise ValueError(
+                f"march {self.march.value}: norm_input_dtype {self.norm_input_dtype.name} is "
+                "not one of its activation dtypes"
+            )
 
     @property
     def max_multiplier(self) -> int:

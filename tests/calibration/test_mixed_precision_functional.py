@@ -1,4 +1,4 @@
-"""``mixed_precision`` on a small post-norm encoder: the residual adds (functional ops, whose
+"""``mixed_precision`` on a small pre-norm encoder: the residual adds (functional ops, whose
 fake quants live in modules ``prepare_qat_fx`` created) are chosen through their owner."""
 
 import math
@@ -19,17 +19,19 @@ D, TOKENS, VOCAB = 32, 16, 50
 
 
 class Residual(nn.Module):
-    """``norm(x + gelu(dense(y)))``: a post-norm output block, its residual add in its own
-    forward (a GELU between them: a linear layer right before the add would fuse with it,
-    ``linear_add``, and the add would be no functional op of its own)."""
+    """``x + gelu(dense(norm(y)))``: a pre-norm block, its residual add in its own forward (a
+    GELU between them: a linear layer right before the add would fuse with it, ``linear_add``,
+    and the add would be no functional op of its own). The sum is read by the next layer and
+    the next add, not by a normalization alone (bayes would keep such a sum on chip in int16
+    with the normalization, ``MarchSpec.norm_input_dtype``, leaving nothing to choose)."""
 
     def __init__(self, d_in: int) -> None:
         super().__init__()
+        self.norm = nn.LayerNorm(d_in)
         self.dense = nn.Linear(d_in, D)
-        self.norm = nn.LayerNorm(D)
 
     def forward(self, y, x):
-        return self.norm(x + F.gelu(self.dense(y)))
+        return x + F.gelu(self.dense(self.norm(y)))
 
 
 class Layer(nn.Module):
@@ -41,11 +43,11 @@ class Layer(nn.Module):
 
     def forward(self, x):
         x = self.mix(x, x)
-        return self.out(F.gelu(self.up(x)), x)
+        return self.out(self.up(x), x)
 
 
 class Encoder(nn.Module):
-    """A random post-norm encoder: token ids to [batch, tokens, hidden]."""
+    """A random pre-norm encoder: token ids to [batch, tokens, hidden]."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -112,7 +114,7 @@ def test_mixed_precision_reaches_the_residual_adds(bayes):
     held = _data(2)
     int8 = _integer_sqnr(model, {"": q8}, calib, held)
     mixed = _integer_sqnr(model, chosen, calib, held)
-    assert mixed > int8 + 1.5, (int8, mixed)  # measured: 30.03 -> 32.31 dB
+    assert mixed > int8 + 1.5, (int8, mixed)  # measured: 28.33 -> 30.94 dB
 
 
 def test_an_owner_with_its_own_entry_is_not_reached(bayes):
@@ -145,6 +147,6 @@ def test_quantize_one_ranking_takes_each_activations_own_noise(bayes):
     )
     held = _data(2)
     int8 = _integer_sqnr(model, {"": q8}, calib, held)
-    assert _integer_sqnr(model, chosen, calib, held) > int8 + 1.5  # 28.74 -> 31.34 dB
+    assert _integer_sqnr(model, chosen, calib, held) > int8 + 1.5  # 28.33 -> 31.00 dB
     with pytest.raises(ValueError, match=r"ranking must be one of \('raise_one', 'quantize_one'\)"):
         mixed_precision(model, base, calib[:1], ranking="best")

@@ -64,14 +64,16 @@ def _sqnr_after_ptq(model, data, **kwargs) -> float:
         return sqnr(torch.cat([model(x) for x in data]), torch.cat([prepared(x) for x in data]))
 
 
-def test_visits_the_prenormalization_stream(data):
+def test_visits_what_reaches_a_normalization(data):
     prepared = _prepared(PostNormEncoder(), data)
     assert has_normalization(prepared)
     ptq(prepared, data, iters=0, search_ranges=False, show_progress=False)
     names = [node.target for node, _ in searchable_quants(prepared)]
-    # what a LayerNorm reads through residual adds; not the norms, fc1 or the GELU (fc2 holds
-    # the residual add, linear_add: its output is the sum)
-    assert names == ["embed", "fc2"]
+    # every int8 activation before a LayerNorm but the norms' own outputs; not fc2 (it holds
+    # the residual add, linear_add: its output is the sum, which bayes keeps on chip in int16
+    # with the LayerNorm that alone reads it)
+    assert names == ["x_quant", "embed", "fc1", "gelu"]
+    assert prepared.fc2.activation_post_process.dtype is fxq.qint16
 
 
 def test_only_the_search_fixes_the_massive_activation(data):
