@@ -40,7 +40,8 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
      integer arithmetic and no zero point;
   5. **transformers** (a graph where a LayerNorm feeds a linear layer): before the pass,
      each LayerNorm whose output only linear layers read moves its per-channel spread into
-     their weights (``smooth=True``, ``fxq.calibration.smooth``, SmoothQuant; pre-norm
+     their weights, with a strength chosen per LayerNorm on held-out rows
+     (``smooth=True``, ``fxq.calibration.smooth``, SmoothQuant; pre-norm
      blocks; in post-norm blocks the linear layer that adds it back as its residual,
      ``linear_add``, takes the factor on that residual); after it, the ranges of the int8 activations before each normalization (the
      residual stream, the GELU outputs, ...; not the normalizations' own outputs) are

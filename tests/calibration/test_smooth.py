@@ -112,6 +112,37 @@ def test_only_the_migration_fixes_planted_outliers(data):
     assert with_smooth > clean - 1  # 13.1 dB without, 22.0 with, 21.7 without outliers
 
 
+def test_the_strength_is_chosen_per_layernorm(data):
+    report = smooth_activations(_prepared(Encoder(), data), data)
+    assert [r.alpha for r in report] == [0.3] * 4  # the smallest error at the readers
+    fixed = smooth_activations(_prepared(Encoder(), data), data, alpha=0.5)
+    assert [r.alpha for r in fixed] == [0.5] * 4  # a given strength is used as it is
+
+
+def _head_sqnr(model, calib, held, alpha) -> float:
+    prepared = _prepared(model, calib)
+    smooth_activations(prepared, calib, alpha=alpha)
+    ptq(prepared, calib, iters=0, smooth=False, show_progress=False)
+    integer = fxq.convert_fx(prepared)
+    with torch.no_grad():
+        return sqnr(torch.cat([model(x) for x in held]), torch.cat([integer(x) for x in held]))
+
+
+def test_a_migration_that_does_not_hold_on_other_rows_is_not_made():
+    """A classifier head (LayerNorm -> Linear on pooled features) calibrated on 16 rows: the
+    factors fitted to their channel peaks push other rows past the range, so no strength
+    scores better than none on the held-out half, and the LayerNorm is left as it is; a
+    fixed strength loses on new data."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 10)).eval()
+    g = torch.Generator().manual_seed(10)
+    calib = [torch.randn(8, D, generator=g) for _ in range(2)]
+    held = [torch.randn(8, D, generator=g) for _ in range(8)]
+    assert smooth_activations(_prepared(model, calib), calib) == []
+    chosen, fixed = _head_sqnr(model, calib, held, None), _head_sqnr(model, calib, held, 0.5)
+    assert chosen > fixed + 0.5, (chosen, fixed)  # measured: 18.9 against 17.8 dB
+
+
 def test_validation_equals_converted_bit_for_bit(data):
     prepared = _prepared(Encoder(), data)
     ptq(prepared, data, show_progress=False)
