@@ -19,8 +19,11 @@ Methods, march bayes, each measured on the **converted integer model**
 * ``int8_ptq_default``: every activation int8 (the default int8 qconfig) and
   ``fxq.calibration.ptq(prepared, batches)`` with all its defaults, as a user calls it: the
   range search before LayerNorms (``fxq.calibration.range_search``), the SmoothQuant
-  migration where a LayerNorm feeds only linear layers (none in this post-norm BERT), the
-  short learned rounding;
+  migration into the linear layers reading each LayerNorm (and the fused ``linear_add``
+  taking it on its residual), the short learned rounding. Every stored activation is int8;
+  the residual sum before each LayerNorm is int16 inside the fused op that bayes runs
+  (``MarchSpec.norm_input_dtype``), never stored;
+* ``int8_ptq_best``: the same with ``ptq(prepared, batches, "best")``;
 * ``int8``: every activation int8, ``fxq.calibration.ptq(..., method="default", iters=0,
   bias_correction=False)`` (the default's ranges, without its learned rounding);
 * ``int16_act``: int8 weights, every activation int16
@@ -34,7 +37,10 @@ Methods, march bayes, each measured on the **converted integer model**
 * ``mixed10``: int8 with the int16 activations that ``fxq.calibration.mixed_precision``
   chooses, at most 10 % of the activation bytes (``budget_unit="bytes"``), ranked on the
   first calibration batch of the ``int8`` model, then the same ``ptq`` on a model prepared
-  with the qconfig_dict it returns (the residual adds through their owners' regex entries);
+  with the qconfig_dict it returns (the residual adds through their owners' regex entries;
+  ranked on the last hidden state, the embedding's source, not the pooler output);
+  ``mixed10_quantize_one`` ranks with ``ranking="quantize_one"``; ``mixed10_best`` too, and
+  then runs ``ptq(prepared, batches, "best")`` on the chosen qconfig_dict;
 
 and the peers, in the same run: NNCF's ``nncf.quantize`` on the same calibration batches,
 with its default preset and with ``model_type=nncf.ModelType.TRANSFORMER`` (a row that
@@ -382,23 +388,33 @@ def mixed_qconfig(int16: Sequence[str] = MIXED_INT16) -> dict[str, Any]:
     return {"": q8, "module_name": [(name, a16) for name in int16]}
 
 
-def fxq_ptq_default(model: nn.Module, calib: Sequence[Batch]) -> GraphModule:
-    """``ptq`` as a user calls it: the default int8 qconfig, ``fxq.calibration.ptq(prepared,
-    batches)`` with every default (the range search before LayerNorms and the migration
-    into linear layers where they apply, the short learned rounding), then ``convert_fx``."""
+def fxq_ptq_default(
+    model: nn.Module,
+    calib: Sequence[Batch],
+    method: str = "default",
+    qconfig_dict: dict[str, Any] | None = None,
+) -> GraphModule:
+    """``ptq`` as a user calls it: the default int8 qconfig (or ``qconfig_dict``),
+    ``fxq.calibration.ptq(prepared, batches, method)`` with every default (the range search
+    before LayerNorms and the migration into linear layers where they apply, the learned
+    rounding), then ``convert_fx``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prepared = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=calib[0])
-        ptq(prepared, list(calib), show_progress=False)
+        prepared = fxq.prepare_qat_fx(model, qconfig_dict or {"": q8}, example_inputs=calib[0])
+        ptq(prepared, list(calib), method, show_progress=False)
         return fxq.convert_fx(prepared)
 
 
 def fxq_mixed(
-    model: nn.Module, calib: Sequence[Batch], budget: float = 0.1, ranking: str = "raise_one"
+    model: nn.Module,
+    calib: Sequence[Batch],
+    budget: float = 0.1,
+    ranking: str = "raise_one",
+    method: str | None = None,
 ) -> GraphModule:
     """int8, then ``mixed_precision`` with ``budget`` of the activation bytes int16 (ranked on
-    ``calib[0]`` with the ``int8`` method's ranges, by ``ranking``), then ``fxq_quantize`` with
-    its result."""
+    ``calib[0]`` with the ``int8`` method's ranges, by ``ranking``, on the last hidden state),
+    then ``fxq_quantize`` with its result (``method`` None) or ``ptq(..., method)``."""
     from fxq.calibration import mixed_precision
 
     with warnings.catch_warnings():
@@ -413,7 +429,10 @@ def fxq_mixed(
             qconfig_dict={"": q8},
             budget_unit="bytes",
             ranking=ranking,
+            output_fn=lambda out: out["last_hidden_state"],  # the embedding's source
         )
+    if method is not None:
+        return fxq_ptq_default(model, calib, method, qconfig_dict)
     return fxq_quantize(model, qconfig_dict, calib)
 
 
@@ -425,10 +444,19 @@ FXQ_METHODS: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
-#: every fxq row: ``int8_ptq_default`` is ``fxq_ptq_default``, ``mixed10`` is ``fxq_mixed``
+#: every fxq row: ``int8_ptq_default`` is ``fxq_ptq_default`` (``int8_ptq_best`` with
+#: ``method="best"``), ``mixed10`` is ``fxq_mixed`` (``mixed10_best``: ranked by
+#: ``quantize_one``, then ``ptq(..., "best")``)
 #: (``mixed10_quantize_one`` with ``ranking="quantize_one"``), the others ``fxq_quantize`` with
 #: the qconfig of ``FXQ_METHODS``
-ALL_METHODS = ["int8_ptq_default", *FXQ_METHODS, "mixed10", "mixed10_quantize_one"]
+ALL_METHODS = [
+    "int8_ptq_default",
+    "int8_ptq_best",
+    *FXQ_METHODS,
+    "mixed10",
+    "mixed10_quantize_one",
+    "mixed10_best",
+]
 
 
 def torch_ao_fx(model: nn.Module, calib: Sequence[Batch]) -> nn.Module:
@@ -519,10 +547,14 @@ def run(
         start = time.perf_counter()
         if name == "int8_ptq_default":
             converted = fxq_ptq_default(model, calib)
+        elif name == "int8_ptq_best":
+            converted = fxq_ptq_default(model, calib, "best")
         elif name == "mixed10":
             converted = fxq_mixed(model, calib, 0.1)
         elif name == "mixed10_quantize_one":
             converted = fxq_mixed(model, calib, 0.1, ranking="quantize_one")
+        elif name == "mixed10_best":
+            converted = fxq_mixed(model, calib, 0.1, ranking="quantize_one", method="best")
         else:
             converted = fxq_quantize(model, FXQ_METHODS[name](), calib)
         got = embed(converted, evaluation)

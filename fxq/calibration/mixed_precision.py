@@ -143,6 +143,7 @@ def mixed_precision(
     show: bool = False,
     input_fn: Callable[[Any], Any] | None = None,
     ranking: str = "raise_one",
+    output_fn: Callable[[Any], Any] | None = None,
 ) -> dict[str, Any]:
     """A qconfig_dict with int16 activations (and float ops) where they help the output most.
 
@@ -184,6 +185,10 @@ def mixed_precision(
             stream), no single raise shows over the others' noise and ``"raise_one"`` ranks
             nearly blind; ``"quantize_one"`` sees each tensor's own share, and is about half
             as long (no int8 baseline per value). See ``docs/transformers.md``.
+        output_fn: maps a model's output to the part the ranking compares (as
+            ``fxq.debug.sensitivity`` takes it), e.g. ``lambda out: out["last_hidden_state"]``: a Hugging
+            Face encoder's last hidden state, not its pooler output, when the pooler is
+            not what the model is used for.
 
     Returns:
         a qconfig_dict for ``prepare_qat_fx(float_model, ...)``; its
@@ -255,6 +260,7 @@ def mixed_precision(
                 mode="float_one",
                 kinds=("activation",),
                 input_fn=input_fn,
+                output_fn=output_fn,
             )
         budget = _Budget(float_share, rows, sizes, targets)
         for row in budget.order(rows):
@@ -272,6 +278,7 @@ def mixed_precision(
                 batches,
                 kinds=("activation",),
                 input_fn=input_fn,
+                output_fn=output_fn,
                 **how,
             )
         if ranking == "quantize_one":

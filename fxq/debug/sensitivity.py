@@ -228,6 +228,7 @@ def sensitivity(
     top: int = 30,
     kinds: Sequence[str] | None = None,
     input_fn: Callable[[Any], Any] | None = None,
+    output_fn: Callable[[Any], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The model-output error caused by each quantized value alone, worst first.
 
@@ -279,6 +280,9 @@ def sensitivity(
             a standalone module's inputs); e.g. ``("activation",)`` halves the cost when
             only activations can change (choosing int16 layers).
         input_fn: maps a batch to the models' arguments.
+        output_fn: maps a model's output to the part that is compared (default: all of
+            its floating-point tensors), e.g. ``lambda out: out["last_hidden_state"]`` for a Hugging Face
+            encoder's last hidden state without its pooler output.
 
     Returns:
         one dict per quantized value, most harmful first: ``rank``, ``name``, ``kind``
@@ -323,18 +327,19 @@ def sensitivity(
     outputs: list[list[Tensor]] = [[] for _ in values]
     baseline: list[Tensor] = []
     runner = _SuffixRunner(calib_model)
+    pick = output_fn if output_fn is not None else (lambda out: out)
     with eval_no_grad(float_model, calib_model), _state(calib_model, mode):
         for batch in batches:
             float_args, float_kwargs = batch_arguments(float_model, batch, input_fn)
-            reference.append(_flat(float_model(*float_args, **float_kwargs)))
+            reference.append(_flat(pick(float_model(*float_args, **float_kwargs))))
             args = positional_arguments(calib_model, *batch_arguments(calib_model, batch, input_fn))
-            baseline.append(_flat(runner.run_base(*args)))
+            baseline.append(_flat(pick(runner.run_base(*args))))
             for i, value in enumerate(values):
                 if target_dtype is not None and value.fake_quant.dtype.bits >= target_dtype.bits:
                     outputs[i].append(baseline[-1])
                     continue
                 with _toggled(value, mode, target_dtype):
-                    outputs[i].append(_flat(runner.run_from(value.node, *args)))
+                    outputs[i].append(_flat(pick(runner.run_from(value.node, *args))))
     ref = torch.cat(reference)
     rows = []
     for value, outs in zip(values, outputs):

@@ -203,3 +203,43 @@ def test_branches_and_in_place_ops_give_what_a_full_run_gives(bayes, net):
     prepared = calibrated(model, data)
     for mode in ("quantize_one", "float_one"):
         assert_as_brute_force(model, prepared, data[:2], mode=mode)
+
+
+class TwoHeads(nn.Module):
+    """Two outputs: ``{"main": conv(x), "aux": fc(pool(conv(x)))}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return {"main": y, "aux": self.fc(y.mean((2, 3)))}
+
+
+def test_output_fn_compares_the_output_that_matters(bayes):
+    data = batches()
+    model = TwoHeads().eval()
+    prepared = calibrated(model, data)
+    clip_output(prepared, "fc")  # a clipped aux head: harmful to "aux" only
+    both = {(r["name"], r["kind"]): r["sqnr"] for r in sensitivity(model, prepared, data[0])}
+    main = {
+        (r["name"], r["kind"]): r["sqnr"]
+        for r in sensitivity(model, prepared, data[0], output_fn=lambda out: out["main"])
+    }
+    fc = ("fc", "activation")
+    assert min(both, key=both.get) == fc and both[fc] < 30  # measured: 27.1 dB
+    assert main[fc] == main[("fc", "weight")] == main[("mean", "activation")] == float("inf")
+    conv = ("conv", "activation")
+    assert main[conv] == pytest.approx(sqnr_of(model, prepared, data[0], "conv"), abs=1e-6)
+
+
+def sqnr_of(model, prepared, x, path: str) -> float:
+    """The SQNR of ``out["main"]`` with only ``path``'s output quantized."""
+    fq = prepared.get_submodule(path).activation_post_process
+    with torch.no_grad(), bypass(prepared):
+        fq.bypassed = False
+        out = prepared(x)["main"]
+        del fq.bypassed
+        return sqnr(model(x)["main"], out)
