@@ -37,8 +37,10 @@ def _quant(dtype: Any, scale: Any) -> str:
 def _fake_quant(fq: FakeQuantize) -> str:
     if fq.is_high_precision:
         return "int32 accumulator"
-    return _quant(fq.dtype, fq.scale if bool(fq.observed) or fq.is_fixed_scale else None) + (
-        "" if bool(fq.observed) or fq.is_fixed_scale else " (not calibrated)"
+    return (
+        _quant(fq.dtype, fq.scale if bool(fq.observed) or fq.is_fixed_scale else None)
+        + ("" if bool(fq.observed) or fq.is_fixed_scale else " (not calibrated)")
+        + (f" (on chip, fused with {fq.on_chip_with})" if fq.on_chip_with else "")
     )
 
 

@@ -92,6 +92,8 @@ def test_the_sums_before_a_layernorm_are_int16_on_chip(bayes):
         n: ("qint8", "") for n in dtypes if n not in ("add", "fc2")
     }
     assert int(prepared.state_dict()["fc2.activation_post_process.bits"]) == 16
+    rows = {r["node"]: r["output"] for r in fxq.summary(prepared, show=False)}
+    assert rows["fc2"] == "qint16 (not calibrated) (on chip, fused with ln1)"
 
 
 def test_a_stored_residual_stream_keeps_its_qconfig(bayes):
