@@ -13,31 +13,19 @@ from fxq.calibration import calibrate, mixed_precision, ptq
 from fxq.calibration.mixed_precision import _activation_sizes
 from fxq.export.onnx import graph_to_onnx
 from fxq.qconfig import default_qat_8bit_fake_quant_qconfig as q8
+from tests.calibration.test_range_search import D, PostNormEncoder
 from tests.export.helpers import assert_exact_in_runtimes
 from tests.helpers import assert_validation_equals_converted, sqnr
 
-D = 32
 
-
-class PostNorm(nn.Module):
+class PostNorm(PostNormEncoder):
     """A BERT-style block: ``ln1(h + fc2(gelu(fc1(h))))`` after ``h = ln0(embed(x) + pos)``,
     the residual stream holding one massive channel on the first token (as BERT's)."""
 
     def __init__(self) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.embed = nn.Linear(D + 1, D)
+        g = torch.Generator().manual_seed(2)
         self.pos = nn.Parameter(torch.randn(12, D, generator=g) * 0.1)
-        self.ln0 = nn.LayerNorm(D)
-        self.fc1 = nn.Linear(D, 2 * D)
-        self.fc2 = nn.Linear(2 * D, D)
-        self.ln1 = nn.LayerNorm(D)
-        with torch.no_grad():
-            for m in (self.embed, self.fc1, self.fc2):
-                m.weight.copy_(torch.randn(m.weight.shape, generator=g) / m.in_features**0.5)
-                m.bias.zero_()
-            self.embed.weight[:, D] = 0.0
-            self.embed.weight[5, D] = 150.0  # the flagged token's channel 5
 
     def forward(self, x):
         h = self.ln0(self.embed(x) + self.pos)
@@ -124,7 +112,7 @@ def test_the_on_chip_sum_carries_the_outlier_that_int8_loses(bayes):
     calib, held = _batches(4, seed=1), _batches(4, seed=2)
     fused = _integer_sqnr(_prepare(model, calib[0]), model, calib, held)
     narrow = _integer_sqnr(_prepare(model, calib[0]), model, calib, held, narrow=True)
-    assert fused > narrow + 3, (narrow, fused)  # measured: 9.8 -> 14.6 dB
+    assert fused > narrow + 3, (narrow, fused)  # measured: 10.1 -> 16.7 dB
 
 
 def test_exact_in_validation_numpy_and_onnxruntime(bayes):
