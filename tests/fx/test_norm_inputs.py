@@ -140,3 +140,15 @@ def test_byte_budgets_do_not_count_the_on_chip_sums(bayes):
     chosen = mixed_precision(model, base, calib[:1], int16_budget=0.5, budget_unit="bytes")
     named = set(chosen.get("module_name", {}))
     assert named and not named & {"fc2", "add"}
+
+
+def test_a_march_keeps_its_sums_in_one_of_its_own_dtypes():
+    from fxq.march.spec import March, MarchSpec
+
+    with pytest.raises(ValueError, match="norm_input_dtype qint16 is not one of its activation"):
+        MarchSpec(
+            march=March.BAYES_E,
+            description="int8 only",
+            activation_dtypes=(fxq.qint8,),
+            norm_input_dtype=fxq.qint16,
+        )
