@@ -219,11 +219,19 @@ class _Rounding:
         return self.weight(self.nearest)
 
     def write_back(self, folded: Tensor) -> None:
-        """Store a folded out-major weight as the layer's (unfolded) weight."""
+        """Store a folded out-major weight as the layer's (unfolded) weight. A channel whose
+        BatchNorm factor is 0 (a zero-initialised last ``gamma``) folds to 0 whatever its
+        weight: it keeps the weight it has (dividing by the factor would make it NaN)."""
         layer = self.layer
         with torch.no_grad():
             factor = layer.bn_factor()
-            unfolded = folded if factor is None else folded / factor.reshape(_expand(folded))
+            unfolded = folded
+            if factor is not None:
+                factor = factor.reshape(_expand(folded))
+                current = layer.weight_to_out_major(layer.weight)
+                unfolded = torch.where(
+                    factor != 0, folded / torch.where(factor != 0, factor, 1), current
+                )
             layer.weight.copy_(layer.weight_from_out_major(unfolded))
 
 

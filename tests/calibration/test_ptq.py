@@ -578,3 +578,36 @@ def test_ptq_default_on_a_torchvision_vit_keeps_per_channel_attention_weights(ba
     assert_validation_equals_converted(prepared, data)
     with torch.no_grad():
         assert sqnr(model(data[0]), fxq.convert_fx(prepared)(data[0])) > 15
+
+
+class ZeroGammaResidual(nn.Module):
+    """A residual block whose last BatchNorm starts at ``gamma = 0`` (timm's and torchvision's
+    ``zero_init_last``): the conv before it folds to 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.conv = nn.Conv2d(8, 8, 1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        nn.init.zeros_(self.bn.weight)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        return self.head(h + self.bn(self.conv(h)))
+
+
+def test_learned_rounding_keeps_the_weight_of_a_zero_gamma_batchnorm(bayes):
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(4, 3, 8, 8, generator=g) for _ in range(4)]
+    model = ZeroGammaResidual().eval()
+    prepared = fxq.prepare_qat_fx(model, {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
+    before = prepared.conv.weight.detach().clone()
+    ptq(prepared, data, show_progress=False)  # learns the rounding of every conv
+    # the folded weight is 0 whatever the conv's own weight; writing the learned rounding
+    # back divided by the BatchNorm factor (0) and left NaN weights, refused by convert_fx
+    assert torch.equal(prepared.conv.weight.detach(), before)
+    assert all(torch.isfinite(p).all() for p in prepared.parameters())
+    integer = fxq.convert_fx(prepared)
+    with torch.no_grad():
+        assert sqnr(model(data[0]), integer(data[0])) > 25
