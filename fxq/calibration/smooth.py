@@ -212,27 +212,33 @@ def _factor(x_peak: Tensor, w_peak: Tensor, alpha: float) -> Tensor:
     )
 
 
-def _int8_round_trip(t: Tensor, peak: Tensor) -> Tensor:
-    """``t`` on the symmetric int8 grid whose step is ``peak / 127`` (broadcast)."""
-    step = peak.clamp(min=1e-12) / 127
-    return (t / step).round().clamp(-127, 127) * step
+def _round_trip(t: Tensor, peak: Tensor, qmax: int) -> Tensor:
+    """``t`` on the symmetric grid whose step is ``peak / qmax`` (broadcast)."""
+    step = peak.clamp(min=1e-12) / qmax
+    return (t / step).round().clamp(-qmax, qmax) * step
 
 
 def _migration_error(
-    fit: Tensor, test: Tensor, weights: list[Tensor], residual: bool, factor: Tensor
+    fit: Tensor,
+    test: Tensor,
+    weights: list[tuple[Tensor, int]],
+    residual: bool,
+    x_qmax: int,
+    factor: Tensor,
 ) -> float:
-    """The int8 error that migrating by ``factor`` leaves on the rows ``test``, the
-    activation's per-tensor range taken from the rows ``fit`` (a factor fitted to a few rows
-    can push other rows past it): for each linear reader, the relative squared error of
-    ``Q(x / s) Q(W s)^T`` against ``x W^T`` (the weight per output channel); for a residual
-    reader, that of ``s Q(x / s)`` against ``x``."""
+    """The quantization error that migrating by ``factor`` leaves on the rows ``test``, the
+    activation's per-tensor range (``x_qmax`` levels) taken from the rows ``fit`` (a factor
+    fitted to a few rows can push other rows past it): for each linear reader ``(W,
+    qmax)``, the relative squared error of ``Q(x / s) Q(W s)^T`` against ``x W^T`` (the
+    weight per output channel); for a residual reader, that of ``s Q(x / s)`` against
+    ``x``."""
     s = factor.to(test)
     xs = test / s
-    xq = _int8_round_trip(xs, (fit / s).abs().amax())
+    xq = _round_trip(xs, (fit / s).abs().amax(), x_qmax)
     error = 0.0
-    for w in weights:
+    for w, w_qmax in weights:
         ws = w.to(test) * s
-        wq = _int8_round_trip(ws, ws.abs().amax(1, keepdim=True))
+        wq = _round_trip(ws, ws.abs().amax(1, keepdim=True), w_qmax)
         exact = test @ w.to(test).T
         error += float((xq @ wq.T - exact).square().sum() / exact.square().sum().clamp(min=1e-30))
     if residual:
@@ -293,7 +299,7 @@ def smooth_activations(
             chosen = tried[0]
             if len(tried) > 1:
                 # scored on held-out rows: the factors and the range from the first half of
-                # the sampled rows (whole samples), the error on the second
+                # the sampled rows (the earlier samples), the error on the second
                 x = samples[norm_name]
                 fit, test = x[: len(x) // 2], x[len(x) // 2 :]
                 if not len(fit):
@@ -303,8 +309,9 @@ def smooth_activations(
                     _migration_error,
                     fit,
                     test,
-                    [m.weight.detach().float() for m in linears],
+                    [(m.weight.detach().float(), m.weight_fake_quant.dtype.qmax) for m in linears],
                     bool(residual_names),
+                    norm.activation_post_process.dtype.qmax,
                 )
                 errors = [error(_factor(fit_peak, w_peak, a)) for a in tried]
                 best = min(range(len(tried)), key=errors.__getitem__)
