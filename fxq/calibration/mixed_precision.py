@@ -186,9 +186,10 @@ def mixed_precision(
             nearly blind; ``"quantize_one"`` sees each tensor's own share, and is about half
             as long (no int8 baseline per value). See ``docs/transformers.md``.
         output_fn: maps a model's output to the part the ranking compares (as
-            ``fxq.debug.sensitivity`` takes it), e.g. ``lambda out: out["last_hidden_state"]``: a Hugging
-            Face encoder's last hidden state, not its pooler output, when the pooler is
-            not what the model is used for.
+            ``fxq.debug.sensitivity`` takes it), e.g.
+            ``lambda out: out["last_hidden_state"]``: a Hugging Face encoder's last
+            hidden state, not its pooler output, when the pooler is not what the model is
+            used for.
 
     Returns:
         a qconfig_dict for ``prepare_qat_fx(float_model, ...)``; its

@@ -41,13 +41,14 @@ Methods (MobileNetV2 on real photos, logits SQNR against float: see
   5. **transformers** (a graph where a LayerNorm feeds a linear layer): before the pass,
      each LayerNorm whose output only linear layers read moves its per-channel spread into
      their weights, with a strength chosen per LayerNorm on held-out rows
-     (``smooth=True``, ``fxq.calibration.smooth``, SmoothQuant; pre-norm
-     blocks; in post-norm blocks the linear layer that adds it back as its residual,
-     ``linear_add``, takes the factor on that residual); after it, the ranges of the int8 activations before each normalization (the
-     residual stream, the GELU outputs, ...; not the normalizations' own outputs) are
-     clipped where the error after that normalization is smaller (``search_ranges``, ``fxq.calibration.range_search``; a few
-     extreme values, such as BERT's first-token outliers, otherwise take every level from
-     the rest). Neither runs on a graph without such layers (CNNs); see
+     (``smooth=True``, ``fxq.calibration.smooth``, SmoothQuant; pre-norm blocks; in
+     post-norm blocks the linear layer that adds it back as its residual, ``linear_add``,
+     takes the factor on that residual); after it, the ranges of the int8 activations
+     before each normalization (the residual stream, the GELU outputs, ...; not the
+     normalizations' own outputs) are clipped where the error after that normalization
+     is smaller (``search_ranges``, ``fxq.calibration.range_search``; a few extreme
+     values, such as BERT's first-token outliers, otherwise take every level from the
+     rest). Neither runs on a graph without such layers (CNNs); see
      ``docs/transformers.md``;
   6. **learned rounding** (``weight_reconstruction(block_depth="auto", iters=10,
      batch_size=4, lr=0.7, num_samples=16)``, ``DEFAULT_ROUNDING``): block by
@@ -340,8 +341,9 @@ def ptq(
             epochs (``True``: ``fxq.calibration.bias_tuning.DEFAULT_EPOCHS``).
         search_ranges: for ``"default"`` and ``"best"``, clip the ranges of the
             int8 activations that reach a normalization layer (other than the
-            normalizations' outputs) where the error after that normalization is smaller (``fxq.calibration.range_search``;
-            after the calibration pass, before any learned rounding); ``None``: where a
+            normalizations' outputs) where the error after that normalization is
+            smaller (``fxq.calibration.range_search``; after the calibration pass,
+            before any learned rounding); ``None``: where a
             normalization layer feeds a linear layer (transformers), never in CNNs.
         smooth: for ``"default"`` and ``"best"``, move the per-channel spread of each
             LayerNorm output that only linear layers read (as input, or as the residual of

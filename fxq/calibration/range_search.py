@@ -112,18 +112,18 @@ def _readers_through_passthrough(node: Node, modules: dict[str, nn.Module]) -> l
     return found
 
 
-def _reaches_normalization(node: Node, modules: dict[str, nn.Module]) -> bool:
-    """Whether some path from ``node``'s value reaches a normalization layer."""
-    todo, seen = list(node.users), set()
-    while todo:
-        user = todo.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if user.op == "call_module" and isinstance(modules.get(user.target), _NORMALIZATIONS):
-            return True
-        todo.extend(user.users)
-    return False
+def _reaching_normalization(model: GraphModule, modules: dict[str, nn.Module]) -> set[Node]:
+    """The nodes from whose value some path reaches a normalization layer (one backward
+    pass over the graph: a node reaches one when a reader is one or reaches one)."""
+    reaching: set[Node] = set()
+    for node in reversed(model.graph.nodes):
+        if any(
+            user in reaching
+            or (user.op == "call_module" and isinstance(modules.get(user.target), _NORMALIZATIONS))
+            for user in node.users
+        ):
+            reaching.add(node)
+    return reaching
 
 
 def searchable_quants(model: GraphModule) -> list[tuple[Node, FakeQuantize]]:
@@ -144,6 +144,7 @@ def searchable_quants(model: GraphModule) -> list[tuple[Node, FakeQuantize]]:
         if node.op == "call_module":
             calls[node.target] = calls.get(node.target, 0) + 1
     outputs = {id(m.activation_post_process) for _, m in output_quants(model)}
+    reaching = _reaching_normalization(model, modules)
     found = []
     for node in model.graph.nodes:
         if node.op != "call_module" or calls[node.target] != 1:
@@ -165,7 +166,7 @@ def searchable_quants(model: GraphModule) -> list[tuple[Node, FakeQuantize]]:
             and not fq.offset
             and id(fq) not in outputs
             and fq.activation_post_process.has_statistics()
-            and _reaches_normalization(node, modules)
+            and node in reaching
         ):
             found.append((node, fq))
     return found

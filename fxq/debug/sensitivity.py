@@ -281,8 +281,8 @@ def sensitivity(
             only activations can change (choosing int16 layers).
         input_fn: maps a batch to the models' arguments.
         output_fn: maps a model's output to the part that is compared (default: all of
-            its floating-point tensors), e.g. ``lambda out: out["last_hidden_state"]`` for a Hugging Face
-            encoder's last hidden state without its pooler output.
+            its floating-point tensors), e.g. ``lambda out: out["last_hidden_state"]``
+            for a Hugging Face encoder's last hidden state without its pooler output.
 
     Returns:
         one dict per quantized value, most harmful first: ``rank``, ``name``, ``kind``
