@@ -154,7 +154,9 @@ def mixed_precision(
         batches: calibration batches for the sensitivity (a list; a few suffice), as
             ``fxq.debug.sensitivity`` takes them (``fxq.calibration.data``).
         int16_budget: the largest fraction of the quantized activations (counted
-            as ``budget_unit`` says) that become int16.
+            as ``budget_unit`` says) that are int16 in the model the result prepares:
+            those ``calib_model`` has int16 already (a model output that ``ptq``
+            widened, an int16 qconfig) are counted first.
         float_budget: the largest fraction left in float (a qconfig of None):
             those whose quantization costs the model output most (sensitivity
             in ``"float_one"`` mode; per element under ``budget_unit="bytes"``).
@@ -284,7 +286,14 @@ def mixed_precision(
             )
         if ranking == "quantize_one":
             rows = _as_raised(rows)
-        budget = _Budget(int16_budget, rows, sizes, targets)
+        # activations that are int16 already (an output ptq widened, a qconfig's int16) are
+        # paid for first: the budget bounds the model's int16 share, not the new choices'
+        already = {
+            name
+            for name, fq in _stored_activations(calib_model).items()
+            if fq.dtype is qint16 and name not in chosen
+        }
+        budget = _Budget(int16_budget, rows, sizes, targets, spent=already)
         for row in budget.order(rows):
             if budget.spent:
                 break
@@ -403,13 +412,17 @@ class _Budget:
         rows: list[dict[str, Any]],
         sizes: dict[str, int] | None,
         targets: Mapping[str, _Target],
+        spent: set[str] = frozenset(),
     ) -> None:
         self.sizes = sizes
         self.targets = targets
+        measured = [r["name"] for r in rows]
+        paid = [name for name in measured if name in spent]
         if sizes is None:
-            self.left = math.floor(share * len(rows) + 1e-9)
+            self.left = math.floor(share * len(rows) + 1e-9) - len(paid)
         else:
-            self.left = share * sum(sizes.get(r["name"], 0) for r in rows)
+            total = sum(sizes.get(name, 0) for name in measured)
+            self.left = share * total - sum(sizes.get(name, 0) for name in paid)
 
     def cost(self, name: str) -> int:
         """What choosing ``name`` costs: activations, or their elements (0: not reached on
@@ -450,13 +463,24 @@ class _Budget:
         return True
 
 
+def _stored_activations(calib_model: GraphModule) -> dict[str, Any]:
+    """The activation fake quants of tensors the integer model stores, by module name (not
+    a sum fused on chip with its normalization)."""
+    from fxq.debug.sensitivity import quantized_values
+
+    return {
+        v.name: v.fake_quant
+        for v in quantized_values(calib_model)
+        if v.kind == "activation" and not v.fake_quant.on_chip_with
+    }
+
+
 def _activation_sizes(
     calib_model: GraphModule, batches: list[Any], input_fn: Callable[[Any], Any] | None = None
 ) -> dict[str, int]:
     """The elements each quantized activation holds on the first batch, by module name
     (one float pass with the fake quants bypassed: no statistics change)."""
     from fxq.debug.capture import eval_no_grad
-    from fxq.debug.sensitivity import quantized_values
     from fxq.fake_quantize import bypass
 
     sizes: dict[str, int] = {}
@@ -470,9 +494,8 @@ def _activation_sizes(
 
     args, kwargs = batch_arguments(calib_model, batches[0], input_fn)  # as sensitivity reads it
     handles = [
-        v.fake_quant.register_forward_hook(count(v.name))
-        for v in quantized_values(calib_model)
-        if v.kind == "activation" and not v.fake_quant.on_chip_with  # a fused sum is not stored
+        fq.register_forward_hook(count(name))
+        for name, fq in _stored_activations(calib_model).items()
     ]
     try:
         with eval_no_grad(calib_model), bypass(calib_model):

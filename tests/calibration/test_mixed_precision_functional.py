@@ -150,3 +150,25 @@ def test_quantize_one_ranking_takes_each_activations_own_noise(bayes):
     assert _integer_sqnr(model, chosen, calib, held) > int8 + 1.5  # 28.33 -> 31.00 dB
     with pytest.raises(ValueError, match=r"ranking must be one of \('raise_one', 'quantize_one'\)"):
         mixed_precision(model, base, calib[:1], ranking="best")
+
+
+def test_activations_already_int16_count_against_the_budget(bayes):
+    """The budget bounds the int16 share of the model the result prepares: an activation
+    the ranked model has int16 already (here the last add, as a qconfig makes it; a model
+    output ``ptq`` widens alike) is paid for first."""
+    from fxq.qconfig import default_qat_8bit_weight_16bit_act_fake_quant_qconfig as a16
+
+    model, calib, _ = _model_and_base()
+    qconfig_dict = {"": q8, "module_name_regex": [(r"layers\.1\.out", a16)]}
+    base = calibrate(_prepare(model, qconfig_dict), calib, show_progress=False)
+    sizes = _activation_sizes(base, calib[:1])
+    already = _int16_names(base)
+    assert sum(sizes[n] for n in already) > 0.08 * sum(sizes.values())  # most of the budget
+    chosen = mixed_precision(
+        model, base, calib[:1], int16_budget=0.15, qconfig_dict=qconfig_dict, budget_unit="bytes"
+    )
+    wide = _int16_names(_prepare(model, chosen))
+    assert already <= wide
+    assert sum(sizes[n] for n in wide) <= 0.15 * sum(sizes.values())
+    # the budget left after the int16 already there was spent on something
+    assert len(wide) > len(already)
