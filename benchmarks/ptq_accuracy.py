@@ -345,12 +345,18 @@ def main() -> None:
         return time.perf_counter()
 
     markdown: list[str] = []
+    crops = {  # RGB in [0, 1], calibration and evaluation, for every model
+        photos: (
+            photo_crops(args.calib, seed=0, normalize=False, photos=photos),
+            photo_crops(args.eval, seed=1, normalize=False, photos=photos),
+        )
+        for photos in args.photos
+    }
     for name in args.models:
         model, normalize = load_model(name)
         for photos in args.photos:
             torch.manual_seed(0)
-            calib_rgb = photo_crops(args.calib, seed=0, normalize=False, photos=photos)
-            eval_rgb = photo_crops(args.eval, seed=1, normalize=False, photos=photos)
+            calib_rgb, eval_rgb = crops[photos]
             calib = list(normalize(calib_rgb).split(args.batch))
             held = normalize(eval_rgb)
             title, rows = measure(args, name, model, calib, held, device, sync)

@@ -362,7 +362,8 @@ def ptq(
         input_fn: maps a batch to the model's arguments.
         options: for ``"default"`` and ``"best"``, arguments of
             ``weight_reconstruction`` that override the method's learned-rounding
-            settings (``DEFAULT_ROUNDING``, ``BEST_ROUNDING``; e.g. ``iters=0``:
+            settings (``DEFAULT_ROUNDING``, ``BEST_ROUNDING``,
+            ``BEST_ROUNDING_TRANSFORMERS``; e.g. ``iters=0``:
             none; ``float_activations=True``: learn the rounding with float
             activations, the better choice after ``mixed_precision``).
 
@@ -393,14 +394,17 @@ def ptq(
             "method='calibrate', which learns no rounding"
         )
     batches = fast_layout(model, batch_list(data, num_batches, "ptq", ranks="equal"), input_fn)
+    from fxq.calibration.range_search import has_normalization
+
+    # a normalization feeding a linear layer (transformers): the range search by default, and
+    # the longer learned rounding of "best"
+    transformer = method != "calibrate" and has_normalization(model)
     rounding = {}
     if method != "calibrate":
         _check_options(options)
         settings = DEFAULT_ROUNDING
         if method == "best":
-            from fxq.calibration.range_search import has_normalization
-
-            settings = BEST_ROUNDING_TRANSFORMERS if has_normalization(model) else BEST_ROUNDING
+            settings = BEST_ROUNDING_TRANSFORMERS if transformer else BEST_ROUNDING
         rounding = {**settings, **options}
         if not isinstance(model, GraphModule) and "block_depth" not in options:
             rounding["block_depth"] = None  # blocks are cut from a graph: layer by layer
@@ -488,7 +492,7 @@ def ptq(
                 mean.restore()
             keep_rank0_result(model)  # every rank learns from the same start
         if search_ranges is None:
-            search_ranges = range_search.has_normalization(model)
+            search_ranges = transformer
         if search_ranges:
             range_search.search_ranges(model, batches, input_fn=input_fn)
         if offset:

@@ -228,10 +228,9 @@ class _Rounding:
             unfolded = folded
             if factor is not None:
                 factor = factor.reshape(_expand(folded))
+                nonzero = factor != 0
                 current = layer.weight_to_out_major(layer.weight)
-                unfolded = torch.where(
-                    factor != 0, folded / torch.where(factor != 0, factor, 1), current
-                )
+                unfolded = torch.where(nonzero, folded / torch.where(nonzero, factor, 1), current)
             layer.weight.copy_(layer.weight_from_out_major(unfolded))
 
 
