@@ -7,6 +7,7 @@ run, on the same inputs, alternating so that machine noise hits all alike:
     python benchmarks/qat_speed.py --models resnet18 --batch 16 --size 160
     python benchmarks/qat_speed.py --device cuda --batch 64   # on a GPU
     python benchmarks/qat_speed.py --device cuda --batch 64 --profile   # + kernels per step
+    python benchmarks/qat_speed.py --device cuda --profile --top 12     # + costliest kernels
     python benchmarks/qat_speed.py --compile          # + each model under torch.compile
 
 Prints one row per model and variant: ms per step, its ratio to the float step and to
@@ -85,9 +86,12 @@ def measure(
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def profile_steps(steps: dict[str, callable], device: torch.device) -> list[list[str]]:
+def profile_steps(
+    steps: dict[str, callable], device: torch.device, top: int = 0
+) -> list[list[str]]:
     """Per variant: ops (CPU) or kernels (CUDA) per step, their time, and the host's time
-    to issue a step (a step whose host time exceeds its kernel time is launch-bound)."""
+    to issue a step (a step whose host time exceeds its kernel time is launch-bound).
+    Prints each variant's ``top`` costliest kernels (CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -110,6 +114,8 @@ def profile_steps(steps: dict[str, callable], device: torch.device) -> list[list
         if cuda:
             events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             busy = sum(e.device_time for e in events) / 2e3
+            if top:
+                _print_costliest(name, events, top)
         else:  # aten ops not called by another aten op
             events = [
                 e
@@ -120,6 +126,16 @@ def profile_steps(steps: dict[str, callable], device: torch.device) -> list[list
             busy = float("nan")
         rows.append([name, str(len(events) // 2), f"{busy:.1f}", f"{issue * 1e3:.1f}"])
     return rows
+
+
+def _print_costliest(variant: str, events: list, top: int) -> None:
+    """The ``top`` kernels of two profiled steps with the most time, per step."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name[:90], []).append(e.device_time / 2e3)
+    print(f"{variant}: costliest kernels per step")
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"  {sum(times):7.2f} ms  {len(times) / 2:6.1f}x  {name}")
 
 
 def _describe(device: torch.device) -> str:
@@ -166,6 +182,12 @@ def main() -> None:
         help="also print kernels (ops on the CPU) per step, their time and the host's issue time",
     )
     parser.add_argument(
+        "--top",
+        type=int,
+        default=0,
+        help="with --profile on CUDA: print each variant's N costliest kernels per step",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="also time each model under torch.compile (compiled once, in the warm-up)",
@@ -187,7 +209,7 @@ def main() -> None:
             steps["fxq torch ops"] = _unfused(step_fn(variants["fxq"], x, y))
         t = measure(steps, args.iters, args.warmup + (2 if args.compile else 0), device)
         if args.profile:
-            profiles.extend([[name, *row] for row in profile_steps(steps, device)])
+            profiles.extend([[name, *row] for row in profile_steps(steps, device, args.top)])
         for variant, seconds in t.items():
             compiled = variant.endswith("compiled")
             float_ms = t["float compiled" if compiled else "float"]

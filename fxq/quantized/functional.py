@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -616,7 +617,9 @@ def conv_as_gemm(
     (every product and partial sum exact, so any summation order gives the same). On
     CUDA with cuDNN off (``accumulate``: its Winograd / FFT algorithms are not exact)
     torch convolves one image at a time, one im2col and one GEMM each; here the whole
-    batch is one strided copy and one batched GEMM (fewer kernels by the batch size).
+    batch is one im2col copy and one batched GEMM (fewer kernels by the batch size). The
+    copy is a Triton kernel for 1-d and 2-d convolutions on CUDA (``_im2col_triton``, which
+    pads as it reads), else a strided view of the padded input, copied by the GEMM.
 
     Args:
         x: ``[N, C, *spatial]``; weight: ``[O, C / groups, *kernel]``; bias: ``[O]`` or None.
@@ -625,35 +628,101 @@ def conv_as_gemm(
         groups: the convolution's groups.
     """
     d = weight.dim() - 2
+    c = x.shape[1]
+    o = weight.shape[0]
+    kernel = weight.shape[2:]
+    padded = [x.shape[2 + i] + pads[i][0] + pads[i][1] for i in range(d)]
+    out = [(padded[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(d)]
+    w = weight.reshape(groups, o // groups, c // groups * math.prod(kernel))
+    im2col = _triton_im2col(x, d)
+    if im2col is not None:
+        return _gemm_blocks(
+            x,
+            w,
+            bias,
+            out,
+            lambda block: im2col(block, *_as_2d(kernel, out, stride, dilation, pads)),
+        )
     flat = [p for pair in reversed(pads) for p in pair]
     if any(flat):
         x = F.pad(x, flat)
     x = x.contiguous()
-    n, c = x.shape[:2]
-    o = weight.shape[0]
-    kernel = weight.shape[2:]
-    out = [(x.shape[2 + i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(d)]
     sx = x.stride()
-    k_size = c // groups * math.prod(kernel)
-    length = math.prod(out)
     strides = (
         sx[0],
         sx[1],
         *(sx[2 + i] * dilation[i] for i in range(d)),
         *(sx[2 + i] * stride[i] for i in range(d)),
     )
-    step = max(1, _GEMM_BLOCK_ELEMENTS // max(1, c * math.prod(kernel) * length))
-    w = weight.reshape(groups, o // groups, k_size)
+    return _gemm_blocks(
+        x,
+        w,
+        bias,
+        out,
+        lambda block: block.as_strided((block.shape[0], c, *kernel, *out), strides),
+    )
+
+
+def _gemm_blocks(
+    x: Tensor,
+    w: Tensor,
+    bias: Tensor | None,
+    out: Sequence[int],
+    columns: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """``conv_as_gemm``'s products: ``w`` ``[groups, O / groups, K]`` times the columns of
+    each block of images (``columns(block)``, reshaped to ``[B, groups, K, L]``), blocks of at
+    most ``_GEMM_BLOCK_ELEMENTS`` column elements, plus ``bias``."""
+    groups, o_per_group, k_size = w.shape
+    length = math.prod(out)
+    step = max(1, _GEMM_BLOCK_ELEMENTS // max(1, groups * k_size * length))
     parts = []
-    for first in range(0, n, step):
+    for first in range(0, x.shape[0], step):
         block = x[first : first + step]
-        cols = block.as_strided((block.shape[0], c, *kernel, *out), strides)
-        cols = cols.reshape(block.shape[0], groups, k_size, length)
-        parts.append(torch.matmul(w, cols).reshape(block.shape[0], o, *out))
+        cols = columns(block).reshape(block.shape[0], groups, k_size, length)
+        parts.append(torch.matmul(w, cols).reshape(block.shape[0], groups * o_per_group, *out))
     y = parts[0] if len(parts) == 1 else torch.cat(parts)
     if bias is not None:
         y = y + broadcast_scale(bias.to(y.dtype), y.dim(), 1)
     return y
+
+
+def _as_2d(
+    kernel: Sequence[int],
+    out: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    pads: Sequence[Sequence[int]],
+) -> tuple[tuple[int, int], ...]:
+    """A 1-d or 2-d convolution's geometry as 2-d (a 1-d one has height 1): kernel, output
+    size, stride, dilation and the padding before, each ``(h, w)``."""
+    lead = (1,) * (2 - len(kernel))
+    return (
+        (*lead, *kernel),
+        (*lead, *out),
+        (*lead, *stride),
+        (*lead, *dilation),
+        (*(0,) * (2 - len(kernel)), *(p[0] for p in pads)),
+    )
+
+
+def _triton_im2col(x: Tensor, dims: int) -> Callable[..., Tensor] | None:
+    """The Triton im2col (``_im2col_triton``) for ``x``, taking a 1-d input as 2-d, or None:
+    not CUDA (nor the CPU under ``TRITON_INTERPRET=1``), 3-d, Triton off
+    (``native.triton_switched_off``) or not importable, or too large for its int32 indices."""
+    from fxq.quantized import native
+
+    if dims > 2 or x.numel() >= 2**31 or native.triton_switched_off():
+        return None
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from fxq.quantized import _im2col_triton
+    except ImportError:
+        return None
+    if dims == 2:
+        return _im2col_triton.im2col
+    return lambda block, *geometry: _im2col_triton.im2col(block.unsqueeze(2), *geometry)
 
 
 # =============================================================================

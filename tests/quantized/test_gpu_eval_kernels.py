@@ -5,7 +5,9 @@
   with and without a fused residual, half-up and half-even with planted ties, every
   output dtype (and on CUDA when a GPU is present).
 * ``conv_as_gemm`` equals torch's convolution bit for bit on exact integers: 1, 2 and
-  3 spatial dims, strides, dilations, asymmetric padding, groups, a batch split.
+  3 spatial dims, strides, dilations, asymmetric padding, groups, a batch split; so does
+  its Triton im2col (``fxq.quantized._im2col_triton``), interpreted on the CPU and on CUDA,
+  on inputs that are not contiguous too.
 * ``memo_by_identity`` recomputes when a remembered tensor changes in place, and does not
   remember tensors without a version counter.
 * On CUDA the integer model of a CNN equals the CPU's and makes no host sync.
@@ -133,6 +135,73 @@ def test_conv_as_gemm_on_cuda_equals_torch_on_the_cpu(groups):
     with qf._tensor_core_gemms(plan):
         got = qf.conv_as_gemm(x.cuda(), w.cuda(), None, (1, 1), [[1, 1]] * 2, (1, 1), groups)
     assert torch.equal(got.cpu(), expected)
+
+
+def compare_im2col_convolutions(device: str) -> int:
+    """``conv_as_gemm`` with the Triton im2col on ``device`` (CUDA, or the CPU interpreted)
+    against torch's convolution on the CPU, bit for bit: 1-d and 2-d, strides, dilations,
+    asymmetric padding, groups, inputs that are not contiguous, float64, a batch split.
+    Returns how many were compared."""
+    torch.manual_seed(0)
+    compared = 0
+    cases = [  # dims, channels, size, kernel, stride, dilation, pads, groups
+        (2, 8, 9, 3, 1, 1, (1, 1), 1),
+        (2, 8, 11, 3, 2, 1, (1, 0), 2),
+        (2, 6, 10, 2, 3, 2, (0, 2), 3),
+        (2, 3, 17, 7, 2, 1, (3, 3), 1),
+        (2, 16, 7, 1, 2, 1, (0, 0), 1),
+        (1, 8, 13, 3, 1, 2, (2, 1), 4),
+    ]
+    for dims, c, size, k, stride, dilation, pads, groups in cases:
+        x = torch.randint(-128, 128, (5, c) + (size,) * dims).float()
+        w = torch.randint(-128, 128, (12, c // groups) + (k,) * dims).float()
+        b = torch.randint(-1000, 1000, (12,)).float()
+        padded = F.pad(x, [p for _ in range(dims) for p in pads])
+        expected = _CONVS[dims](padded, w, b, stride, 0, dilation, groups)
+        inputs = {"contiguous": x}
+        if dims == 2:
+            inputs["channels_last"] = x.contiguous(memory_format=torch.channels_last)
+            inputs["a slice"] = torch.cat([x, x], 3)[..., :size]
+        for name, given in inputs.items():
+            for dtype, block in ((torch.float32, 1 << 28), (torch.float64, 500)):
+                qf._GEMM_BLOCK_ELEMENTS = block  # 500: one image per block
+                try:
+                    got = qf.conv_as_gemm(
+                        given.to(device, dtype), w.to(device, dtype), b.to(device, dtype),
+                        (stride,) * dims, [pads] * dims, (dilation,) * dims, groups,
+                    )  # fmt: skip
+                finally:
+                    qf._GEMM_BLOCK_ELEMENTS = 1 << 28
+                assert got.dtype is dtype
+                assert torch.equal(got.cpu().float(), expected), (dims, k, stride, name, dtype)
+                compared += 1
+    return compared
+
+
+#: 5 2-d cases with 3 inputs each and one 1-d case, each in 2 dtypes
+_IM2COL_COMPARED = 2 * (5 * 3 + 1)
+
+_IM2COL_INTERPRETED = """
+from unittest import mock
+from fxq.quantized import _im2col_triton
+from tests.quantized.test_gpu_eval_kernels import compare_im2col_convolutions
+with mock.patch.object(_im2col_triton, "im2col", wraps=_im2col_triton.im2col) as im2col:
+    compared = compare_im2col_convolutions("cpu")
+print(compared, im2col.call_count)
+"""
+
+
+def test_the_triton_im2col_equals_torch_convolution_interpreted():
+    pytest.importorskip("triton")
+    compared, calls = run_in_fresh_process(_IM2COL_INTERPRETED, TRITON_INTERPRET="1").split()
+    assert int(compared) == _IM2COL_COMPARED
+    # the Triton im2col made every column: once per float32 case, per image (5) in float64
+    assert int(calls) == _IM2COL_COMPARED // 2 * (1 + 5)
+
+
+@needs_cuda
+def test_the_triton_im2col_equals_torch_convolution_on_cuda():
+    assert compare_im2col_convolutions("cuda") == _IM2COL_COMPARED
 
 
 def test_memo_by_identity_sees_in_place_changes():
