@@ -151,6 +151,7 @@ def compare_im2col_convolutions(device: str) -> int:
         (2, 3, 17, 7, 2, 1, (3, 3), 1),
         (2, 16, 7, 1, 2, 1, (0, 0), 1),
         (1, 8, 13, 3, 1, 2, (2, 1), 4),
+        (2, 8, 9, 1, 1, 1, (0, 0), 1),  # 1x1 at stride 1: the columns are a view, not copied
     ]
     for dims, c, size, k, stride, dilation, pads, groups in cases:
         x = torch.randint(-128, 128, (5, c) + (size,) * dims).float()
@@ -178,13 +179,14 @@ def compare_im2col_convolutions(device: str) -> int:
     return compared
 
 
-#: 5 2-d cases with 3 inputs each and one 1-d case, each in 2 dtypes
-_IM2COL_COMPARED = 2 * (5 * 3 + 1)
+#: 6 2-d cases with 3 inputs each and one 1-d case, each in 2 dtypes
+_IM2COL_COMPARED = 2 * (6 * 3 + 1)
 
 _IM2COL_INTERPRETED = """
 from unittest import mock
-from fxq.quantized import _im2col_triton
+from fxq.quantized import _im2col_triton, functional
 from tests.quantized.test_gpu_eval_kernels import compare_im2col_convolutions
+functional._TRITON_IM2COL_MIN_LENGTH = 0  # the small cases too
 with mock.patch.object(_im2col_triton, "im2col", wraps=_im2col_triton.im2col) as im2col:
     compared = compare_im2col_convolutions("cpu")
 print(compared, im2col.call_count)
@@ -195,13 +197,30 @@ def test_the_triton_im2col_equals_torch_convolution_interpreted():
     pytest.importorskip("triton")
     compared, calls = run_in_fresh_process(_IM2COL_INTERPRETED, TRITON_INTERPRET="1").split()
     assert int(compared) == _IM2COL_COMPARED
-    # the Triton im2col made every column: once per float32 case, per image (5) in float64
-    assert int(calls) == _IM2COL_COMPARED // 2 * (1 + 5)
+    # the Triton im2col made the columns of all but the 1x1 case (3 inputs, 2 dtypes): once
+    # per float32 case, once per image (5) in float64
+    assert int(calls) == (_IM2COL_COMPARED - 6) // 2 * (1 + 5)
 
 
 @needs_cuda
-def test_the_triton_im2col_equals_torch_convolution_on_cuda():
+def test_the_triton_im2col_equals_torch_convolution_on_cuda(monkeypatch):
+    monkeypatch.setattr(qf, "_TRITON_IM2COL_MIN_LENGTH", 0)
     assert compare_im2col_convolutions("cuda") == _IM2COL_COMPARED
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, out, copies",
+    [
+        ((3, 3), (1, 1), (56, 56), True),
+        ((7, 7), (2, 2), (112, 112), True),
+        ((1, 1), (2, 2), (28, 28), True),  # strided 1x1: the columns are a copy
+        ((1, 1), (1, 1), (56, 56), False),  # a view of the input
+        ((3, 3), (1, 1), (14, 14), False),  # 196 positions: torch's strided copy was faster
+        ((3,), (1,), (1024,), True),
+    ],
+)
+def test_the_triton_im2col_runs_where_it_was_measured_faster(kernel, stride, out, copies):
+    assert qf._triton_copies_faster(kernel, stride, out) is copies
 
 
 def test_memo_by_identity_sees_in_place_changes():
