@@ -717,10 +717,11 @@ _TRITON_IM2COL_MIN_LENGTH = 512
 def _triton_copies_faster(kernel: Sequence[int], stride: Sequence[int], out: Sequence[int]) -> bool:
     """Whether ``conv_as_gemm`` copies the columns with the Triton kernel: they need a copy
     (not a 1x1 kernel at stride 1, whose columns are a view of the input) and the output has
-    at least ``_TRITON_IM2COL_MIN_LENGTH`` positions per image."""
+    at least ``_TRITON_IM2COL_MIN_LENGTH`` positions per image (and fewer than the kernel's
+    launch grid holds: 65535 programs of 1024)."""
     if all(k == 1 for k in kernel) and all(s == 1 for s in stride):
         return False
-    return math.prod(out) >= _TRITON_IM2COL_MIN_LENGTH
+    return _TRITON_IM2COL_MIN_LENGTH <= math.prod(out) <= 65535 * 1024
 
 
 def _triton_im2col(x: Tensor, dims: int) -> Callable[..., Tensor] | None:

@@ -217,6 +217,7 @@ def test_the_triton_im2col_equals_torch_convolution_on_cuda(monkeypatch):
         ((1, 1), (1, 1), (56, 56), False),  # a view of the input
         ((3, 3), (1, 1), (14, 14), False),  # 196 positions: torch's strided copy was faster
         ((3,), (1,), (1024,), True),
+        ((3,), (1,), (65535 * 1024 + 1,), False),  # more programs than its grid holds
     ],
 )
 def test_the_triton_im2col_runs_where_it_was_measured_faster(kernel, stride, out, copies):
