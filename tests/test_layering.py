@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "fxq.quantized.functional",
         "fxq.quantized.native",
         "fxq.quantized._requant_triton",  # native's kernels on CUDA
+        "fxq.quantized._im2col_triton",  # conv_as_gemm's columns on CUDA
     ),
     ("fxq.primitives",),  # one module per primitive family: torch, numpy, ONNX side by side
     (
