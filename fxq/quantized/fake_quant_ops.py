@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -133,9 +132,7 @@ def triton_usable(x: Tensor) -> bool:
     """Whether the Triton kernels run for ``x``: a float32 tensor on CUDA (or on the CPU under
     ``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use), Triton importable and
     not switched off (``FXQ_TRITON=0``, ``torch_ops_only``)."""
-    if x.dtype is not torch.float32 or native.triton_switched_off():
-        return False
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if x.dtype is not torch.float32 or not native.triton_runs_on(x):
         return False
     return _triton() is not None
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -636,13 +635,8 @@ def conv_as_gemm(
     w = weight.reshape(groups, o // groups, c // groups * math.prod(kernel))
     im2col = _triton_im2col(x, d) if _triton_copies_faster(kernel, stride, out) else None
     if im2col is not None:
-        return _gemm_blocks(
-            x,
-            w,
-            bias,
-            out,
-            lambda block: im2col(block, *_as_2d(kernel, out, stride, dilation, pads)),
-        )
+        geometry = _as_2d(kernel, out, stride, dilation, pads)
+        return _gemm_blocks(x, w, bias, out, lambda block: im2col(block, *geometry))
     flat = [p for pair in reversed(pads) for p in pair]
     if any(flat):
         x = F.pad(x, flat)
@@ -726,21 +720,29 @@ def _triton_copies_faster(kernel: Sequence[int], stride: Sequence[int], out: Seq
 
 def _triton_im2col(x: Tensor, dims: int) -> Callable[..., Tensor] | None:
     """The Triton im2col (``_im2col_triton``) for ``x``, taking a 1-d input as 2-d, or None:
-    not CUDA (nor the CPU under ``TRITON_INTERPRET=1``), 3-d, Triton off
-    (``native.triton_switched_off``) or not importable, or too large for its int32 indices."""
+    3-d, too large for its int32 indices, Triton not to run on ``x``
+    (``native.triton_runs_on``) or not importable."""
     from fxq.quantized import native
 
-    if dims > 2 or x.numel() >= 2**31 or native.triton_switched_off():
+    if dims > 2 or x.numel() >= 2**31 or not native.triton_runs_on(x):
         return None
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    kernels = _im2col_kernels()
+    if kernels is None:
         return None
+    if dims == 2:
+        return kernels.im2col
+    return lambda block, *geometry: kernels.im2col(block.unsqueeze(2), *geometry)
+
+
+@functools.cache
+def _im2col_kernels():
+    """The module ``_im2col_triton`` (None when Triton cannot be imported: asked once, not at
+    every convolution)."""
     try:
         from fxq.quantized import _im2col_triton
     except ImportError:
         return None
-    if dims == 2:
-        return _im2col_triton.im2col
-    return lambda block, *geometry: _im2col_triton.im2col(block.unsqueeze(2), *geometry)
+    return _im2col_triton
 
 
 # =============================================================================

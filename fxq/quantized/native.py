@@ -329,6 +329,15 @@ def triton_switched_off() -> bool:
     return bool(_TORCH_OPS_ONLY) or os.environ.get("FXQ_TRITON") == "0"
 
 
+def triton_runs_on(x: Tensor) -> bool:
+    """Whether fxq's Triton kernels may run on ``x``'s device: CUDA, or the CPU under
+    ``TRITON_INTERPRET=1`` (Triton's interpreter, which the tests use), and not switched off
+    (``triton_switched_off``). Whether Triton imports is the caller's to ask."""
+    if triton_switched_off():
+        return False
+    return x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _cuda_kernels():
     """The Triton kernels of ``_requant_triton``, or None: Triton cannot be imported, or it
     is switched off (``triton_switched_off``)."""
