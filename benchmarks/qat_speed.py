@@ -27,6 +27,7 @@ import warnings
 
 import torch
 import torchvision
+from infer_speed import print_costliest  # benchmarks/ is on sys.path when run
 from tabulate import tabulate
 
 import fxq
@@ -115,7 +116,8 @@ def profile_steps(
             events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             busy = sum(e.device_time for e in events) / 2e3
             if top:
-                _print_costliest(name, events, top)
+                print(f"{name}: costliest kernels per step")
+                print_costliest(events, top, runs=2)
         else:  # aten ops not called by another aten op
             events = [
                 e
@@ -126,16 +128,6 @@ def profile_steps(
             busy = float("nan")
         rows.append([name, str(len(events) // 2), f"{busy:.1f}", f"{issue * 1e3:.1f}"])
     return rows
-
-
-def _print_costliest(variant: str, events: list, top: int) -> None:
-    """The ``top`` kernels of two profiled steps with the most time, per step."""
-    by_name: dict[str, list[float]] = {}
-    for e in events:
-        by_name.setdefault(e.name[:90], []).append(e.device_time / 2e3)
-    print(f"{variant}: costliest kernels per step")
-    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        print(f"  {sum(times):7.2f} ms  {len(times) / 2:6.1f}x  {name}")
 
 
 def _describe(device: torch.device) -> str:
