@@ -9,6 +9,7 @@ run, on the same inputs, alternating so that machine noise hits all alike:
     python benchmarks/qat_speed.py --device cuda --batch 64 --profile   # + kernels per step
     python benchmarks/qat_speed.py --device cuda --profile --top 12     # + costliest kernels
     python benchmarks/qat_speed.py --compile          # + each model under torch.compile
+    python benchmarks/qat_speed.py --device cuda --compile --compile-mode reduce-overhead
 
 Prints one row per model and variant: ms per step, its ratio to the float step and to
 torch.ao's step (compiled variants: to the compiled float and torch.ao steps). torch.ao:
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 import time
 import warnings
@@ -53,11 +55,15 @@ def fxq_qat(model: torch.nn.Module, example: torch.Tensor) -> torch.nn.Module:
     return qat
 
 
-def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, graphs: bool = False):
+    """One SGD step of ``model`` on ``(x, y)``. ``graphs``: the model was compiled with CUDA
+    graphs (``mode="reduce-overhead"``), whose step boundary is marked."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step() -> None:
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -130,6 +136,10 @@ def profile_steps(
     return rows
 
 
+def _ratio(seconds: float, baseline: float) -> str:
+    return "-" if math.isnan(baseline) else f"{seconds / baseline:.2f}x"
+
+
 def _describe(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -146,16 +156,19 @@ def _unfused(step: callable) -> callable:
     return run
 
 
-def _variants(model, x, device, compile_too: bool) -> dict[str, torch.nn.Module]:
+def _variants(model, x, device, compile_mode: str | None) -> dict[str, torch.nn.Module]:
+    """The float, fxq and torch.ao models on ``device``; with ``compile_mode`` (a
+    ``torch.compile`` mode, "default" for none given) each also compiled."""
     variants = {
         "float": copy.deepcopy(model),
         "fxq": fxq_qat(model, x[:1]),
         "torch.ao": torch_ao_qat(model, x[:1]),
     }
     variants = {k: m.to(device) for k, m in variants.items()}
-    if compile_too:
+    if compile_mode is not None:
+        mode = None if compile_mode == "default" else compile_mode
         for name in ("float", "fxq", "torch.ao"):
-            variants[f"{name} compiled"] = torch.compile(variants[name])
+            variants[f"{name} compiled"] = torch.compile(variants[name], mode=mode)
     return variants
 
 
@@ -184,6 +197,19 @@ def main() -> None:
         action="store_true",
         help="also time each model under torch.compile (compiled once, in the warm-up)",
     )
+    parser.add_argument(
+        "--compile-mode",
+        default="default",
+        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+        help="torch.compile's mode for --compile (reduce-overhead: CUDA graphs)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="VARIANT",
+        help='time only these variants (e.g. float fxq "fxq compiled"; default: all)',
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.threads:
@@ -194,30 +220,40 @@ def main() -> None:
         model = getattr(torchvision.models, name)(num_classes=1000).train()
         x = torch.randn(args.batch, 3, args.size, args.size)
         y = torch.randint(0, 1000, (args.batch,))
-        variants = _variants(model, x, device, args.compile)
+        variants = _variants(model, x, device, args.compile_mode if args.compile else None)
         x, y = x.to(device), y.to(device)
-        steps = {k: step_fn(m, x, y) for k, m in variants.items()}
+        graphs = args.compile_mode == "reduce-overhead"
+        steps = {
+            k: step_fn(m, x, y, graphs=graphs and k.endswith("compiled"))
+            for k, m in variants.items()
+        }
         if device.type == "cuda":  # the same model without the fused kernels
             steps["fxq torch ops"] = _unfused(step_fn(variants["fxq"], x, y))
+        if args.only:
+            unknown = set(args.only) - set(steps)
+            if unknown:
+                parser.error(f"--only: no variant {sorted(unknown)}; there are {list(steps)}")
+            steps = {k: v for k, v in steps.items() if k in args.only}
         t = measure(steps, args.iters, args.warmup + (2 if args.compile else 0), device)
         if args.profile:
             profiles.extend([[name, *row] for row in profile_steps(steps, device, args.top)])
         for variant, seconds in t.items():
             compiled = variant.endswith("compiled")
-            float_ms = t["float compiled" if compiled else "float"]
-            ao_ms = t["torch.ao compiled" if compiled else "torch.ao"]
+            float_ms = t.get("float compiled" if compiled else "float", float("nan"))
+            ao_ms = t.get("torch.ao compiled" if compiled else "torch.ao", float("nan"))
             rows.append(
                 [
                     name,
                     variant,
                     f"{seconds * 1e3:.1f}",
-                    f"{seconds / float_ms:.2f}x",
-                    f"{seconds / ao_ms:.2f}x",
+                    _ratio(seconds, float_ms),
+                    _ratio(seconds, ao_ms),
                 ]
             )
+    mode = f", torch.compile mode {args.compile_mode}" if args.compile else ""
     print(
         f"QAT training step on {_describe(device)}, batch {args.batch}, {args.size}x{args.size}, "
-        f"median of {args.iters}"
+        f"median of {args.iters}{mode}"
     )
     print(
         tabulate(

@@ -20,12 +20,19 @@ from torch import Tensor
 
 __all__ = ["im2col"]
 
-#: the most output positions one program copies
+#: the most output positions one program of the row kernel copies
 _MAX_BLOCK = 1024
+
+#: elements one program of the tile kernel copies, and the most output positions among them
+_TILE = 4096
+_TILE_POSITIONS = 1024
+
+#: the kernels ``im2col`` can copy with (``conv_as_gemm`` times them per convolution)
+METHODS = ("rows", "tiles")
 
 
 @triton.jit
-def _im2col_kernel(
+def _rows_kernel(
     x_ptr,
     cols_ptr,
     k_size,
@@ -48,7 +55,7 @@ def _im2col_kernel(
     BLOCK: tl.constexpr,
 ):
     # one program: one column row (image b, input channel c, kernel tap kh, kw) over BLOCK
-    # output positions
+    # output positions (long rows: large outputs)
     row = tl.program_id(0).to(tl.int64)
     b = row // k_size
     k = row % k_size
@@ -68,6 +75,73 @@ def _im2col_kernel(
     tl.store(cols_ptr + row * length + pos, v, mask=inside)
 
 
+@triton.jit
+def _tiles_kernel(
+    x_ptr,
+    cols_ptr,
+    rows,
+    k_size,
+    height,
+    width,
+    out_height,
+    out_width,
+    sxn,
+    sxc,
+    sxh,
+    sxw,
+    kh_size,
+    kw_size,
+    stride_h,
+    stride_w,
+    dil_h,
+    dil_w,
+    pad_h,
+    pad_w,
+    BLOCK_R: tl.constexpr,
+    BLOCK_OH: tl.constexpr,
+    BLOCK_OW: tl.constexpr,
+):
+    # one program: BLOCK_R column rows (image b, input channel c, kernel tap kh, kw) by
+    # BLOCK_OH output rows of BLOCK_OW (>= out_width) positions: the divisions run once per
+    # column row, none per element (the position splits by a power of two)
+    pid = tl.program_id(0)
+    tiles_h = tl.cdiv(out_height, BLOCK_OH)
+    row = (pid // tiles_h).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_OH * BLOCK_OW)
+    oh = (pid % tiles_h) * BLOCK_OH + p // BLOCK_OW
+    ow = p % BLOCK_OW
+    b = row // k_size
+    k = row % k_size
+    taps = kh_size * kw_size
+    c = k // taps
+    tap = k % taps
+    h_off = (tap // kw_size) * dil_h - pad_h
+    w_off = (tap % kw_size) * dil_w - pad_w
+    ih = h_off[:, None] + (oh * stride_h)[None, :]
+    iw = w_off[:, None] + (ow * stride_w)[None, :]
+    inside = (row < rows)[:, None] & ((oh < out_height) & (ow < out_width))[None, :]
+    valid = inside & (ih >= 0) & (ih < height) & (iw >= 0) & (iw < width)
+    source = x_ptr + (b * sxn + c * sxc)[:, None] + ih * sxh + iw * sxw
+    v = tl.load(source, mask=valid, other=0.0)
+    target = cols_ptr + (row * out_height * out_width)[:, None] + (oh * out_width + ow)[None, :]
+    tl.store(target, v, mask=inside)
+
+
+def _tile(out_height: int, out_width: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_OH, BLOCK_OW)`` of the tile kernel: whole output rows (a power of two
+    at least ``out_width``), as many of them as make at most 1024 positions, and as many column
+    rows as make ``_TILE`` elements."""
+    block_ow = triton.next_power_of_2(out_width)
+    block_oh = min(triton.next_power_of_2(out_height), max(1, 1024 // block_ow))
+    return max(1, _TILE // (block_oh * block_ow)), block_oh, block_ow
+
+
+def fits(out: tuple[int, int]) -> bool:
+    """Whether the kernels' launch grids hold an output of ``out`` positions (the row kernel:
+    65535 programs of 1024 per row; the tile kernel: rows of at most 4096 positions)."""
+    return out[0] * out[1] <= 65535 * _MAX_BLOCK and out[1] <= _TILE
+
+
 def im2col(
     x: Tensor,
     kernel: tuple[int, int],
@@ -75,36 +149,38 @@ def im2col(
     stride: tuple[int, int],
     dilation: tuple[int, int],
     pad_before: tuple[int, int],
+    method: str = "tiles",
 ) -> Tensor:
     """The columns ``[N, C * kh * kw, out_h * out_w]`` of ``x`` ``[N, C, H, W]`` (any strides),
     zero outside it: row ``c * kh * kw + i * kw + j`` holds
     ``x[n, c, oh * stride_h + i * dil_h - pad_h, ow * stride_w + j * dil_w - pad_w]`` at
-    column ``oh * out_w + ow``."""
+    column ``oh * out_w + ow``.
+
+    ``method`` (``METHODS``): ``"rows"``, a program per column row and 1024 positions (fast
+    on long rows), or ``"tiles"``, a program per tile of column rows by whole output rows
+    (fast on short ones). The same values either way."""
     n, c, height, width = x.shape
     k_size = c * kernel[0] * kernel[1]
     length = out[0] * out[1]
     cols = torch.empty((n, k_size, length), dtype=x.dtype, device=x.device)
     if cols.numel() == 0:
         return cols
-    block = min(_MAX_BLOCK, triton.next_power_of_2(length))
-    grid = (n * k_size, triton.cdiv(length, block))
-    _im2col_kernel[grid](
-        x,
-        cols,
-        k_size,
-        length,
-        height,
-        width,
-        out[1],
-        *x.stride(),
-        kernel[0],
-        kernel[1],
-        stride[0],
-        stride[1],
-        dilation[0],
-        dilation[1],
-        pad_before[0],
-        pad_before[1],
-        BLOCK=block,
-    )
+    geometry = (
+        *x.stride(), kernel[0], kernel[1], stride[0], stride[1], dilation[0], dilation[1],
+        pad_before[0], pad_before[1],
+    )  # fmt: skip
+    if method == "rows":
+        block = min(_MAX_BLOCK, triton.next_power_of_2(length))
+        grid = (n * k_size, triton.cdiv(length, block))
+        _rows_kernel[grid](x, cols, k_size, length, height, width, out[1], *geometry, BLOCK=block)
+        return cols
+    if method != "tiles":
+        raise ValueError(f"im2col method {method!r}: one of {METHODS}")
+    rows = n * k_size
+    block_r, block_oh, block_ow = _tile(*out)
+    grid = (triton.cdiv(rows, block_r) * triton.cdiv(out[0], block_oh),)
+    _tiles_kernel[grid](
+        x, cols, rows, k_size, height, width, out[0], out[1], *geometry,
+        BLOCK_R=block_r, BLOCK_OH=block_oh, BLOCK_OW=block_ow,
+    )  # fmt: skip
     return cols

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -616,9 +618,15 @@ def conv_as_gemm(
     (every product and partial sum exact, so any summation order gives the same). On
     CUDA with cuDNN off (``accumulate``: its Winograd / FFT algorithms are not exact)
     torch convolves one image at a time, one im2col and one GEMM each; here the whole
-    batch is one im2col copy and one batched GEMM (fewer kernels by the batch size). The
-    copy is a Triton kernel for 1-d and 2-d convolutions on CUDA (``_im2col_triton``, which
-    pads as it reads), else a strided view of the padded input, copied by the GEMM.
+    batch is one im2col copy and one batched GEMM (fewer kernels by the batch size).
+
+    The columns are a strided view of the padded input, copied by the GEMM ("strided"), or
+    for 1-d and 2-d convolutions on CUDA one of the Triton kernels of ``_im2col_triton``
+    ("rows", "tiles"; they pad as they read). Which is fastest depends on the shape and the
+    GPU (on an H100, the row kernel for 28 x 28 outputs and up, the strided copy for 1x1
+    convolutions at stride 2, each by up to 40 %), so the first convolution of each geometry
+    times them and keeps the fastest (``_fastest_im2col``), as cuDNN's benchmark mode picks
+    algorithms: the same values whichever runs.
 
     Args:
         x: ``[N, C, *spatial]``; weight: ``[O, C / groups, *kernel]``; bias: ``[O]`` or None.
@@ -633,28 +641,47 @@ def conv_as_gemm(
     padded = [x.shape[2 + i] + pads[i][0] + pads[i][1] for i in range(d)]
     out = [(padded[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(d)]
     w = weight.reshape(groups, o // groups, c // groups * math.prod(kernel))
-    im2col = _triton_im2col(x, d) if _triton_copies_faster(kernel, stride, out) else None
-    if im2col is not None:
+
+    def strided() -> Tensor:
+        flat = [p for pair in reversed(pads) for p in pair]
+        source = (F.pad(x, flat) if any(flat) else x).contiguous()
+        sx = source.stride()
+        strides = (
+            sx[0],
+            sx[1],
+            *(sx[2 + i] * dilation[i] for i in range(d)),
+            *(sx[2 + i] * stride[i] for i in range(d)),
+        )
+        return _gemm_blocks(
+            source,
+            w,
+            bias,
+            out,
+            lambda block: block.as_strided((block.shape[0], c, *kernel, *out), strides),
+        )
+
+    ways: dict[str, Callable[[], Tensor]] = {"strided": strided}
+    kernels = _triton_im2col(x, d, kernel, stride, out)
+    if kernels is not None:
         geometry = _as_2d(kernel, out, stride, dilation, pads)
-        return _gemm_blocks(x, w, bias, out, lambda block: im2col(block, *geometry))
-    flat = [p for pair in reversed(pads) for p in pair]
-    if any(flat):
-        x = F.pad(x, flat)
-    x = x.contiguous()
-    sx = x.stride()
-    strides = (
-        sx[0],
-        sx[1],
-        *(sx[2 + i] * dilation[i] for i in range(d)),
-        *(sx[2 + i] * stride[i] for i in range(d)),
-    )
-    return _gemm_blocks(
-        x,
-        w,
-        bias,
-        out,
-        lambda block: block.as_strided((block.shape[0], c, *kernel, *out), strides),
-    )
+        as_2d = (lambda block: block) if d == 2 else (lambda block: block.unsqueeze(2))
+        for method in kernels.METHODS:
+            ways[method] = functools.partial(
+                _gemm_blocks,
+                x,
+                w,
+                bias,
+                out,
+                functools.partial(_triton_columns, kernels.im2col, as_2d, geometry, method),
+            )
+    if len(ways) == 1:
+        return strided()
+    key = (x.device, x.dtype, x.shape, x.stride(), w.shape, bias is None, *geometry)
+    return _fastest_im2col(key, ways)
+
+
+def _triton_columns(im2col, as_2d, geometry, method: str, block: Tensor) -> Tensor:
+    return im2col(as_2d(block), *geometry, method=method)
 
 
 def _gemm_blocks(
@@ -700,38 +727,76 @@ def _as_2d(
     )
 
 
-#: the fewest output positions per image for which ``conv_as_gemm`` copies its columns with
-#: the Triton kernel. On an H100 at batch 64, ResNet-18's convolutions (im2col and GEMM) took
-#: 0.51 / 0.27 ms with it at 56 x 56 / 28 x 28 outputs against 0.61 / 0.33 ms with torch's
-#: strided copy, but 0.23 / 0.46 ms against 0.20 / 0.27 ms at 14 x 14 / 7 x 7 (a program
-#: copies one short row there)
-_TRITON_IM2COL_MIN_LENGTH = 512
+#: ``conv_as_gemm``'s im2col: None to time the ways and keep the fastest per geometry, or
+#: one of "strided", "rows", "tiles" (where it can run: tests and benchmarks)
+IM2COL_METHOD: str | None = None
+
+#: the fastest im2col per convolution geometry (device, dtype, input shape and strides,
+#: weight shape, bias, kernel / output / stride / dilation / padding), as timed
+_IM2COL_CHOICES: dict[tuple, str] = {}
+
+#: timed calls per way (after one untimed call, which compiles a Triton kernel); the fastest
+#: call counts, as another kernel on the device can only slow a call down
+_IM2COL_TIMED_CALLS = 5
 
 
-def _triton_copies_faster(kernel: Sequence[int], stride: Sequence[int], out: Sequence[int]) -> bool:
-    """Whether ``conv_as_gemm`` copies the columns with the Triton kernel: they need a copy
-    (not a 1x1 kernel at stride 1, whose columns are a view of the input) and the output has
-    at least ``_TRITON_IM2COL_MIN_LENGTH`` positions per image (and fewer than the kernel's
-    launch grid holds: 65535 programs of 1024)."""
-    if all(k == 1 for k in kernel) and all(s == 1 for s in stride):
-        return False
-    return _TRITON_IM2COL_MIN_LENGTH <= math.prod(out) <= 65535 * 1024
+def _fastest_im2col(key: tuple, ways: dict[str, Callable[[], Tensor]]) -> Tensor:
+    """The convolution by the fastest of ``ways`` (each computes the same values): timed once
+    per ``key`` on the device, then remembered. While a CUDA graph is being captured nothing
+    can be timed: an unknown geometry then takes the strided copy (``graphed`` runs the model
+    before capturing it, which times them)."""
+    if IM2COL_METHOD is not None and IM2COL_METHOD in ways:
+        return ways[IM2COL_METHOD]()
+    chosen = _IM2COL_CHOICES.get(key)
+    if chosen is not None:
+        return ways[chosen]()
+    if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return ways["strided"]()
+    result, best = None, None
+    for name, way in ways.items():
+        result = way()  # the first call also compiles the way's kernel
+        seconds = _device_seconds(way, key[0], _IM2COL_TIMED_CALLS)
+        if best is None or seconds < best[0]:
+            best = (seconds, name)
+    _IM2COL_CHOICES[key] = best[1]
+    return result
 
 
-def _triton_im2col(x: Tensor, dims: int) -> Callable[..., Tensor] | None:
-    """The Triton im2col (``_im2col_triton``) for ``x``, taking a 1-d input as 2-d, or None:
-    3-d, too large for its int32 indices, Triton not to run on ``x``
-    (``native.triton_runs_on``) or not importable."""
+def _device_seconds(fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    """The shortest of ``calls`` calls of ``fn`` on ``device`` (CUDA events on CUDA)."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+    events[0].record()
+    for event in events[1:]:
+        fn()
+        event.record()
+    events[-1].synchronize()
+    return min(a.elapsed_time(b) for a, b in itertools.pairwise(events)) / 1e3
+
+
+def _triton_im2col(
+    x: Tensor, dims: int, kernel: Sequence[int], stride: Sequence[int], out: Sequence[int]
+):
+    """The module ``_im2col_triton`` where its kernels can make ``x``'s columns, else None:
+    not a 1x1 kernel at stride 1 (whose columns are a view of the input, no copy), 1-d or
+    2-d, within its launch grids and int32 indices, Triton to run on ``x``
+    (``native.triton_runs_on``) and importable."""
     from fxq.quantized import native
 
     if dims > 2 or x.numel() >= 2**31 or not native.triton_runs_on(x):
         return None
-    kernels = _im2col_kernels()
-    if kernels is None:
+    if all(k == 1 for k in kernel) and all(s == 1 for s in stride):
         return None
-    if dims == 2:
-        return kernels.im2col
-    return lambda block, *geometry: kernels.im2col(block.unsqueeze(2), *geometry)
+    kernels = _im2col_kernels()
+    if kernels is None or not kernels.fits((1,) * (2 - dims) + tuple(out)):
+        return None
+    return kernels
 
 
 @functools.cache

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -186,42 +187,112 @@ _IM2COL_INTERPRETED = """
 from unittest import mock
 from fxq.quantized import _im2col_triton, functional
 from tests.quantized.test_gpu_eval_kernels import compare_im2col_convolutions
-functional._TRITON_IM2COL_MIN_LENGTH = 0  # the small cases too
-with mock.patch.object(_im2col_triton, "im2col", wraps=_im2col_triton.im2col) as im2col:
-    compared = compare_im2col_convolutions("cpu")
-print(compared, im2col.call_count)
+# several tiles per image, partial ones in both directions
+_im2col_triton._TILE, _im2col_triton._TILE_POSITIONS = 128, 16
+for method in _im2col_triton.METHODS:
+    functional.IM2COL_METHOD = method
+    with mock.patch.object(_im2col_triton, "im2col", wraps=_im2col_triton.im2col) as im2col:
+        compared = compare_im2col_convolutions("cpu")
+    methods = {call.kwargs["method"] for call in im2col.call_args_list}
+    print(compared, im2col.call_count, *methods)
 """
 
 
-def test_the_triton_im2col_equals_torch_convolution_interpreted():
+def test_the_triton_im2col_kernels_equal_torch_convolution_interpreted():
     pytest.importorskip("triton")
-    compared, calls = run_in_fresh_process(_IM2COL_INTERPRETED, TRITON_INTERPRET="1").split()
-    assert int(compared) == _IM2COL_COMPARED
-    # the Triton im2col made the columns of all but the 1x1 case (3 inputs, 2 dtypes): once
-    # per float32 case, once per image (2) in float64
-    assert int(calls) == (_IM2COL_COMPARED - 6) // 2 * (1 + 2)
+    lines = run_in_fresh_process(_IM2COL_INTERPRETED, TRITON_INTERPRET="1").splitlines()
+    assert [line.split()[2:] for line in lines] == [["rows"], ["tiles"]]
+    for line in lines:
+        compared, calls = map(int, line.split()[:2])
+        assert compared == _IM2COL_COMPARED
+        # each kernel made the columns of all but the 1x1 case (3 inputs, 2 dtypes): once
+        # per float32 case, once per image (2) in float64
+        assert calls == (_IM2COL_COMPARED - 6) // 2 * (1 + 2)
 
 
 @needs_cuda
-def test_the_triton_im2col_equals_torch_convolution_on_cuda(monkeypatch):
-    monkeypatch.setattr(qf, "_TRITON_IM2COL_MIN_LENGTH", 0)
+@pytest.mark.parametrize("method", ["rows", "tiles", "strided", None])
+def test_the_im2col_ways_equal_torch_convolution_on_cuda(monkeypatch, method):
+    monkeypatch.setattr(qf, "IM2COL_METHOD", method)
+    monkeypatch.setattr(qf, "_IM2COL_CHOICES", {})
+    timed = mock.Mock(wraps=qf._device_seconds)
+    monkeypatch.setattr(qf, "_device_seconds", timed)
     assert compare_im2col_convolutions("cuda") == _IM2COL_COMPARED
+    if method is None:  # each geometry with a copy timed once per way, then remembered
+        assert_timed_once_per_geometry(timed)
+    else:
+        assert timed.call_count == 0
+
+
+def assert_timed_once_per_geometry(timed: mock.Mock) -> None:
+    """After ``compare_im2col_convolutions`` in the timed mode: three ways timed per geometry
+    remembered, none again in a second pass."""
+    choices = dict(qf._IM2COL_CHOICES)
+    assert choices and set(choices.values()) <= {"rows", "tiles", "strided"}
+    assert timed.call_count == 3 * len(choices)
+    compare_im2col_convolutions(next(iter(choices))[0].type)
+    assert timed.call_count == 3 * len(choices) and choices == qf._IM2COL_CHOICES
+
+
+def _ways(calls: list[str]):
+    return {
+        name: (lambda name=name, i=i: calls.append(name) or torch.full((2,), float(i)))
+        for i, name in enumerate(["strided", "rows", "tiles"])
+    }
+
+
+def test_the_fastest_im2col_is_timed_once_per_geometry_and_kept(monkeypatch):
+    seconds = {"strided": 3.0, "rows": 1.0, "tiles": 2.0}
+    timed = []
+
+    def device_seconds(fn, device, calls):
+        fn()
+        timed.append(timed_name := fn()[0].item())
+        return seconds[["strided", "rows", "tiles"][int(timed_name)]]
+
+    monkeypatch.setattr(qf, "_device_seconds", device_seconds)
+    monkeypatch.setattr(qf, "_IM2COL_CHOICES", {})
+    calls: list[str] = []
+    key = (torch.device("cpu"), "geometry")
+    qf._fastest_im2col(key, _ways(calls))
+    assert {key: "rows"} == qf._IM2COL_CHOICES
+    assert len(timed) == 3  # each way timed once
+    calls.clear()
+    assert torch.equal(qf._fastest_im2col(key, _ways(calls)), torch.full((2,), 1.0))
+    assert calls == ["rows"] and len(timed) == 3  # remembered: not timed again
+    other = (torch.device("cpu"), "another geometry")
+    seconds["tiles"] = 0.5
+    qf._fastest_im2col(other, _ways(calls))
+    assert qf._IM2COL_CHOICES[other] == "tiles"
+
+
+def test_no_im2col_is_timed_while_a_cuda_graph_is_captured(monkeypatch):
+    monkeypatch.setattr(qf, "_IM2COL_CHOICES", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(qf, "_device_seconds", mock.Mock(side_effect=AssertionError("timed")))
+    calls: list[str] = []
+    qf._fastest_im2col((torch.device("cuda", 0), "geometry"), _ways(calls))
+    assert calls == ["strided"] and qf._IM2COL_CHOICES == {}
 
 
 @pytest.mark.parametrize(
-    "kernel, stride, out, copies",
+    "kernel, stride, out, kernels",
     [
         ((3, 3), (1, 1), (56, 56), True),
-        ((7, 7), (2, 2), (112, 112), True),
         ((1, 1), (2, 2), (28, 28), True),  # strided 1x1: the columns are a copy
-        ((1, 1), (1, 1), (56, 56), False),  # a view of the input
-        ((3, 3), (1, 1), (14, 14), False),  # 196 positions: torch's strided copy was faster
-        ((3,), (1,), (1024,), True),
-        ((3,), (1,), (65535 * 1024 + 1,), False),  # more programs than its grid holds
+        ((1, 1), (1, 1), (56, 56), False),  # a view of the input: no copy to make
+        ((3,), (1,), (4096,), True),
+        ((3,), (1,), (65535 * 1024 + 1,), False),  # more programs than the row grid holds
+        ((3, 3), (1, 1), (2, 4097), False),  # an output row longer than a tile
     ],
 )
-def test_the_triton_im2col_runs_where_it_was_measured_faster(kernel, stride, out, copies):
-    assert qf._triton_copies_faster(kernel, stride, out) is copies
+def test_the_triton_im2col_offers_its_kernels_where_they_run(
+    monkeypatch, kernel, stride, out, kernels
+):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(native, "triton_runs_on", lambda x: True)
+    x = torch.zeros(1, 1, 1, 1)
+    assert (qf._triton_im2col(x, len(kernel), kernel, stride, out) is not None) is kernels
 
 
 def test_memo_by_identity_sees_in_place_changes():
