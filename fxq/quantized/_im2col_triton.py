@@ -3,9 +3,17 @@
 The integer model convolves on a GPU as one im2col copy and one GEMM per batch block.
 torch's strided copy gathers the columns through a six-dimensional view (about half the
 kernel time of a ResNet-18 forward at batch 64 on an H200, ``benchmarks/infer_speed.py
---profile``); this kernel writes the same columns with two-dimensional indexing, reads the
-input through its strides (no contiguous copy first) and pads with zeros as it reads (no
-padded copy first). A copy: the columns are the input's values, bit for bit.
+--profile``). These kernels write the same columns reading the input through its strides
+(no contiguous copy first) and padding with zeros as they read (no padded copy first):
+
+* ``rows``: a program per column row and up to 1024 output positions (long rows: large
+  outputs; a division per element splits the position into its output row and column);
+* ``tiles``: a program per tile of column rows by whole output rows (a power of two wide),
+  so nothing is divided per element and short rows share a program (small outputs).
+
+Neither is fastest everywhere, nor is torch's copy (``benchmarks/im2col_speed.py``), so
+``conv_as_gemm`` times the three per geometry. Copies: the columns are the input's values,
+bit for bit.
 
 Imported only when a convolution runs on CUDA (or under ``TRITON_INTERPRET=1``, where the
 tests compare it with the strided copy on the CPU): ``import fxq`` does not import Triton.
