@@ -130,15 +130,24 @@ def _observe_kernel(
 
 
 @triton.jit
+def _round(x, s, qmin, qmax):
+    """``clamp(floor(x * (1 / s) + 1/2), qmin, qmax) * s`` and the in-range mask."""
+    v = tl.floor(x * tl.math.div_rn(1.0, s) + 0.5)
+    clamped = tl.where(v < qmin, qmin, tl.where(v > qmax, qmax, v))
+    return clamped * s, clamped == v
+
+
+@triton.jit
 def _rows_kernel(
-    x_ptr, min_ptr, max_ptr, scale_ptr, flag_ptr, row_length, c, levels, eps,
-    MODE: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, min_ptr, max_ptr, scale_ptr, flag_ptr, out_ptr, mask_ptr, row_length, c, levels,
+    eps, qmin, qmax, MODE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Per channel (rows of a contiguous tensor, channel axis 0), one program a row: the
-    row's min / max, its statistics and its scale."""
+    row's min / max, its statistics and its scale, then the row rounded with that scale (a
+    weight's whole step in one launch: a row is a few thousand values, read twice)."""
     row = tl.program_id(0)
-    base = x_ptr + row.to(tl.int64) * row_length
-    mn, mx, nans = _strided_minmax(base, 0, row_length, BLOCK, BLOCK)
+    offset = row.to(tl.int64) * row_length
+    mn, mx, nans = _strided_minmax(x_ptr + offset, 0, row_length, BLOCK, BLOCK)
     mn = tl.where(nans > 0, float("nan"), mn)
     mx = tl.where(nans > 0, float("nan"), mx)
     poison = mn * 0.0 + mx * 0.0
@@ -148,26 +157,26 @@ def _rows_kernel(
     )
     tl.store(min_ptr + row, new_min)
     tl.store(max_ptr + row, new_max)
-    tl.store(scale_ptr + row, _scale_of(new_min, new_max, levels, eps, 0.0, False))
+    s = _scale_of(new_min, new_max, levels, eps, 0.0, False)
+    tl.store(scale_ptr + row, s)
+    for start in range(0, row_length, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < row_length
+        x = tl.load(x_ptr + offset + offs, mask=valid, other=0.0)
+        out, inside = _round(x, s, qmin, qmax)
+        tl.store(out_ptr + offset + offs, out, mask=valid)
+        tl.store(mask_ptr + offset + offs, inside, mask=valid)
 
 
 @triton.jit
-def _fake_quant_kernel(
-    x_ptr, scale_ptr, out_ptr, mask_ptr, n, qmin, qmax, inner, channels,
-    PER_CHANNEL: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """``clamp(floor(x * (1 / s) + 1/2), qmin, qmax) * s`` and the in-range mask."""
+def _fake_quant_kernel(x_ptr, scale_ptr, out_ptr, mask_ptr, n, qmin, qmax, BLOCK: tl.constexpr):
+    """Per tensor: ``x`` rounded with ``scale[0]`` (``_round``) and the in-range mask."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < n
     x = tl.load(x_ptr + offs, mask=valid, other=0.0)
-    if PER_CHANNEL:
-        s = tl.load(scale_ptr + (offs // inner) % channels, mask=valid, other=1.0)
-    else:
-        s = tl.load(scale_ptr)
-    v = tl.floor(x * tl.math.div_rn(1.0, s) + 0.5)
-    clamped = tl.where(v < qmin, qmin, tl.where(v > qmax, qmax, v))
-    tl.store(out_ptr + offs, clamped * s, mask=valid)
-    tl.store(mask_ptr + offs, clamped == v, mask=valid)
+    out, inside = _round(x, tl.load(scale_ptr), qmin, qmax)
+    tl.store(out_ptr + offs, out, mask=valid)
+    tl.store(mask_ptr + offs, inside, mask=valid)
 
 
 def _scratch(x: Tensor) -> Tensor:
@@ -202,28 +211,24 @@ def observe_fake_quantize(
     """``fxq::observe_fake_quantize`` in Triton; the caller checked the layout
     (``fake_quant_ops.kernels_take``): dense per tensor, contiguous per channel."""
     n = x.numel()
-    if ch_axis is None:
-        scratch = _scratch(x)
-        grid = (min(triton.cdiv(n, _BLOCK), _MAX_PROGRAMS),)
-        has_fallback = fallback is not None
-        _observe_kernel[grid](
-            x, scratch, min_val, max_val, scale, non_finite,
-            fallback if has_fallback else scale, n, c, float(levels), _EPS,
-            MODE=mode, HAS_FALLBACK=has_fallback, BLOCK=_BLOCK, **_OPTIONS,
-        )  # fmt: skip
-        inner, channels = 1, 1
-    else:
-        axis = ch_axis % x.dim()
-        channels = x.shape[axis]
-        inner = n // max(1, x.shape[: axis + 1].numel())
-        _rows_kernel[(channels,)](
-            x, min_val, max_val, scale, non_finite, n // channels, c, float(levels), _EPS,
-            MODE=mode, BLOCK=_BLOCK, **_OPTIONS,
-        )  # fmt: skip
     out = torch.empty_like(x)
     mask = torch.empty_like(x, dtype=torch.bool)
-    _fake_quant_kernel[(triton.cdiv(n, _BLOCK),)](
-        x, scale, out, mask, n, float(qmin), float(qmax), inner, channels,
-        PER_CHANNEL=ch_axis is not None, BLOCK=_BLOCK, **_OPTIONS,
+    if ch_axis is not None:  # axis 0, contiguous: one program per channel does it all
+        channels = x.shape[0]
+        _rows_kernel[(channels,)](
+            x, min_val, max_val, scale, non_finite, out, mask, n // channels, c, float(levels),
+            _EPS, float(qmin), float(qmax), MODE=mode, BLOCK=_BLOCK, **_OPTIONS,
+        )  # fmt: skip
+        return out, mask
+    scratch = _scratch(x)
+    grid = (min(triton.cdiv(n, _BLOCK), _MAX_PROGRAMS),)
+    has_fallback = fallback is not None
+    _observe_kernel[grid](
+        x, scratch, min_val, max_val, scale, non_finite,
+        fallback if has_fallback else scale, n, c, float(levels), _EPS,
+        MODE=mode, HAS_FALLBACK=has_fallback, BLOCK=_BLOCK, **_OPTIONS,
     )  # fmt: skip
+    _fake_quant_kernel[(triton.cdiv(n, _BLOCK),)](
+        x, scale, out, mask, n, float(qmin), float(qmax), BLOCK=_BLOCK, **_OPTIONS
+    )
     return out, mask

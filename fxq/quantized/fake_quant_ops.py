@@ -6,9 +6,11 @@ gradient mask). On a GPU each is a launch, and a QAT step is bound by launches, 
 arithmetic (``benchmarks/qat_speed.py --profile``). ``fxq::observe_fake_quantize`` does the
 same step as one ``torch.library`` op:
 
-* on CUDA with Triton: two kernels (a reduction whose last program updates the statistics
-  and the scale, or per weight one program per output channel doing both for its channel;
-  then the elementwise rounding with its mask);
+* on CUDA with Triton, per tensor: two kernels (a reduction whose last program updates the
+  statistics and the scale, then the elementwise rounding with its mask); per channel (a
+  weight): one, a program per output channel that takes its row's range, updates its
+  statistics and scale and rounds the row (each launch costs the host more than a weight's
+  arithmetic costs the GPU);
 * elsewhere (CPU, or without Triton): the definition, made of the unfused modules' own
   functions (``fxq.observer``'s updates, ``scale_from_amax``, QAT training's rounding).
 

@@ -140,6 +140,48 @@ def test_the_triton_kernels_equal_the_modules_interpreted():
     assert run_in_fresh_process(_INTERPRETED, TRITON_INTERPRET="1") == "equal"
 
 
+_LAUNCHES = """
+from fxq.quantized import _fake_quant_triton as kernels
+from tests.quantized.test_fake_quant_ops import CASES, _fake_quant, _inputs
+
+launched = []
+
+
+class Counted:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launched.append(self.kernel.fn.__name__)
+        return self.kernel[grid]
+
+
+for name in ("_observe_kernel", "_rows_kernel", "_fake_quant_kernel"):
+    setattr(kernels, name, Counted(getattr(kernels, name)))
+for case in CASES:
+    launched.clear()
+    _fake_quant(case)(_inputs(case, 0, "cpu").requires_grad_())
+    print(case.replace(" ", "_"), *launched)
+"""
+
+
+def test_a_fused_step_launches_two_kernels_per_tensor_and_one_per_channel_interpreted():
+    """A weight's (per-channel) step is one program per channel that also rounds its row; a
+    per-tensor step needs the whole tensor's range before it rounds: two launches."""
+    pytest.importorskip("triton")
+    lines = run_in_fresh_process(_LAUNCHES, TRITON_INTERPRET="1").splitlines()
+    launches = {line.split()[0]: line.split()[1:] for line in lines}
+    per_tensor = ["_observe_kernel", "_fake_quant_kernel"]
+    assert launches == {
+        "moving": per_tensor,
+        "frozen": per_tensor,
+        "running": per_tensor,
+        "weight": ["_rows_kernel"],
+        "moving_per_channel": ["_rows_kernel"],
+        "int16": per_tensor,
+    }
+
+
 def compare_training(device, steps: int = 3) -> None:
     """QAT training steps of a small CNN with the fused op and without: every output, loss
     and state-dict entry equal, and the NaN / Inf flag raised by the same step."""
@@ -195,11 +237,12 @@ def test_qat_training_with_the_fused_op_equals_the_torch_ops_on_cuda():
 
 
 @needs_cuda
-def test_a_fused_qat_fake_quant_step_launches_two_kernels():
-    """torch.ao's fused op is one op of a few kernels; fxq's QAT step was 16-20 kernels."""
+def test_a_fused_qat_fake_quant_step_launches_at_most_two_kernels():
+    """torch.ao's fused op is one op of a few kernels; fxq's QAT step was 16-20 kernels: now
+    two per tensor, one per channel (a weight)."""
     from torch.profiler import ProfilerActivity, profile
 
-    for name, most in (("moving", 2), ("weight", 2)):
+    for name, most in (("moving", 2), ("weight", 1)):
         fq = _fake_quant(name).cuda()
         x = _inputs(name, 0, "cuda")
         fq(x)
