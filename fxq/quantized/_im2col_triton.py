@@ -40,97 +40,55 @@ METHODS = ("rows", "tiles")
 
 
 @triton.jit
-def _rows_kernel(
-    x_ptr,
-    cols_ptr,
-    k_size,
-    length,
-    height,
-    width,
-    out_width,
-    sxn,
-    sxc,
-    sxh,
-    sxw,
-    kh_size,
-    kw_size,
-    stride_h,
-    stride_w,
-    dil_h,
-    dil_w,
-    pad_h,
-    pad_w,
-    BLOCK: tl.constexpr,
-):
-    # one program: one column row (image b, input channel c, kernel tap kh, kw) over BLOCK
-    # output positions (long rows: large outputs)
-    row = tl.program_id(0).to(tl.int64)
+def _tap(row, k_size, kh_size, kw_size, sxn, sxc, dil_h, dil_w, pad_h, pad_w):
+    """For column rows ``row`` (image b, input channel c, kernel tap kh, kw): the input offset
+    of their image and channel, and their tap's offset in input rows and columns."""
     b = row // k_size
     k = row % k_size
     taps = kh_size * kw_size
     c = k // taps
     tap = k % taps
-    kh = tap // kw_size
-    kw = tap % kw_size
+    return b * sxn + c * sxc, (tap // kw_size) * dil_h - pad_h, (tap % kw_size) * dil_w - pad_w
+
+
+@triton.jit
+def _rows_kernel(
+    x_ptr, cols_ptr, k_size, length, height, width, out_width, sxn, sxc, sxh, sxw,
+    kh_size, kw_size, stride_h, stride_w, dil_h, dil_w, pad_h, pad_w, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # one program: one column row over BLOCK output positions (long rows: large outputs)
+    row = tl.program_id(0).to(tl.int64)
+    base, h_off, w_off = _tap(row, k_size, kh_size, kw_size, sxn, sxc, dil_h, dil_w, pad_h, pad_w)
     pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = pos < length
-    oh = pos // out_width
-    ow = pos % out_width
-    ih = oh * stride_h + kh * dil_h - pad_h
-    iw = ow * stride_w + kw * dil_w - pad_w
+    ih = (pos // out_width) * stride_h + h_off
+    iw = (pos % out_width) * stride_w + w_off
     valid = inside & (ih >= 0) & (ih < height) & (iw >= 0) & (iw < width)
-    v = tl.load(x_ptr + b * sxn + c * sxc + ih * sxh + iw * sxw, mask=valid, other=0.0)
+    v = tl.load(x_ptr + base + ih * sxh + iw * sxw, mask=valid, other=0.0)
     tl.store(cols_ptr + row * length + pos, v, mask=inside)
 
 
 @triton.jit
 def _tiles_kernel(
-    x_ptr,
-    cols_ptr,
-    rows,
-    k_size,
-    height,
-    width,
-    out_height,
-    out_width,
-    sxn,
-    sxc,
-    sxh,
-    sxw,
-    kh_size,
-    kw_size,
-    stride_h,
-    stride_w,
-    dil_h,
-    dil_w,
-    pad_h,
-    pad_w,
-    BLOCK_R: tl.constexpr,
-    BLOCK_OH: tl.constexpr,
-    BLOCK_OW: tl.constexpr,
-):
-    # one program: BLOCK_R column rows (image b, input channel c, kernel tap kh, kw) by
-    # BLOCK_OH output rows of BLOCK_OW (>= out_width) positions: the divisions run once per
-    # column row, none per element (the position splits by a power of two)
+    x_ptr, cols_ptr, rows, k_size, height, width, out_height, out_width, sxn, sxc, sxh, sxw,
+    kh_size, kw_size, stride_h, stride_w, dil_h, dil_w, pad_h, pad_w,
+    BLOCK_R: tl.constexpr, BLOCK_OH: tl.constexpr, BLOCK_OW: tl.constexpr,
+):  # fmt: skip
+    # one program: BLOCK_R column rows by BLOCK_OH output rows of BLOCK_OW (>= out_width)
+    # positions: the divisions run once per column row, none per element (the position
+    # splits by a power of two)
     pid = tl.program_id(0)
     tiles_h = tl.cdiv(out_height, BLOCK_OH)
     row = (pid // tiles_h).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_OH * BLOCK_OW)
     oh = (pid % tiles_h) * BLOCK_OH + p // BLOCK_OW
     ow = p % BLOCK_OW
-    b = row // k_size
-    k = row % k_size
-    taps = kh_size * kw_size
-    c = k // taps
-    tap = k % taps
-    h_off = (tap // kw_size) * dil_h - pad_h
-    w_off = (tap % kw_size) * dil_w - pad_w
+    base, h_off, w_off = _tap(row, k_size, kh_size, kw_size, sxn, sxc, dil_h, dil_w, pad_h, pad_w)
     ih = h_off[:, None] + (oh * stride_h)[None, :]
     iw = w_off[:, None] + (ow * stride_w)[None, :]
     inside = (row < rows)[:, None] & ((oh < out_height) & (ow < out_width))[None, :]
     valid = inside & (ih >= 0) & (ih < height) & (iw >= 0) & (iw < width)
-    source = x_ptr + (b * sxn + c * sxc)[:, None] + ih * sxh + iw * sxw
-    v = tl.load(source, mask=valid, other=0.0)
+    v = tl.load(x_ptr + base[:, None] + ih * sxh + iw * sxw, mask=valid, other=0.0)
     target = cols_ptr + (row * out_height * out_width)[:, None] + (oh * out_width + ow)[None, :]
     tl.store(target, v, mask=inside)
 
