@@ -623,10 +623,10 @@ def conv_as_gemm(
     The columns are a strided view of the padded input, copied by the GEMM ("strided"), or
     for 1-d and 2-d convolutions on CUDA one of the Triton kernels of ``_im2col_triton``
     ("rows", "tiles"; they pad as they read). Which is fastest depends on the shape and the
-    GPU (on an H100, the row kernel for 28 x 28 outputs and up, the strided copy for 1x1
-    convolutions at stride 2, each by up to 40 %), so the first convolution of each geometry
-    times them and keeps the fastest (``_fastest_im2col``), as cuDNN's benchmark mode picks
-    algorithms: the same values whichever runs.
+    GPU (each lost by up to 40 % on some of ResNet-18's convolutions, and an H100 and an H200
+    ranked them differently: ``benchmarks/im2col_speed.py``), so the first convolution of
+    each geometry times them and keeps the fastest (``_fastest_im2col``), as cuDNN's
+    benchmark mode picks algorithms: the same values whichever runs.
 
     Args:
         x: ``[N, C, *spatial]``; weight: ``[O, C / groups, *kernel]``; bias: ``[O]`` or None.
