@@ -4,7 +4,8 @@
 copy or one of two Triton kernels (``fxq/quantized/_im2col_triton.py``: "rows", "tiles") and
 times them on the first convolution of each geometry, keeping the fastest. This prints, for
 ResNet-18's convolution shapes, each way's time (im2col and GEMM, ms per convolution), the
-time of the timed choice and the way it picked; every way's output must be equal:
+time of the timed choice and the way it picked (medians, the ways interleaved); every way's
+output must be equal:
 
     python benchmarks/im2col_speed.py               # batch 64 on cuda
     python benchmarks/im2col_speed.py --batch 32 --iters 50
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
+from qat_speed import measure  # benchmarks/ is on sys.path when run
 from tabulate import tabulate
 
 from fxq.quantized import functional as qf
@@ -36,15 +37,13 @@ SHAPES = [
 WAYS = ("rows", "tiles", "strided", None)
 
 
-def _ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e3
+def _convolve(way: str | None, *conv) -> torch.Tensor:
+    """``conv_as_gemm(*conv)`` with ``way`` forced (None: the timed choice)."""
+    qf.IM2COL_METHOD = way
+    try:
+        return qf.conv_as_gemm(*conv)
+    finally:
+        qf.IM2COL_METHOD = None
 
 
 def main() -> None:
@@ -62,21 +61,17 @@ def main() -> None:
         w = torch.randint(-2, 3, (o, c, k, k), device=args.device).float()
         conv = (x, w, None, (stride, stride), [[pad, pad]] * 2, (1, 1), 1)
         plan = qf.plan_accumulation(8, int(w.abs().sum((1, 2, 3)).max()))
-        results, times = {}, {}
         with qf._tensor_core_gemms(plan):
-            for way in WAYS:
-                qf.IM2COL_METHOD = way
-                try:
-                    results[way] = qf.conv_as_gemm(*conv)
-                    times[way] = _ms(functools.partial(qf.conv_as_gemm, *conv), args.iters)
-                finally:
-                    qf.IM2COL_METHOD = None
-                totals[way] += times[way]
+            results = {way: _convolve(way, *conv) for way in WAYS}
+            steps = {way: functools.partial(_convolve, way, *conv) for way in WAYS}
+            times = measure(steps, args.iters, 3, torch.device(args.device))
+        for way in WAYS:
+            totals[way] += times[way] * 1e3
         equal = all(torch.equal(results["strided"], r) for r in results.values())
         picked = next(reversed(qf._IM2COL_CHOICES.values()))
         rows.append(
             [f"{c} -> {o}, {k}x{k} / {stride}, {size} px"]
-            + [f"{times[way]:.3f}" for way in WAYS]
+            + [f"{times[way] * 1e3:.3f}" for way in WAYS]
             + [picked, equal]
         )
     rows.append(["sum"] + [f"{totals[way]:.2f}" for way in WAYS] + ["", ""])
