@@ -90,17 +90,20 @@ class _FakeQuantSTE(torch.autograd.Function):
     """Fake quantization with the clipped straight-through estimator."""
 
     @staticmethod
-    def forward(ctx, x, scale, qmin, qmax, rounding, ch_axis, exact):  # type: ignore[override]
-        out, mask = qf.fake_quantize(x, scale, qmin, qmax, rounding, ch_axis, exact)
-        ctx.save_for_backward(mask)
+    def forward(ctx, x, scale, qmin, qmax, rounding, ch_axis, exact, clip):  # type: ignore[override]
+        out, mask = qf.fake_quantize(x, scale, qmin, qmax, rounding, ch_axis, exact, with_mask=clip)
+        if clip:
+            ctx.save_for_backward(mask)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        if not ctx.saved_tensors:  # nothing was clipped (``clip_gradient=False``)
+            return grad, None, None, None, None, None, None, None
         (mask,) = ctx.saved_tensors
         # ``where`` rather than ``grad * mask``: the product first converts the bool mask
         # to grad's dtype (a pass and a copy more)
-        return torch.where(mask, grad, 0.0), None, None, None, None, None, None
+        return torch.where(mask, grad, 0.0), None, None, None, None, None, None, None
 
 
 def fake_quantize_ste(
@@ -112,6 +115,7 @@ def fake_quantize_ste(
     exact: bool = True,
     inplace: bool = False,
     offset: int = 0,
+    clip_gradient: bool = True,
 ) -> Tensor:
     """Differentiable fake quantization (gradient passes where not clipped).
 
@@ -145,6 +149,9 @@ def fake_quantize_ste(
         exact: False for the faster training formula.
         offset: the grid's shift in steps (``FakeQuantize.offset``): the clamp is
             ``[qmin + offset, qmax + offset]``.
+        clip_gradient: False where the caller knows that no value is clamped (the scale
+            covers ``x``'s own range): the gradient then passes everywhere and no mask is
+            made or kept (the same gradient, a pass and a tensor fewer).
 
     Returns:
         ``clamp(round(x / scale), qmin + offset, qmax + offset) * scale`` in the dtype above.
@@ -152,7 +159,7 @@ def fake_quantize_ste(
     wide = x if x.dtype is torch.float32 or x.dtype is torch.float64 else x.to(torch.float32)
     qmin, qmax = dtype.qmin + offset, dtype.qmax + offset
     if torch.is_grad_enabled() and x.requires_grad:
-        out = _FakeQuantSTE.apply(wide, scale, qmin, qmax, rounding, ch_axis, exact)
+        out = _FakeQuantSTE.apply(wide, scale, qmin, qmax, rounding, ch_axis, exact, clip_gradient)
     else:  # no graph to record: the same numbers without the mask
         out, _ = qf.fake_quantize(
             wide,
@@ -625,13 +632,17 @@ class FakeQuantize(nn.Module):
                 errors.append(f"{prefix}offset: {problem}")
             else:
                 self._adopt_offset(offset)
-        self._observed_set = False
         saved = state_dict.get(prefix + "scale")
         if saved is not None and saved.shape != self.scale.shape:
             self.scale = torch.empty(saved.shape, dtype=self.scale.dtype, device=self.scale.device)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing, unexpected, errors
         )
+        # what the loaded ``observed`` says, read once here: a compiled QAT step then writes it
+        # no more, as after an eager step (a flag first learnt inside a compiled step changes
+        # the state it was compiled for, and the model recompiles at its second step)
+        observed = self.observed
+        self._observed_set = observed.device.type != "meta" and bool(observed)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
         # the scale and statistics follow the model's device but stay float32
@@ -677,14 +688,44 @@ class FakeQuantize(nn.Module):
         self.activation_post_process(x)
         if state is FakeQuantState.CALIBRATION and self.activation_post_process.deferred:
             self._stale = True  # the search runs once, when calibration ends
-            self.observed.fill_(True)
+            self._mark_observed()
             return x
         self.update_scale()
         if state is FakeQuantState.CALIBRATION:
             return x
         # training: the faster rounding formula (it differs only at the float just below 1/2)
         return fake_quantize_ste(
-            x, self.scale, self.dtype, self.rounding, self.ch_axis, exact=False, offset=self.offset
+            x,
+            self.scale,
+            self.dtype,
+            self.rounding,
+            self.ch_axis,
+            exact=False,
+            offset=self.offset,
+            clip_gradient=self._clips_gradient(),
+        )
+
+    def _clips_gradient(self) -> bool:
+        """Whether QAT's straight-through estimator can clip a gradient here.
+
+        Not when the statistics just updated with the tensor being rounded cover its whole
+        range (a running or the latest min / max: ``MinMaxObserver``, the weights'
+        ``PerChannelMinMaxObserver``), the scale is their ``amax / levels`` (or the power of
+        two above it) and the grid holds ``[-levels, levels]``: then ``|x / scale|`` is at
+        most ``levels`` but for a few ulps, far less than the half step that would round it
+        one level out (up to 16 bits), so every mask value is True and none is made (a pass
+        less forward, a pass and a tensor less backward). A NaN or Inf, where the mask would
+        have been False, is reported by the observer's check.
+        """
+        obs = self.activation_post_process
+        kind = type(obs)
+        if kind is not PerChannelMinMaxObserver and kind is not MinMaxObserver:
+            return True
+        dtype = self.dtype
+        return (
+            obs.ch_axis != self.ch_axis
+            or dtype.bits > 16
+            or dtype.qmin + self.offset > -self.levels_above_zero
         )
 
     def _fused_statistics(self, x: Tensor) -> Statistics | None:
@@ -746,6 +787,7 @@ class FakeQuantize(nn.Module):
             self.dtype.qmin + self.offset,
             self.dtype.qmax + self.offset,
             self.ch_axis,
+            clip_gradient=self._clips_gradient(),
         )
         obs.count_deferred_check()
         self._mark_observed()

@@ -141,3 +141,37 @@ def test_a_nan_in_a_compiled_qat_step_is_reported_at_the_state_change():
     compiled(x)  # no host sync in the compiled step: nothing raised here
     with pytest.raises(ValueError, match=r"observer of .* saw NaN or Inf"):
         fxq.set_fake_quantize(model, fxq.FakeQuantState.VALIDATION)
+
+
+def _graphs_compiled_over_steps(model, steps: int = 3) -> int:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    for step in range(steps):
+        x = torch.randn(8, 3, 12, 12, generator=torch.Generator().manual_seed(step))
+        compiled(x).sum().backward()
+    return counters["stats"]["unique_graphs"]
+
+
+def test_a_calibrated_or_loaded_qat_model_compiles_once():
+    """A QAT model whose scales were observed (calibrated eagerly, or loaded from such a
+    model's state dict: the ``ptq`` -> QAT hand-off) compiles once for all its steps: the
+    compiled step writes no ``observed`` flag, so nothing it was compiled for changes. A model
+    that never observed learns it in its first step and recompiles once, at its second."""
+    calibrated = _prepared()
+    loaded = fxq.prepare_qat_fx(ResidualNet(), {"": default_qat_8bit_fake_quant_qconfig}).train()
+    loaded.load_state_dict(calibrated.state_dict())
+    fxq.set_fake_quantize(loaded, fxq.FakeQuantState.QAT)
+    never = fxq.prepare_qat_fx(ResidualNet(), {"": default_qat_8bit_fake_quant_qconfig}).train()
+    fxq.set_fake_quantize(never, fxq.FakeQuantState.QAT)
+    unobserved = copy.deepcopy(never)
+    unobserved.load_state_dict(never.state_dict())  # observed False: learnt in the first step
+    assert _graphs_compiled_over_steps(calibrated) == 1
+    assert _graphs_compiled_over_steps(loaded) == 1
+    assert _graphs_compiled_over_steps(never) == 2
+    assert _graphs_compiled_over_steps(unobserved) == 2
+    for model in (loaded, unobserved):
+        fakes = [m for m in model.modules() if isinstance(m, fxq.FakeQuantize)]
+        assert all(bool(fq.observed) for fq in fakes)

@@ -387,8 +387,9 @@ def test_a_qat_fake_quant_step_makes_few_ops(monkeypatch, bayes):
     bound the QAT step (an H100 spent 22 ms of kernels and 65 ms on the host per ResNet-18
     step, with 52 ops per activation fake quant): counted here on the CPU with the
     accelerator's deferred NaN check (52 and 37 ops before). Activation: aminmax, NaN flag
-    (2), moving average (6), scale (4), fake quant (7); weight: amin and amax, NaN flag (2),
-    copy, scale (4), fake quant (7); backward: one ``where``."""
+    (2), moving average (6), scale (4), fake quant (7), backward: one ``where``; weight: amin
+    and amax, NaN flag (2), copy, scale (4), fake quant (6: no mask, as its own range bounds
+    it), backward: none."""
     import fxq.observer
     from tests.helpers import RecordedOps
 
@@ -396,7 +397,8 @@ def test_a_qat_fake_quant_step_makes_few_ops(monkeypatch, bayes):
 
     monkeypatch.setattr(fxq.observer, "IMMEDIATE_CHECK_DEVICES", ())
     q = default_qat_8bit_fake_quant_qconfig
-    for fq, shape, most in ((q.activation(), (4, 8, 6, 6), 20), (q.weight(), (8, 4, 3, 3), 16)):
+    cases = ((q.activation(), (4, 8, 6, 6), 20, ["where"]), (q.weight(), (8, 4, 3, 3), 15, []))
+    for fq, shape, most, backward_ops in cases:
         fq.set_fake_quant_state("qat")
         x = torch.randn(shape, requires_grad=True)
         fq(x)
@@ -405,6 +407,103 @@ def test_a_qat_fake_quant_step_makes_few_ops(monkeypatch, bayes):
             y = fq(x)
         grad = torch.ones_like(y)
         with RecordedOps(ignore=shape_only) as backward:
-            y.backward(grad)
+            torch.autograd.grad(y, x, grad)
         assert len(forward.names) <= most, forward.names
-        assert backward.names == ["where"], backward.names
+        assert backward.names == backward_ops, backward.names
+
+
+def _saved_dtypes(fq: FakeQuantize, x: torch.Tensor) -> tuple[list[torch.dtype], torch.Tensor]:
+    """The dtypes of the tensors ``fq(x)`` saves for its backward pass, and its output."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fq(x)
+    return saved, out
+
+
+def _covering_inputs(shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Tensors across float32's range, with constant, zero, one-spike and one-sided rows."""
+    g = torch.Generator().manual_seed(0)
+    out = [torch.randn(shape, generator=g) * 10.0**k for k in range(-36, 37, 4)]
+    edge = torch.randn(shape, generator=g)
+    edge[0] = 0.0
+    edge[1] = 0.37
+    edge[2] = 0.0
+    edge[2].view(-1)[3] = -5.5
+    edge[3] = edge[3].abs() + 1.0
+    out += [edge, edge * 1e-40, edge * 3e37, -edge]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["qint8", "qint16"])
+@pytest.mark.parametrize("observer", [PerChannelMinMaxObserver, MinMaxObserver])
+def test_a_tensor_its_own_statistics_cover_is_never_clipped(bayes, observer, dtype):
+    """A weight (latest per-channel min / max) or a running min / max covers what it rounds:
+    every value rounds inside the grid, so the straight-through gradient passes everywhere
+    and the fake quant makes and keeps no mask (``_clips_gradient`` is False)."""
+    from fxq.quantized import functional as qf
+
+    shape = (6, 5, 3, 3)
+    kw = {"ch_axis": 0, "num_channels": 6} if observer is PerChannelMinMaxObserver else {}
+    fq = FakeQuantize(observer=observer, dtype=dtype, **kw)
+    fq.set_fake_quant_state(FakeQuantState.QAT)
+    assert not fq._clips_gradient()
+    for x in _covering_inputs(shape):
+        x.requires_grad_()
+        dtypes, out = _saved_dtypes(fq, x)
+        assert torch.bool not in dtypes
+        grad = torch.randn(shape)
+        out.backward(grad)
+        assert torch.equal(x.grad, grad)
+        d = fq.dtype
+        _, inside = qf.fake_quantize(
+            x.detach(), fq.scale, d.qmin, d.qmax, fq.rounding, fq.ch_axis, exact=False
+        )
+        assert bool(inside.all()), float(x.detach().abs().max())
+
+
+def test_a_fake_quant_that_can_clip_keeps_its_mask(bayes):
+    """A moving average lags the batch, and an unsigned grid clamps negative values: both
+    clip, so they keep the mask (one bool tensor saved)."""
+    moving = FakeQuantize(observer=fxq.observer.MovingAverageMinMaxObserver)
+    unsigned = _fq()
+    unsigned.activation_post_process(torch.rand(10))
+    unsigned.set_offset(128)
+    for fq in (moving, unsigned):
+        fq.set_fake_quant_state(FakeQuantState.QAT)
+        assert fq._clips_gradient()
+        dtypes, _ = _saved_dtypes(fq, torch.randn(10, requires_grad=True))
+        assert dtypes == [torch.bool]
+
+
+def test_a_qat_step_without_the_weights_masks_has_the_same_gradients(bayes):
+    """The model's gradients equal those of the same step with every mask made and applied."""
+    import copy
+
+    from tests.helpers import ResidualNet
+
+    torch.manual_seed(0)
+    model = fxq.prepare_qat_fx(ResidualNet(), {"": default_qat_8bit_fake_quant_qconfig}).train()
+    set_fake_quantize(model, FakeQuantState.QAT)
+    reference = copy.deepcopy(model)
+    fakes = [m for m in reference.modules() if isinstance(m, FakeQuantize)]
+    unclipped = [
+        m for m in model.modules() if isinstance(m, FakeQuantize) and not m._clips_gradient()
+    ]
+    assert {m.name for m in unclipped} == {
+        m.name for m in fakes if isinstance(m.activation_post_process, PerChannelMinMaxObserver)
+    }
+    assert len(unclipped) >= 4
+    for fq in fakes:
+        fq._clips_gradient = lambda: True
+    for step in range(3):
+        x = torch.randn(8, 3, 12, 12, generator=torch.Generator().manual_seed(step)) * (step + 1)
+        for m in (model, reference):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, name)

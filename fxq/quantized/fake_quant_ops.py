@@ -205,16 +205,19 @@ class _ObserveFakeQuantizeSTE(torch.autograd.Function):
     in place cannot carry its own autograd formula in ``torch.library``)."""
 
     @staticmethod
-    def forward(ctx, x, *args):  # type: ignore[override]
+    def forward(ctx, clip, x, *args):  # type: ignore[override]
         out, mask = _call(x, *args)
-        ctx.save_for_backward(mask)
+        if clip:
+            ctx.save_for_backward(mask)
         ctx.mark_non_differentiable(mask)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
+        if not ctx.saved_tensors:  # nothing was clipped (``clip_gradient=False``)
+            return (None, grad) + (None,) * 11
         (mask,) = ctx.saved_tensors
-        return (torch.where(mask, grad, 0.0),) + (None,) * 11
+        return (None, torch.where(mask, grad, 0.0)) + (None,) * 11
 
 
 def observe_fake_quantize(
@@ -230,6 +233,7 @@ def observe_fake_quantize(
     qmin: int,
     qmax: int,
     ch_axis: int | None,
+    clip_gradient: bool = True,
 ) -> Tensor:
     """Observe ``x``, update the statistics and the scale in place, and fake-quantize ``x``.
 
@@ -246,6 +250,9 @@ def observe_fake_quantize(
         levels: ``qmax + offset`` of the fake quant (the grid step is ``amax / levels``).
         qmin, qmax: the clamp, offset included.
         ch_axis: None (per tensor) or the channel axis.
+        clip_gradient: False where the caller knows that no value is clamped
+            (``FakeQuantize._clips_gradient``): the gradient then passes everywhere and
+            the mask is not kept.
 
     Returns:
         ``clamp(floor(x * (1 / scale) + 1/2), qmin, qmax) * scale``, differentiable in ``x``
@@ -256,7 +263,7 @@ def observe_fake_quantize(
         int(levels), int(qmin), int(qmax), ch_axis,
     )  # fmt: skip
     if torch.is_grad_enabled() and x.requires_grad:
-        return _ObserveFakeQuantizeSTE.apply(*args)
+        return _ObserveFakeQuantizeSTE.apply(clip_gradient, *args)
     return _call(*args)[0]
 
 
