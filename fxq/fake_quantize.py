@@ -737,10 +737,23 @@ class FakeQuantize(nn.Module):
             return None
         obs = self.activation_post_process
         cached = self.__dict__.get("_fused_cache")  # this runs at every step: the fixed facts once
-        if cached is None or cached[0] is not obs or cached[1] is not obs.sync_group:
-            cached = (obs, obs.sync_group, self._fused_kind(obs))
+        if (
+            cached is None
+            or cached[0] is not obs
+            or cached[1] is not obs.sync_group
+            or cached[2] is not self.dtype
+            or cached[3] != self.offset
+        ):
+            cached = (
+                obs,
+                obs.sync_group,
+                self.dtype,
+                self.offset,
+                self._fused_kind(obs),
+                self._clips_gradient(),
+            )
             self.__dict__["_fused_cache"] = cached
-        statistics = cached[2]
+        statistics = cached[4]
         if (
             statistics is None
             or obs.min_val.shape != self.scale.shape
@@ -787,7 +800,7 @@ class FakeQuantize(nn.Module):
             self.dtype.qmin + self.offset,
             self.dtype.qmax + self.offset,
             self.ch_axis,
-            clip_gradient=self._clips_gradient(),
+            clip_gradient=self.__dict__["_fused_cache"][5],  # set by ``_fused_statistics``
         )
         obs.count_deferred_check()
         self._mark_observed()

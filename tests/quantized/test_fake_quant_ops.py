@@ -271,3 +271,32 @@ def test_a_large_tensor_gathers_every_programs_statistics_on_cuda():
         assert torch.equal(fq.activation_post_process.max_val, ref.activation_post_process.max_val)
         assert torch.equal(fq.scale, ref.scale), step
         assert torch.equal(out, expected)
+
+
+def test_the_fused_step_follows_a_new_offset_in_its_gradient_clipping(monkeypatch):
+    """The fused step remembers per fake quant whether it clips gradients (checked at every
+    step otherwise) and learns it again when the grid changes: a running min / max on a
+    signed grid never clips; shifted to an unsigned grid (offset 128) it clips negatives.
+    The Triton launch is replaced by a stub whose mask says every value was clamped."""
+    import types
+
+    def clamped_everywhere(x, *args):
+        return x.detach().clone(), torch.zeros_like(x, dtype=torch.bool)
+
+    monkeypatch.setattr(fake_quant_ops, "triton_usable", lambda x: True)
+    monkeypatch.setattr(
+        fake_quant_ops,
+        "_triton",
+        lambda: types.SimpleNamespace(observe_fake_quantize=clamped_everywhere),
+    )
+    fq = _fake_quant("running")
+    fq.set_fake_quant_state("qat")
+    grads = []
+    for step in range(3):
+        if step == 2:
+            fq.set_offset(128)
+        x = _inputs("running", step, "cpu").requires_grad_()
+        assert fq._fused_statistics(x) is Statistics.RUNNING
+        fq(x).sum().backward()
+        grads.append(float(x.grad.abs().sum()))
+    assert grads[0] == grads[1] == x.numel() and grads[2] == 0.0
