@@ -95,10 +95,10 @@ def _tiles_kernel(
 
 def _tile(out_height: int, out_width: int) -> tuple[int, int, int]:
     """``(BLOCK_R, BLOCK_OH, BLOCK_OW)`` of the tile kernel: whole output rows (a power of two
-    at least ``out_width``), as many of them as make at most 1024 positions, and as many column
-    rows as make ``_TILE`` elements."""
+    at least ``out_width``), as many of them as make at most ``_TILE_POSITIONS`` positions,
+    and as many column rows as make ``_TILE`` elements."""
     block_ow = triton.next_power_of_2(out_width)
-    block_oh = min(triton.next_power_of_2(out_height), max(1, 1024 // block_ow))
+    block_oh = min(triton.next_power_of_2(out_height), max(1, _TILE_POSITIONS // block_ow))
     return max(1, _TILE // (block_oh * block_ow)), block_oh, block_ow
 
 
