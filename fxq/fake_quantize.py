@@ -52,6 +52,7 @@ from fxq.observer import (
 from fxq.quantized import fake_quant_ops
 from fxq.quantized import functional as qf
 from fxq.quantized.fake_quant_ops import Statistics
+from fxq.utils.grad_mask import keep_mask, pass_gradient
 from fxq.utils.warning_summary import summarises_warnings, warn_per_module
 
 __all__ = [
@@ -93,7 +94,7 @@ class _FakeQuantSTE(torch.autograd.Function):
     def forward(ctx, x, scale, qmin, qmax, rounding, ch_axis, exact, clip):  # type: ignore[override]
         out, mask = qf.fake_quantize(x, scale, qmin, qmax, rounding, ch_axis, exact, with_mask=clip)
         if clip:
-            ctx.save_for_backward(mask)
+            ctx.save_for_backward(keep_mask(mask))
         return out
 
     @staticmethod
@@ -101,9 +102,7 @@ class _FakeQuantSTE(torch.autograd.Function):
         if not ctx.saved_tensors:  # nothing was clipped (``clip_gradient=False``)
             return grad, None, None, None, None, None, None, None
         (mask,) = ctx.saved_tensors
-        # ``where`` rather than ``grad * mask``: the product first converts the bool mask
-        # to grad's dtype (a pass and a copy more)
-        return torch.where(mask, grad, 0.0), None, None, None, None, None, None, None
+        return pass_gradient(grad, mask), None, None, None, None, None, None, None
 
 
 def fake_quantize_ste(

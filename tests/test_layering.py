@@ -15,7 +15,12 @@ ROOT = pathlib.Path(fxq.__file__).parent
 
 #: bottom to top; a module belongs to the layer of its longest matching prefix
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("fxq.dtypes", "fxq.march", "fxq.utils.warning_summary"),  # the last imports no fxq
+    (
+        "fxq.dtypes",
+        "fxq.march",
+        "fxq.utils.warning_summary",
+        "fxq.utils.grad_mask",
+    ),  # the last two import no fxq
     ("fxq.primitives.core", "fxq.primitives.schema", "fxq.primitives.arith"),  # no torch
     (  # pure integer math, no nn.Module
         "fxq.quantized.functional",

@@ -39,8 +39,10 @@ from fxq.fake_quantize import (
     fake_quantize_ste,
     quantize_in_place,
 )
+from fxq.fused import ACTIVATIONS
 from fxq.march import spec_for
 from fxq.qconfig import QConfig
+from fxq.utils.grad_mask import keep_mask, pass_gradient
 
 __all__ = ["QATModule", "FunctionalQAT", "quantize_bias", "freeze_bn_stats", "update_bn_stats"]
 
@@ -262,6 +264,35 @@ class QATModule(nn.Module):
         if self.standalone:
             parts.append("standalone")
         return ", ".join(parts)
+
+
+class _ClampSTE(torch.autograd.Function):
+    """ReLU (``high`` None) or ReLU6 whose backward mask is a ``keep_mask`` (a compiled
+    graph's masks stored as ``uint8``, see ``fxq.utils.grad_mask``). The gradient passes
+    where torch's does: ``x > 0`` (and ``x < 6``), and at a NaN."""
+
+    @staticmethod
+    def forward(ctx, x, high):  # type: ignore[override]
+        blocked = x <= 0.0 if high is None else (x <= 0.0) | (x >= high)
+        ctx.save_for_backward(keep_mask(~blocked))
+        return torch.relu(x) if high is None else torch.clamp(x, 0.0, high)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return pass_gradient(grad, mask), None
+
+
+_CLAMP_HIGH = {"relu": None, "relu6": 6.0}
+
+
+def activate(name: str, y: Tensor, inplace: bool = False) -> Tensor:
+    """A fused module's activation (``fxq.fused.ACTIVATIONS``) on ``y``. In a compiled graph
+    with autograd it keeps its gradient mask as ``uint8`` rather than ``bool`` (the same
+    values and gradients; see ``fxq.utils.grad_mask``)."""
+    if y.requires_grad and torch.is_grad_enabled() and torch.compiler.is_compiling():
+        return _ClampSTE.apply(y, _CLAMP_HIGH[name])
+    return ACTIVATIONS[name](y, inplace=inplace)
 
 
 def _exact_float_inputs(values: Any, integers_too: bool) -> Any:

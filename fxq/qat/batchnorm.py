@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from fxq.fake_quantize import FakeQuantState
-from fxq.fused import ACTIVATIONS, Fused
-from fxq.qat.base import QATModule, quantize_bias
+from fxq.fused import Fused
+from fxq.qat.base import QATModule, activate, quantize_bias
 from fxq.qat.weighted import batchnorm_factor
 from fxq.qconfig import QConfig
 
@@ -94,7 +94,7 @@ class BatchNorm(QATModule):
             )
             y = x * a_q.reshape(shape) + b.reshape(shape)
         if self.activation is not None:
-            y = ACTIVATIONS[self.activation](y)
+            y = activate(self.activation, y)
         return self.quantize_output(y)
 
     def extra_repr(self) -> str:

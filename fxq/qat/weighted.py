@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from fxq.fake_quantize import FakeQuantState
 from fxq.fused import ACTIVATIONS, Fused
-from fxq.qat.base import QATModule, quantize_bias
+from fxq.qat.base import QATModule, activate, quantize_bias
 from fxq.qconfig import QConfig
 from fxq.quantized.functional import swap_group_axes
 
@@ -274,7 +274,7 @@ class WeightedQAT(QATModule):
         if self.activation is not None:
             # in place when no gradient flows (y is this module's own tensor); under autograd
             # an in-place ReLU6 first copies its input for the backward pass
-            y = ACTIVATIONS[self.activation](y, inplace=not y.requires_grad)
+            y = activate(self.activation, y, inplace=not y.requires_grad)
         # y is this module's own tensor (float_op_forward returns a new one): without
         # autograd it is rounded in place
         return self.quantize_output(y, own=True)
