@@ -188,6 +188,14 @@ def fake_quantize(
         (the straight-through estimator passes gradients there); ``None`` when
         not ``with_mask`` (no gradient wanted: one pass less).
     """
+    if not exact and rounding is Rounding.HALF_UP and x.device.type == "cpu":
+        from fxq.quantized import native  # the same numbers in one pass (eager CPU float32)
+
+        done = native.fake_quantize(
+            x, scale, ch_axis, qmin, qmax, with_mask, inplace and not with_mask
+        )
+        if done is not None:
+            return done
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
     # exact: the IEEE division of ``quantize``; training: multiply by the reciprocal (cheaper)
     if inplace and not with_mask:

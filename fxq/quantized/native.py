@@ -5,7 +5,9 @@ passes in torch (convert, multiply, round, clamp, convert); the C kernel in
 ``native_kernels.c`` does it in one. It is compiled on first use with the
 system C compiler into ``~/.cache/fxq`` (or ``$FXQ_CACHE_DIR``) and computes
 exactly what ``fxq.quantized.functional.requantize_exact`` computes in torch
-(the tests compare both bit for bit). Without a compiler, or when the build
+(the tests compare both bit for bit). QAT training's fake quantization of float32
+(``fake_quantize``: scale, round, clamp, rescale and the gradient mask) is one pass of the
+same library instead of five torch passes. Without a compiler, or when the build
 fails, fxq warns once with the reason and uses the torch path: same results,
 slower; ``FXQ_NATIVE=0`` chooses the torch path without a warning.
 
@@ -40,7 +42,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["available", "requantize", "requantize_add", "ExporterError", "refuse_onnx_export"]
+__all__ = [
+    "available",
+    "requantize",
+    "requantize_add",
+    "fake_quantize",
+    "ExporterError",
+    "refuse_onnx_export",
+]
 
 _SOURCE = Path(__file__).with_name("native_kernels.c")
 # -fno-math-errno / -fno-trapping-math let floor() vectorize; neither changes an
@@ -51,6 +60,7 @@ _FLAGS = [
     "-fopenmp",
     "-fno-math-errno",
     "-fno-trapping-math",
+    "-ffp-contract=off",  # no FMA: each ``a * b + c`` rounds twice, as torch's two ops do
     "-shared",
     "-fPIC",
 ]
@@ -140,6 +150,9 @@ def _build() -> ctypes.CDLL:
     signatures.append(
         (_ADD_FUNCS.values(), [ptr, ptr, i64, i64, i64, ptr, ptr, f64, f64, cint, ptr, cint])
     )
+    # (x, outer, channels, inner, r, s, lo, hi, out, mask, threads)
+    fq = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_float, ctypes.c_float, ptr, ptr, cint]
+    signatures.append((["fxq_fake_quant_f32"], fq))
     for names, argtypes in signatures:
         for name in names:
             fn = getattr(lib, name)
@@ -174,8 +187,8 @@ def _library() -> ctypes.CDLL | None:
 def fallback_message(reason: str) -> str:
     """The one warning fxq gives when the native kernels cannot be used, and why."""
     return (
-        "fxq: the native CPU kernels are not available, so integer models run the torch "
-        f"path (same results, slower): {reason}. To build them, install a C compiler with "
+        "fxq: the native CPU kernels are not available, so integer models and QAT fake "
+        f"quants on the CPU run the torch path (same results, slower): {reason}. To build them, install a C compiler with "
         "OpenMP (e.g. `apt install gcc`) or point CC at one; to use the torch path without "
         "this warning, set FXQ_NATIVE=0"
     )
@@ -267,6 +280,72 @@ def requantize(
     if lib is None:
         return None
     return _run_requantize(lib, func, acc, r, channel_axis, lo, hi, half_even, out_dtype)
+
+
+def fake_quantize(
+    x: Tensor,
+    scale: Tensor,
+    ch_axis: int | None,
+    qmin: int,
+    qmax: int,
+    with_mask: bool,
+    inplace: bool = False,
+) -> tuple[Tensor, Tensor | None] | None:
+    """QAT training's fake quantization in one pass on the CPU, or None when not applicable.
+
+    ``clamp(floor(x * (1 / scale) + 0.5), qmin, qmax) * scale`` and, ``with_mask``, the bool
+    mask ``round == clamp``: what ``fxq.quantized.functional.fake_quantize`` computes with
+    ``exact=False`` and ``HALF_UP`` in five torch passes (the tests compare both bit for
+    bit). Eager contiguous float32 CPU tensors only; None under a graph capture (whose
+    compiler fuses the torch ops itself), on other devices and dtypes, or without the
+    kernels. ``inplace``: the result is written into ``x``.
+
+    Raises:
+        ExporterError: under ``torch.onnx.export``.
+    """
+    if (
+        x.dtype is not torch.float32
+        or scale.dtype is not torch.float32
+        or _capture()
+        or not _eager_cpu(x, scale)
+        or not x.is_contiguous()
+        or x.numel() == 0
+    ):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    scale = scale.contiguous().reshape(-1)
+    if ch_axis is None and scale.numel() != 1:
+        return None
+    if ch_axis is not None and scale.numel() not in (1, x.shape[ch_axis % x.dim()]):
+        return None
+    reciprocal = scale.reciprocal()
+    if ch_axis is None:
+        outer, channels, inner = 1, 1, x.numel()
+    else:
+        axis = ch_axis % x.dim()
+        outer, channels = math.prod(x.shape[:axis]), x.shape[axis]
+        inner = math.prod(x.shape[axis + 1 :])
+        if scale.numel() == 1:
+            scale = scale.expand(channels).contiguous()
+            reciprocal = reciprocal.expand(channels).contiguous()
+    out = x if inplace else torch.empty_like(x)
+    mask = torch.empty(x.shape, dtype=torch.bool) if with_mask else None
+    lib.fxq_fake_quant_f32(
+        x.data_ptr(),
+        outer,
+        channels,
+        inner,
+        reciprocal.data_ptr(),
+        scale.data_ptr(),
+        float(qmin),
+        float(qmax),
+        out.data_ptr(),
+        None if mask is None else mask.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out, mask
 
 
 def requantize_add(

@@ -73,3 +73,43 @@ int fxq_native_version(void) { return 3; }
 
 REQUANT_ADD(fxq_requant_add_f32_f32, float, float)
 REQUANT_ADD(fxq_requant_add_f64_f32, double, float)
+
+/* QAT training's fake quantization of float32 in one pass (fxq.quantized.functional
+ * fake_quantize with exact=False and HALF_UP): v = floor(x * r[c] + 0.5f),
+ * q = clamp(v, lo, hi) (a NaN stays NaN, as torch's clamp), out = q * s[c], and
+ * mask = (q == v) where mask is not NULL. Every operation is one float32 IEEE
+ * operation, in torch's order; built with -ffp-contract=off, so x * r + 0.5f is never
+ * fused into an FMA. Work is split into chunks of at most FQ_CHUNK values of one
+ * channel, so a per-tensor scale (one block) is spread over the threads too. out may
+ * be x (each value is read before it is written). */
+#define FQ_CHUNK 16384
+
+void fxq_fake_quant_f32(const float *x, int64_t outer, int64_t channels, int64_t inner,
+                        const float *r, const float *s, float lo, float hi, float *out,
+                        uint8_t *mask, int threads) {
+    const int64_t per_block = (inner + FQ_CHUNK - 1) / FQ_CHUNK;
+    const int64_t tasks = outer * channels * per_block;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t b = t / per_block, start = (t % per_block) * FQ_CHUNK;
+        const int64_t n = inner - start < FQ_CHUNK ? inner - start : FQ_CHUNK;
+        const float rc = r[b % channels], sc = s[b % channels];
+        const float *xi = x + b * inner + start;
+        float *o = out + b * inner + start;
+        if (mask) {
+            uint8_t *m = mask + b * inner + start;
+            for (int64_t i = 0; i < n; ++i) {
+                const float v = floorf(xi[i] * rc + 0.5f);
+                const float q = v < lo ? lo : (v > hi ? hi : v);
+                m[i] = q == v;
+                o[i] = q * sc;
+            }
+        } else {
+            for (int64_t i = 0; i < n; ++i) {
+                const float v = floorf(xi[i] * rc + 0.5f);
+                const float q = v < lo ? lo : (v > hi ? hi : v);
+                o[i] = q * sc;
+            }
+        }
+    }
+}

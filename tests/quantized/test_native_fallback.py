@@ -60,8 +60,8 @@ def test_a_missing_compiler_warns_once_with_the_reason_and_results_stay_exact(ba
 def test_the_warning_says_how_to_fix_it():
     message = native.fallback_message("REASON")
     assert message == (
-        "fxq: the native CPU kernels are not available, so integer models run the torch "
-        "path (same results, slower): REASON. To build them, install a C compiler with "
+        "fxq: the native CPU kernels are not available, so integer models and QAT fake "
+        "quants on the CPU run the torch path (same results, slower): REASON. To build them, install a C compiler with "
         "OpenMP (e.g. `apt install gcc`) or point CC at one; to use the torch path without "
         "this warning, set FXQ_NATIVE=0"
     )
