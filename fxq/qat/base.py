@@ -290,7 +290,12 @@ def activate(name: str, y: Tensor, inplace: bool = False) -> Tensor:
     """A fused module's activation (``fxq.fused.ACTIVATIONS``) on ``y``. In a compiled graph
     with autograd it keeps its gradient mask as ``uint8`` rather than ``bool`` (the same
     values and gradients; see ``fxq.utils.grad_mask``)."""
-    if y.requires_grad and torch.is_grad_enabled() and torch.compiler.is_compiling():
+    if (
+        name in _CLAMP_HIGH
+        and y.requires_grad
+        and torch.is_grad_enabled()
+        and torch.compiler.is_compiling()
+    ):
         return _ClampSTE.apply(y, _CLAMP_HIGH[name])
     return ACTIVATIONS[name](y, inplace=inplace)
 

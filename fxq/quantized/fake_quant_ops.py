@@ -54,6 +54,7 @@ from fxq.observer import (
 )
 from fxq.quantized import functional as qf
 from fxq.quantized import native
+from fxq.utils.grad_mask import pass_gradient
 
 __all__ = [
     "Statistics",
@@ -217,7 +218,7 @@ class _ObserveFakeQuantizeSTE(torch.autograd.Function):
         if not ctx.saved_tensors:  # nothing was clipped (``clip_gradient=False``)
             return (None, grad) + (None,) * 11
         (mask,) = ctx.saved_tensors
-        return (None, torch.where(mask, grad, 0.0)) + (None,) * 11
+        return (None, pass_gradient(grad, mask)) + (None,) * 11
 
 
 def observe_fake_quantize(

@@ -188,9 +188,9 @@ def fallback_message(reason: str) -> str:
     """The one warning fxq gives when the native kernels cannot be used, and why."""
     return (
         "fxq: the native CPU kernels are not available, so integer models and QAT fake "
-        f"quants on the CPU run the torch path (same results, slower): {reason}. To build them, install a C compiler with "
-        "OpenMP (e.g. `apt install gcc`) or point CC at one; to use the torch path without "
-        "this warning, set FXQ_NATIVE=0"
+        f"quants on the CPU run the torch path (same results, slower): {reason}. To build "
+        "them, install a C compiler with OpenMP (e.g. `apt install gcc`) or point CC at one; "
+        "to use the torch path without this warning, set FXQ_NATIVE=0"
     )
 
 
@@ -315,21 +315,10 @@ def fake_quantize(
     lib = _library()
     if lib is None:
         return None
-    scale = scale.contiguous().reshape(-1)
-    if ch_axis is None and scale.numel() != 1:
+    if scale.numel() not in (1, 1 if ch_axis is None else x.shape[ch_axis % x.dim()]):
         return None
-    if ch_axis is not None and scale.numel() not in (1, x.shape[ch_axis % x.dim()]):
-        return None
+    scale, (outer, channels, inner) = _layout(x, scale, ch_axis, torch.float32)
     reciprocal = scale.reciprocal()
-    if ch_axis is None:
-        outer, channels, inner = 1, 1, x.numel()
-    else:
-        axis = ch_axis % x.dim()
-        outer, channels = math.prod(x.shape[:axis]), x.shape[axis]
-        inner = math.prod(x.shape[axis + 1 :])
-        if scale.numel() == 1:
-            scale = scale.expand(channels).contiguous()
-            reciprocal = reciprocal.expand(channels).contiguous()
     out = x if inplace else torch.empty_like(x)
     mask = torch.empty(x.shape, dtype=torch.bool) if with_mask else None
     lib.fxq_fake_quant_f32(
@@ -538,10 +527,10 @@ def _run_requantize_add(
 
 
 def _layout(
-    acc: Tensor, r: Tensor, channel_axis: int | None
+    acc: Tensor, r: Tensor, channel_axis: int | None, dtype: torch.dtype = torch.float64
 ) -> tuple[Tensor, tuple[int, int, int]]:
-    """``r`` as contiguous float64 and the (outer, channels, inner) blocks of ``acc``."""
-    r = r.to(torch.float64).contiguous()
+    """``r`` as contiguous ``dtype`` and the (outer, channels, inner) blocks of ``acc``."""
+    r = r.to(dtype).contiguous()
     if channel_axis is None:
         return r.reshape(1), (1, 1, acc.numel())
     axis = channel_axis % acc.dim()
