@@ -391,11 +391,15 @@ def test_a_qat_fake_quant_step_makes_few_ops(monkeypatch, bayes):
     and amax, NaN flag (2), copy, scale (4), fake quant (6: no mask, as its own range bounds
     it), backward: none."""
     import fxq.observer
+    from fxq.quantized import native
     from tests.helpers import RecordedOps
 
     shape_only = {"detach", "view", "transpose", "reshape", "expand", "scalar_tensor"}
 
     monkeypatch.setattr(fxq.observer, "IMMEDIATE_CHECK_DEVICES", ())
+    # the torch ops of the rounding, as on a GPU without the fused op (on the CPU they are
+    # one pass of the native kernel, which records no op)
+    monkeypatch.setattr(native, "fake_quantize", lambda *args, **kwargs: None)
     q = default_qat_8bit_fake_quant_qconfig
     cases = ((q.activation(), (4, 8, 6, 6), 20, ["where"]), (q.weight(), (8, 4, 3, 3), 15, []))
     for fq, shape, most, backward_ops in cases:
