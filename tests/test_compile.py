@@ -209,3 +209,64 @@ def test_a_compiled_qat_step_keeps_its_gradient_masks_as_bytes_not_bool():
     # the input's, conv1's, conv2's (with the residual's ReLU) and the head's output fake
     # quants' masks, and the stem's and conv1's fused ReLUs'
     assert kept.count(torch.uint8) >= 5, kept
+
+
+def _written_in_place(node) -> bool:
+    """Whether an FX node is an in-place op (``mul_``, ``torch.relu_``; not ``__add__``)."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _functions_returning_in_place(fn, *args) -> list[str]:
+    """Compile ``fn`` and return, for each ``autograd.Function`` forward dynamo captured
+    (its ``fwd_body`` graphs), the in-place ops that wrote one of its results."""
+    bodies = []
+
+    def backend(gm, example_inputs):
+        bodies.extend(m for n, m in gm.named_modules() if n.startswith("fwd_body"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    assert bodies, "no autograd.Function was captured"
+    found = []
+    for body in bodies:
+        (returned,) = [n.args[0] for n in body.graph.nodes if n.op == "output"]
+        results = returned[0] if isinstance(returned[0], (tuple, list)) else [returned[0]]
+        found += [str(n.target) for n in results if _written_in_place(n)]
+    return found
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("clip", [False, True])
+def test_compiled_fake_quants_return_results_not_written_in_place(exact, clip):
+    """torch 2.11's dynamo gave an ``autograd.Function`` whose result an in-place op wrote
+    a zero gradient: every gradient of a compiled QAT step was 0 and no parameter moved
+    (ResNet-18 on an H200 with torch 2.11, and on the CPU; torch 2.13 and 2.14 are right).
+    In a compiled graph fxq's straight-through estimators compute out of place."""
+    from fxq.dtypes import qint8
+    from fxq.fake_quantize import fake_quantize_ste
+    from fxq.march.spec import Rounding
+
+    scale = torch.tensor(0.02)
+
+    def step(x):
+        return fake_quantize_ste(x, scale, qint8, Rounding.HALF_UP, exact=exact, clip_gradient=clip)
+
+    assert _functions_returning_in_place(step, torch.randn(64, requires_grad=True)) == []
+
+
+def test_a_compiled_qat_step_returns_no_result_written_in_place_and_moves_every_weight():
+    """The whole QAT step (fake quants, fused ReLUs): see the test above."""
+    model = _prepared()
+    x = torch.randn(8, 3, 12, 12)
+    assert _functions_returning_in_place(model, x) == []
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    F.cross_entropy(compiled(x), torch.arange(8) % 10).backward()
+    opt.step()
+    still = [k for k, p in model.named_parameters() if torch.equal(p, before[k])]
+    assert still == []

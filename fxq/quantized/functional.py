@@ -197,6 +197,13 @@ def fake_quantize(
         if done is not None:
             return done
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
+    if torch.compiler.is_compiling():
+        # out of place: the compiler fuses the steps into one kernel anyway, and torch 2.11's
+        # dynamo gave an ``autograd.Function`` whose result an in-place op wrote a zero
+        # gradient (every parameter of a compiled QAT step; fine in 2.13 and 2.14)
+        v = round_float(x / s if exact else x * s.reciprocal(), rounding, exact=exact)
+        clamped = v.clamp(qmin, qmax)
+        return clamped * s, (clamped == v) if with_mask else None
     # exact: the IEEE division of ``quantize``; training: multiply by the reciprocal (cheaper)
     if inplace and not with_mask:
         v = x.div_(s) if exact else x.mul_(s.reciprocal())
