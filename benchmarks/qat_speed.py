@@ -69,7 +69,25 @@ def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, graphs: bo
         loss.backward()
         opt.step()
 
+    step.model = model
     return step
+
+
+def require_gradients(name: str, model: torch.nn.Module) -> None:
+    """Stop when the last step left a weight without gradient: a step that does not train
+    is not a QAT step to time (torch 2.11 compiled fxq's steps with zero gradients until
+    its fake quants computed out of place in a compiled graph, and timed them faster than
+    the float step)."""
+    dead = [
+        k
+        for k, p in model.named_parameters()
+        if p.requires_grad and p.dim() > 1 and (p.grad is None or not bool(p.grad.any()))
+    ]
+    if dead:
+        raise SystemExit(
+            f"{name}: {len(dead)} weights got no gradient in a step (first: {dead[:3]}); "
+            "its time would not be a training step's"
+        )
 
 
 def measure(
@@ -79,9 +97,11 @@ def measure(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for step in steps.values():
+    for name, step in steps.items():
         for _ in range(warmup):
             step()
+        if hasattr(step, "model"):
+            require_gradients(name, step.model)
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(iters):
         for name, step in steps.items():  # interleaved: noise hits every variant alike
@@ -153,6 +173,7 @@ def _unfused(step: callable) -> callable:
         with fake_quant_ops.torch_ops_only():
             step()
 
+    run.model = step.model
     return run
 
 
