@@ -90,6 +90,8 @@ def round_float(x: Tensor, rounding: Rounding, inplace: bool = False, exact: boo
         # slower; in place the result ends in ``x``'s memory (low + 0 or 1 is exact)
         if inplace:
             return x.sub_(low).ge_(0.5).add_(low)
+        if torch.compiler.is_compiling():  # out of place: see ``fake_quantize``
+            return low + (x - low).ge(0.5).to(low.dtype)
         return low.add_((x - low).ge_(0.5))
     if rounding is Rounding.HALF_EVEN:
         return x.round_() if inplace else torch.round(x)
