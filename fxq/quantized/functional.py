@@ -199,24 +199,22 @@ def fake_quantize(
         if done is not None:
             return done
     s = broadcast_scale(scale.to(x.dtype), x.dim(), ch_axis)
-    if torch.compiler.is_compiling():
-        # out of place: the compiler fuses the steps into one kernel anyway, and torch 2.11's
-        # dynamo gave an ``autograd.Function`` whose result an in-place op wrote a zero
-        # gradient (every parameter of a compiled QAT step; fine in 2.13 and 2.14)
-        v = round_float(x / s if exact else x * s.reciprocal(), rounding, exact=exact)
-        clamped = v.clamp(qmin, qmax)
-        return clamped * s, (clamped == v) if with_mask else None
+    # In eager the steps write into the tensors they made (fewer allocations). A compiled
+    # graph computes out of place: the compiler fuses the steps into one kernel anyway, and
+    # torch 2.11's dynamo gave an ``autograd.Function`` whose result an in-place op wrote a
+    # zero gradient (every parameter of a compiled QAT step; fine in 2.13 and 2.14).
+    in_place = not torch.compiler.is_compiling()
     # exact: the IEEE division of ``quantize``; training: multiply by the reciprocal (cheaper)
-    if inplace and not with_mask:
+    if inplace and not with_mask and in_place:
         v = x.div_(s) if exact else x.mul_(s.reciprocal())
     else:
         v = x / s if exact else x * s.reciprocal()
-    v = round_float(v, rounding, inplace=True, exact=exact)
+    v = round_float(v, rounding, inplace=in_place, exact=exact)
     if not with_mask:
-        return v.clamp_(qmin, qmax).mul_(s), None
+        return (v.clamp_(qmin, qmax).mul_(s) if in_place else v.clamp(qmin, qmax) * s), None
     clamped = v.clamp(qmin, qmax)
     mask = clamped == v
-    return clamped.mul_(s), mask
+    return (clamped.mul_(s) if in_place else clamped * s), mask
 
 
 def constrain_scale(scale: Tensor, constraint: ScaleConstraint) -> Tensor:
