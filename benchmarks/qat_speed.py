@@ -100,7 +100,7 @@ def measure(
     for name, step in steps.items():
         for _ in range(warmup):
             step()
-        if hasattr(step, "model"):
+        if warmup and hasattr(step, "model"):  # the warm-up's last step left its gradients
             require_gradients(name, step.model)
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(iters):
