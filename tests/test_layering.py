@@ -20,7 +20,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "fxq.march",
         "fxq.utils.warning_summary",
         "fxq.utils.grad_mask",
-    ),  # the last two import no fxq
+        "fxq.quantized._triton_launch",
+    ),  # the last three import no fxq
     ("fxq.primitives.core", "fxq.primitives.schema", "fxq.primitives.arith"),  # no torch
     (  # pure integer math, no nn.Module
         "fxq.quantized.functional",

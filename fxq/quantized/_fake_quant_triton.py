@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fxq.quantized._triton_launch import Launcher
+
 __all__ = ["observe_fake_quantize"]
 
 _BLOCK = 1024
@@ -183,7 +185,9 @@ def _scratch(x: Tensor) -> Tensor:
     """The per-device scratch of the per-tensor reduction: ``[inf, -inf, 0, 0]`` between calls
     (the kernel's last program resets it), so no kernel fills it per call. One per device and
     stream: kernels on one stream run one after another."""
-    key = (x.device, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
+    device = x.device
+    # the raw stream: ``torch.cuda.current_stream`` makes a Stream object per call
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if x.is_cuda else 0)
     cache = _SCRATCH.get(key)
     if cache is None:
         cache = torch.tensor([float("inf"), float("-inf"), 0.0, 0.0], device=x.device)
@@ -215,20 +219,24 @@ def observe_fake_quantize(
     mask = torch.empty_like(x, dtype=torch.bool)
     if ch_axis is not None:  # axis 0, contiguous: one program per channel does it all
         channels = x.shape[0]
-        _rows_kernel[(channels,)](
-            x, min_val, max_val, scale, non_finite, out, mask, n // channels, c, float(levels),
-            _EPS, float(qmin), float(qmax), MODE=mode, BLOCK=_BLOCK, **_OPTIONS,
+        _launch_rows(
+            (channels,), x, min_val, max_val, scale, non_finite, out, mask, n // channels, c,
+            float(levels), _EPS, float(qmin), float(qmax), mode, _BLOCK,
         )  # fmt: skip
         return out, mask
     scratch = _scratch(x)
-    grid = (min(triton.cdiv(n, _BLOCK), _MAX_PROGRAMS),)
     has_fallback = fallback is not None
-    _observe_kernel[grid](
-        x, scratch, min_val, max_val, scale, non_finite,
-        fallback if has_fallback else scale, n, c, float(levels), _EPS,
-        MODE=mode, HAS_FALLBACK=has_fallback, BLOCK=_BLOCK, **_OPTIONS,
+    _launch_observe(
+        (min(triton.cdiv(n, _BLOCK), _MAX_PROGRAMS),), x, scratch, min_val, max_val, scale,
+        non_finite, fallback if has_fallback else scale, n, c, float(levels), _EPS, mode,
+        has_fallback, _BLOCK,
     )  # fmt: skip
-    _fake_quant_kernel[(triton.cdiv(n, _BLOCK),)](
-        x, scale, out, mask, n, float(qmin), float(qmax), BLOCK=_BLOCK, **_OPTIONS
+    _launch_fake_quant(
+        (triton.cdiv(n, _BLOCK),), x, scale, out, mask, n, float(qmin), float(qmax), _BLOCK
     )
     return out, mask
+
+
+_launch_rows = Launcher(_rows_kernel, **_OPTIONS)
+_launch_observe = Launcher(_observe_kernel, **_OPTIONS)
+_launch_fake_quant = Launcher(_fake_quant_kernel, **_OPTIONS)

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fxq.quantized._triton_launch import Launcher
+
 __all__ = ["im2col"]
 
 #: the most output positions one program of the row kernel copies
@@ -138,15 +140,19 @@ def im2col(
     if method == "rows":
         block = min(_MAX_BLOCK, triton.next_power_of_2(length))
         grid = (n * k_size, triton.cdiv(length, block))
-        _rows_kernel[grid](x, cols, k_size, length, height, width, out[1], *geometry, BLOCK=block)
+        _launch_rows(grid, x, cols, k_size, length, height, width, out[1], *geometry, block)
         return cols
     if method != "tiles":
         raise ValueError(f"im2col method {method!r}: one of {METHODS}")
     rows = n * k_size
     block_r, block_oh, block_ow = _tile(*out)
     grid = (triton.cdiv(rows, block_r) * triton.cdiv(out[0], block_oh),)
-    _tiles_kernel[grid](
-        x, cols, rows, k_size, height, width, out[0], out[1], *geometry,
-        BLOCK_R=block_r, BLOCK_OH=block_oh, BLOCK_OW=block_ow,
+    _launch_tiles(
+        grid, x, cols, rows, k_size, height, width, out[0], out[1], *geometry, block_r,
+        block_oh, block_ow,
     )  # fmt: skip
     return cols
+
+
+_launch_rows = Launcher(_rows_kernel)
+_launch_tiles = Launcher(_tiles_kernel)

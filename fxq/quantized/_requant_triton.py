@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from fxq.quantized._triton_launch import Launcher
+
 __all__ = ["requantize", "requantize_add"]
 
 _BLOCK = 1024
@@ -80,23 +82,14 @@ def _launch(acc, residual, r, rr, out, blocks, lo, hi, half_even) -> None:
     if n == 0:
         return
     _, channels, inner = blocks
-    _requantize_kernel[(triton.cdiv(n, _BLOCK),)](
-        acc,
-        acc if residual is None else residual,
-        r,
-        r if rr is None else rr,
-        out,
-        n,
-        channels,
-        inner,
-        float(lo),
-        float(hi),
-        PER_CHANNEL=r.numel() > 1,
-        HAS_RESIDUAL=residual is not None,
-        HALF_EVEN=bool(half_even),
-        BLOCK=_BLOCK,
-        **_OPTIONS,
-    )
+    _launch_requantize(
+        (triton.cdiv(n, _BLOCK),), acc, acc if residual is None else residual, r,
+        r if rr is None else rr, out, n, channels, inner, float(lo), float(hi), r.numel() > 1,
+        residual is not None, bool(half_even), _BLOCK,
+    )  # fmt: skip
+
+
+_launch_requantize = Launcher(_requantize_kernel, **_OPTIONS)
 
 
 def requantize(
