@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fxq.quantized._triton_launch import Launcher
+from fxq.quantized._triton_launch import Launcher, cdiv
 
 __all__ = ["observe_fake_quantize"]
 
@@ -227,13 +227,11 @@ def observe_fake_quantize(
     scratch = _scratch(x)
     has_fallback = fallback is not None
     _launch_observe(
-        (min(triton.cdiv(n, _BLOCK), _MAX_PROGRAMS),), x, scratch, min_val, max_val, scale,
+        (min(cdiv(n, _BLOCK), _MAX_PROGRAMS),), x, scratch, min_val, max_val, scale,
         non_finite, fallback if has_fallback else scale, n, c, float(levels), _EPS, mode,
         has_fallback, _BLOCK,
     )  # fmt: skip
-    _launch_fake_quant(
-        (triton.cdiv(n, _BLOCK),), x, scale, out, mask, n, float(qmin), float(qmax), _BLOCK
-    )
+    _launch_fake_quant((cdiv(n, _BLOCK),), x, scale, out, mask, n, float(qmin), float(qmax), _BLOCK)
     return out, mask
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fxq.quantized._triton_launch import Launcher
+from fxq.quantized._triton_launch import Launcher, cdiv, next_power_of_2
 
 __all__ = ["im2col"]
 
@@ -99,8 +99,8 @@ def _tile(out_height: int, out_width: int) -> tuple[int, int, int]:
     """``(BLOCK_R, BLOCK_OH, BLOCK_OW)`` of the tile kernel: whole output rows (a power of two
     at least ``out_width``), as many of them as make at most ``_TILE_POSITIONS`` positions,
     and as many column rows as make ``_TILE`` elements."""
-    block_ow = triton.next_power_of_2(out_width)
-    block_oh = min(triton.next_power_of_2(out_height), max(1, _TILE_POSITIONS // block_ow))
+    block_ow = next_power_of_2(out_width)
+    block_oh = min(next_power_of_2(out_height), max(1, _TILE_POSITIONS // block_ow))
     return max(1, _TILE // (block_oh * block_ow)), block_oh, block_ow
 
 
@@ -138,15 +138,15 @@ def im2col(
         pad_before[0], pad_before[1],
     )  # fmt: skip
     if method == "rows":
-        block = min(_MAX_BLOCK, triton.next_power_of_2(length))
-        grid = (n * k_size, triton.cdiv(length, block))
+        block = min(_MAX_BLOCK, next_power_of_2(length))
+        grid = (n * k_size, cdiv(length, block))
         _launch_rows(grid, x, cols, k_size, length, height, width, out[1], *geometry, block)
         return cols
     if method != "tiles":
         raise ValueError(f"im2col method {method!r}: one of {METHODS}")
     rows = n * k_size
     block_r, block_oh, block_ow = _tile(*out)
-    grid = (triton.cdiv(rows, block_r) * triton.cdiv(out[0], block_oh),)
+    grid = (cdiv(rows, block_r) * cdiv(out[0], block_oh),)
     _launch_tiles(
         grid, x, cols, rows, k_size, height, width, out[0], out[1], *geometry, block_r,
         block_oh, block_ow,

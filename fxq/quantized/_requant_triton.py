@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fxq.quantized._triton_launch import Launcher
+from fxq.quantized._triton_launch import Launcher, cdiv
 
 __all__ = ["requantize", "requantize_add"]
 
@@ -83,7 +83,7 @@ def _launch(acc, residual, r, rr, out, blocks, lo, hi, half_even) -> None:
         return
     _, channels, inner = blocks
     _launch_requantize(
-        (triton.cdiv(n, _BLOCK),), acc, acc if residual is None else residual, r,
+        (cdiv(n, _BLOCK),), acc, acc if residual is None else residual, r,
         r if rr is None else rr, out, n, channels, inner, float(lo), float(hi), r.numel() > 1,
         residual is not None, bool(half_even), _BLOCK,
     )  # fmt: skip

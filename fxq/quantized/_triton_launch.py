@@ -30,11 +30,23 @@ import torch
 import triton
 from torch import Tensor
 
-__all__ = ["Launcher"]
+__all__ = ["Launcher", "cdiv", "next_power_of_2"]
 
 #: the current CUDA stream of a device as an address, as Triton and inductor read it (a
 #: ``torch.cuda.Stream`` object per call costs more)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for grids: ``triton.cdiv`` is a ``ConstexprFunction`` in Triton 3.8,
+    whose call from Python costs microseconds."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two at least ``n`` (1 for ``n <= 1``), as
+    ``triton.next_power_of_2`` for positive ``n``, without its call's cost."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 #: Triton's runtime settings (``triton.knobs.runtime``; None in a Triton without them)
@@ -76,28 +88,53 @@ class Launcher:
             tuple(bool(p.is_constexpr) for p in params) if params is not None else None
         )
         self.compiled: dict[tuple, Any] = {}
+        #: per tuple of argument types: where ``key`` finds what it keys by (``_plan``)
+        self.plans: dict[tuple[type, ...], tuple] = {}
 
     def key(self, device: int, args: tuple) -> tuple | None:
         """The specialisation of ``args`` (None: not one that is kept)."""
-        constexpr = self.constexpr
-        if constexpr is None or len(constexpr) != len(args):
+        kinds = tuple(map(type, args))
+        plan = self.plans.get(kinds)
+        if plan is None:
+            plan = self.plans[kinds] = self._plan(kinds)
+        if not plan:
             return None
-        parts: list[Any] = [device]
-        for is_constexpr, arg in zip(constexpr, args):
-            if is_constexpr:
-                parts.append(arg)
-            elif isinstance(arg, Tensor):  # parameters too
-                parts.append((arg.dtype, arg.data_ptr() & 15 == 0))
-            elif type(arg) is int:
-                parts.append((arg & 15 == 0, arg == 1, -(2**31) <= arg < 2**31))
-            elif type(arg) is float:
-                parts.append(float)
-            else:  # bool, None, anything else: by value
-                parts.append((type(arg), arg))
+        tensors, ints, by_value = plan
+        parts: list[Any] = [device, kinds]
+        addresses = 0
+        for i in tensors:
+            tensor = args[i]
+            addresses |= tensor.data_ptr()
+            parts.append(tensor.dtype)
+        if addresses & 15:  # some tensor is not aligned to 16 bytes: which
+            parts.append(tuple(args[i].data_ptr() & 15 == 0 for i in tensors))
+        for i in ints:
+            v = args[i]
+            parts.append((v & 15 == 0) + 2 * (v == 1) + 4 * (-(2**31) <= v < 2**31))
+        for i in by_value:
+            parts.append(args[i])
         return tuple(parts)
 
+    def _plan(self, kinds: tuple[type, ...]) -> tuple[tuple[int, ...], ...] | tuple[()]:
+        """Where ``key`` finds the tensors, the integers and the arguments it keys by value
+        (constexprs, bools, None) in arguments of these types; ``()``: not kept."""
+        constexpr = self.constexpr
+        if constexpr is None or len(constexpr) != len(kinds):
+            return ()
+        tensors, ints, by_value = [], [], []
+        for i, (is_constexpr, kind) in enumerate(zip(constexpr, kinds)):
+            if is_constexpr:
+                by_value.append(i)
+            elif issubclass(kind, Tensor):  # parameters too
+                tensors.append(i)
+            elif kind is int:
+                ints.append(i)
+            elif kind is not float:  # a float is a float32 argument, whatever its value
+                by_value.append(i)
+        return tuple(tensors), tuple(ints), tuple(by_value)
+
     def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
-        device = next(a for a in args if isinstance(a, Tensor)).device
+        device = args[0].device  # fxq's kernels take a tensor first
         if device.type != "cuda":  # Triton's interpreter (``TRITON_INTERPRET=1``)
             self.kernel[grid](*args, **self.options)
             return
