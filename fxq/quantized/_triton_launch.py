@@ -74,7 +74,8 @@ def _launch_hooks_set() -> bool:
 class Launcher:
     """``kernel[grid](*args, **options)`` with the host work of a repeated launch cut to a key
     and the compiled launcher's call. ``args``: every parameter of the kernel in order,
-    ``tl.constexpr`` ones included, positionally.
+    ``tl.constexpr`` ones included, positionally; the first a tensor (its device is the
+    launch's).
 
     The launch is on the current CUDA stream, as Triton's.
     """
