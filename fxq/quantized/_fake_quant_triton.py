@@ -221,17 +221,19 @@ def observe_fake_quantize(
         channels = x.shape[0]
         _launch_rows(
             (channels,), x, min_val, max_val, scale, non_finite, out, mask, n // channels, c,
-            float(levels), _EPS, float(qmin), float(qmax), mode, _BLOCK,
+            float(levels), _EPS, float(qmin), float(qmax), MODE=mode, BLOCK=_BLOCK,
         )  # fmt: skip
         return out, mask
     scratch = _scratch(x)
     has_fallback = fallback is not None
     _launch_observe(
         (min(cdiv(n, _BLOCK), _MAX_PROGRAMS),), x, scratch, min_val, max_val, scale,
-        non_finite, fallback if has_fallback else scale, n, c, float(levels), _EPS, mode,
-        has_fallback, _BLOCK,
+        non_finite, fallback if has_fallback else scale, n, c, float(levels), _EPS,
+        MODE=mode, HAS_FALLBACK=has_fallback, BLOCK=_BLOCK,
     )  # fmt: skip
-    _launch_fake_quant((cdiv(n, _BLOCK),), x, scale, out, mask, n, float(qmin), float(qmax), _BLOCK)
+    _launch_fake_quant(
+        (cdiv(n, _BLOCK),), x, scale, out, mask, n, float(qmin), float(qmax), BLOCK=_BLOCK
+    )
     return out, mask
 
 

@@ -140,7 +140,7 @@ def im2col(
     if method == "rows":
         block = min(_MAX_BLOCK, next_power_of_2(length))
         grid = (n * k_size, cdiv(length, block))
-        _launch_rows(grid, x, cols, k_size, length, height, width, out[1], *geometry, block)
+        _launch_rows(grid, x, cols, k_size, length, height, width, out[1], *geometry, BLOCK=block)
         return cols
     if method != "tiles":
         raise ValueError(f"im2col method {method!r}: one of {METHODS}")
@@ -148,8 +148,8 @@ def im2col(
     block_r, block_oh, block_ow = _tile(*out)
     grid = (cdiv(rows, block_r) * cdiv(out[0], block_oh),)
     _launch_tiles(
-        grid, x, cols, rows, k_size, height, width, out[0], out[1], *geometry, block_r,
-        block_oh, block_ow,
+        grid, x, cols, rows, k_size, height, width, out[0], out[1], *geometry,
+        BLOCK_R=block_r, BLOCK_OH=block_oh, BLOCK_OW=block_ow,
     )  # fmt: skip
     return cols
 

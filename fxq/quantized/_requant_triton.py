@@ -84,8 +84,9 @@ def _launch(acc, residual, r, rr, out, blocks, lo, hi, half_even) -> None:
     _, channels, inner = blocks
     _launch_requantize(
         (cdiv(n, _BLOCK),), acc, acc if residual is None else residual, r,
-        r if rr is None else rr, out, n, channels, inner, float(lo), float(hi), r.numel() > 1,
-        residual is not None, bool(half_even), _BLOCK,
+        r if rr is None else rr, out, n, channels, inner, float(lo), float(hi),
+        PER_CHANNEL=r.numel() > 1, HAS_RESIDUAL=residual is not None, HALF_EVEN=bool(half_even),
+        BLOCK=_BLOCK,
     )  # fmt: skip
 
 

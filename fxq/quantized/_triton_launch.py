@@ -74,8 +74,8 @@ def _launch_hooks_set() -> bool:
 class Launcher:
     """``kernel[grid](*args, **options)`` with the host work of a repeated launch cut to a key
     and the compiled launcher's call. ``args``: every parameter of the kernel in order,
-    ``tl.constexpr`` ones included, positionally; the first a tensor (its device is the
-    launch's).
+    ``tl.constexpr`` ones included, the first a tensor (its device is the launch's); the
+    last ones may be given by name (all of those after the positional ones).
 
     The launch is on the current CUDA stream, as Triton's.
     """
@@ -134,7 +134,9 @@ class Launcher:
                 by_value.append(i)
         return tuple(tensors), tuple(ints), tuple(by_value)
 
-    def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
+    def __call__(self, grid: tuple[int, ...], *args: Any, **named: Any) -> None:
+        if named:  # the last parameters by name (the constexprs, for the reader)
+            args = self._positional(args, named)
         device = args[0].device  # fxq's kernels take a tensor first
         if device.type != "cuda":  # Triton's interpreter (``TRITON_INTERPRET=1``)
             self.kernel[grid](*args, **self.options)
@@ -144,6 +146,15 @@ class Launcher:
                 self(grid, *args)
             return
         self.launch(device.index, grid, args)
+
+    def _positional(self, args: tuple, named: dict[str, Any]) -> tuple:
+        names = tuple(getattr(self.kernel, "arg_names", ()))[len(args) :]
+        if set(names) != set(named):
+            raise TypeError(
+                f"{getattr(self.kernel, '__name__', self.kernel)}: after {len(args)} positional "
+                f"arguments the kernel takes {list(names)} by name, not {list(named)}"
+            )
+        return args + tuple(named[name] for name in names)
 
     def launch(self, device: int, grid: tuple[int, ...], args: tuple) -> None:
         """Launch on CUDA device ``device``, the current one."""

@@ -157,6 +157,9 @@ class Counted:
         launched.append(self.kernel.fn.__name__)
         return self.kernel[grid]
 
+    def __getattr__(self, name):  # the parameters' names, for the launcher
+        return getattr(self.kernel, name)
+
 
 for launcher in (kernels._launch_observe, kernels._launch_rows, kernels._launch_fake_quant):
     launcher.kernel = Counted(launcher.kernel)

@@ -38,6 +38,7 @@ class _Kernel:
 
     def __init__(self, constexpr):
         self.params = [types.SimpleNamespace(is_constexpr=c) for c in constexpr]
+        self.arg_names = [f"ARG{i}" if c else f"arg{i}" for i, c in enumerate(constexpr)]
         self.through_triton = []
         self.compiled = []
 
@@ -138,6 +139,15 @@ def test_a_kernel_without_parameters_or_launcher_is_always_launched_by_triton(mo
     for _ in range(2):
         launcher.launch(0, (1,), (x,))
     assert len(kernel.through_triton) == 2 and not launcher.compiled
+
+
+def test_the_last_arguments_may_be_named_and_are_passed_in_the_kernels_order():
+    kernel = _Kernel([False, False, True, True])
+    x = torch.zeros(16)  # on the CPU: launched by Triton (its interpreter)
+    Launcher(kernel, enable_fp_fusion=False)((2,), x, 16, ARG3=8, ARG2=4)
+    assert kernel.through_triton == [((2,), (x, 16, 4, 8), {"enable_fp_fusion": False})]
+    with pytest.raises(TypeError, match=r"takes \['ARG2', 'ARG3'\] by name, not \['ARG3'\]"):
+        Launcher(kernel)((2,), x, 16, ARG3=8)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
