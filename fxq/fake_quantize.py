@@ -503,23 +503,28 @@ class FakeQuantize(nn.Module):
     zero_range_inputs: tuple[FakeQuantize | None, ...] = ()
 
     def _zero_range_scale(self) -> Tensor | None:
-        """The scale for an all-zero value: the largest input scale (None without inputs)."""
-        if self.scale.numel() != 1:
+        """The scale for an all-zero value: the largest input scale, one element (None
+        without inputs). Runs at every QAT step: an op per extra input, none to reshape or
+        move a scale that is already one element on this device."""
+        scale = self.scale
+        if scale.numel() != 1:
             return None
-        scales = [
-            # 0 until observed (no product once ``observed`` is known to be True)
-            (fq.scale.reshape(()) if fq._observed_set else fq.scale.reshape(()) * fq.observed).to(
-                self.scale.device
-            )
-            for fq in self.zero_range_inputs
-            if fq is not None
-            and fq is not self
-            and not fq.is_high_precision
-            and fq.scale.numel() == 1
-        ]
+        device = scale.device
+        scales = []
+        for fq in self.zero_range_inputs:
+            if fq is None or fq is self or fq.is_high_precision:
+                continue
+            other = fq.scale
+            if other.numel() != 1:
+                continue
+            if not fq._observed_set:  # 0 until observed
+                other = other * fq.observed
+            if other.device != device:
+                other = other.to(device)
+            scales.append(other)
         if not scales:
             return None
-        return functools.reduce(torch.maximum, scales)  # one op per extra input
+        return functools.reduce(torch.maximum, scales)
 
     def warn_if_scale_at_floor(self) -> bool:
         """Warn (once per fake quant) when the scale sits at the ``2**-23`` floor

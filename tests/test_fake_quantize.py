@@ -511,3 +511,27 @@ def test_a_qat_step_without_the_weights_masks_has_the_same_gradients(bayes):
             m(x).square().sum().backward()
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             assert torch.equal(p.grad, q.grad), (step, name)
+
+
+def test_the_scale_for_an_all_zero_value_costs_an_op_per_extra_input(bayes):
+    """A fake quant with ``zero_range_inputs`` computes their largest scale at every QAT
+    step: one ``maximum`` per input after the first, no op to reshape or move a scale that
+    is one element on the same device; an input not yet observed counts as 0."""
+    from tests.helpers import RecordedOps
+
+    q = default_qat_8bit_fake_quant_qconfig
+    a, b, unseen, out = (q.activation() for _ in range(4))
+    for fq, gain in ((a, 1.0), (b, 5.0)):
+        fq.set_fake_quant_state("qat")
+        fq(torch.randn(4, 8) * gain)
+    out.zero_range_inputs = (a, None, b, out)
+    with RecordedOps() as ops:
+        fallback = out._zero_range_scale()
+    assert ops.names == ["maximum"]
+    assert fallback.shape == (1,) and torch.equal(fallback, torch.maximum(a.scale, b.scale))
+    out.zero_range_inputs = (a,)
+    with RecordedOps() as ops:
+        assert out._zero_range_scale() is a.scale
+    assert ops.names == []
+    out.zero_range_inputs = (unseen, a)
+    assert torch.equal(out._zero_range_scale(), a.scale)  # the unseen one's scale times 0

@@ -90,7 +90,9 @@ def scale_from_amax(
     last = out if fallback is None else None
     scale = torch.div(amax, divisor, out=last).clamp_(min=EPS)
     if fallback is not None:
-        fallback = torch.maximum(scale, fallback.to(scale.dtype))
+        if fallback.dtype != scale.dtype:
+            fallback = fallback.to(scale.dtype)
+        fallback = torch.maximum(scale, fallback)
         scale = torch.where(amax > 0, scale, fallback, out=out)
     return scale
 
@@ -245,7 +247,7 @@ def observe_fake_quantize(
             (where that ``max(-min, max)`` is not positive and ``fallback`` is given: at least
             ``fallback``).
         non_finite: 0-dim float32 flag, NaN once a NaN or Inf was observed.
-        fallback: 0-dim float32 scale for an all-zero value, or None.
+        fallback: one-element float32 scale for an all-zero value, or None.
         averaging_constant: ``c`` of ``Statistics.MOVING``.
         mode: how the statistics are updated.
         levels: ``qmax + offset`` of the fake quant (the grid step is ``amax / levels``).
