@@ -248,12 +248,15 @@ class WeightedQAT(QATModule):
             # weight of 0 does at deployment.
             factor = self.bn_factor().detach()
             inverse = factor.reciprocal()  # ``1.0 / factor`` would add a product by 1
-            invertible = (inverse - inverse) == 0  # isfinite, in two kernels instead of four
-            factor = torch.where(invertible, factor, 1.0)
+            # not isfinite, in two kernels instead of four; ``masked_fill`` with a number
+            # makes no scalar tensor per call, as ``where`` does
+            singular = (inverse - inverse) != 0
+            factor = factor.masked_fill(singular, 1.0)
+            inverse = inverse.masked_fill(singular, 1.0)
             w_q = self.weight_from_out_major(self.weight_fake_quant(self._fold_weight(factor)))
             y = self.float_op_forward(x, w_q, None)
             shape = self._channel_shape(y.dim())
-            y = y * torch.where(invertible, inverse, 1.0).reshape(shape)
+            y = y * inverse.reshape(shape)
             if self.bias is not None:
                 y = y + self.bias.reshape(shape)
             y = self.bn(y)
