@@ -88,6 +88,8 @@ class Launcher:
         self.constexpr: tuple[bool, ...] | None = (
             tuple(bool(p.is_constexpr) for p in params) if params is not None else None
         )
+        #: the parameters' names (for those given by name)
+        self.names: tuple[str, ...] = tuple(getattr(kernel, "arg_names", ()))
         self.compiled: dict[tuple, Any] = {}
         #: per tuple of argument types: where ``key`` finds what it keys by (``_plan``)
         self.plans: dict[tuple[type, ...], tuple] = {}
@@ -148,13 +150,16 @@ class Launcher:
         self.launch(device.index, grid, args)
 
     def _positional(self, args: tuple, named: dict[str, Any]) -> tuple:
-        names = tuple(getattr(self.kernel, "arg_names", ()))[len(args) :]
-        if set(names) != set(named):
-            raise TypeError(
-                f"{getattr(self.kernel, '__name__', self.kernel)}: after {len(args)} positional "
-                f"arguments the kernel takes {list(names)} by name, not {list(named)}"
-            )
-        return args + tuple(named[name] for name in names)
+        names = self.names[len(args) :]
+        try:
+            if len(named) == len(names):
+                return args + tuple([named[name] for name in names])
+        except KeyError:
+            pass
+        raise TypeError(
+            f"{getattr(self.kernel, '__name__', self.kernel)}: after {len(args)} positional "
+            f"arguments the kernel takes {list(names)} by name, not {list(named)}"
+        )
 
     def launch(self, device: int, grid: tuple[int, ...], args: tuple) -> None:
         """Launch on CUDA device ``device``, the current one."""
