@@ -758,12 +758,14 @@ class FakeQuantize(nn.Module):
             )
             self.__dict__["_fused_cache"] = cached
         statistics = cached[4]
+        if statistics is None:
+            return None
+        min_val, scale, ch_axis = obs.min_val, self.scale, self.ch_axis
         if (
-            statistics is None
-            or obs.min_val.shape != self.scale.shape
-            or obs.min_val.device != x.device
-            or self.scale.numel() != (1 if self.ch_axis is None else x.shape[self.ch_axis])
-            or not fake_quant_ops.kernels_take(x, self.ch_axis)
+            min_val.shape != scale.shape
+            or min_val.device != x.device
+            or scale.numel() != (1 if ch_axis is None else x.shape[ch_axis])
+            or not fake_quant_ops.kernels_take(x, ch_axis)
         ):
             return None
         return statistics
@@ -805,6 +807,7 @@ class FakeQuantize(nn.Module):
             self.dtype.qmax + self.offset,
             self.ch_axis,
             clip_gradient=self.__dict__["_fused_cache"][5],  # set by ``_fused_statistics``
+            kernels_take_x=True,  # as ``_fused_statistics`` found
         )
         obs.count_deferred_check()
         self._mark_observed()

@@ -229,8 +229,9 @@ class ObserverBase(nn.Module):
     def count_deferred_check(self) -> None:
         """Count an update whose NaN / Inf check was deferred; every
         ``NON_FINITE_CHECK_EVERY`` of them, check (one host sync)."""
-        self._unchecked = getattr(self, "_unchecked", 0) + 1
-        if self._unchecked >= NON_FINITE_CHECK_EVERY:
+        # through ``__dict__``: ``nn.Module.__setattr__`` costs more than the count, per step
+        unchecked = self.__dict__["_unchecked"] = self.__dict__.get("_unchecked", 0) + 1
+        if unchecked >= NON_FINITE_CHECK_EVERY:
             self.check_non_finite()
 
     def check_non_finite(self) -> None:

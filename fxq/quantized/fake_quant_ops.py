@@ -208,8 +208,8 @@ class _ObserveFakeQuantizeSTE(torch.autograd.Function):
     in place cannot carry its own autograd formula in ``torch.library``)."""
 
     @staticmethod
-    def forward(ctx, clip, x, *args):  # type: ignore[override]
-        out, mask = _call(x, *args)
+    def forward(ctx, clip, run, x, *args):  # type: ignore[override]
+        out, mask = run(x, *args)
         if clip:
             ctx.save_for_backward(mask)
         ctx.mark_non_differentiable(mask)
@@ -218,9 +218,9 @@ class _ObserveFakeQuantizeSTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         if not ctx.saved_tensors:  # nothing was clipped (``clip_gradient=False``)
-            return (None, grad) + (None,) * 11
+            return (None, None, grad) + (None,) * 11
         (mask,) = ctx.saved_tensors
-        return (None, pass_gradient(grad, mask)) + (None,) * 11
+        return (None, None, pass_gradient(grad, mask)) + (None,) * 11
 
 
 def observe_fake_quantize(
@@ -237,6 +237,7 @@ def observe_fake_quantize(
     qmax: int,
     ch_axis: int | None,
     clip_gradient: bool = True,
+    kernels_take_x: bool = False,
 ) -> Tensor:
     """Observe ``x``, update the statistics and the scale in place, and fake-quantize ``x``.
 
@@ -256,6 +257,9 @@ def observe_fake_quantize(
         clip_gradient: False where the caller knows that no value is clamped
             (``FakeQuantize._clips_gradient``): the gradient then passes everywhere and
             the mask is not kept.
+        kernels_take_x: True where the caller checked that the Triton kernels run for ``x``
+            and take its layout (``triton_usable``, ``kernels_take``; ``FakeQuantize`` does,
+            at every QAT step): they are then not checked again.
 
     Returns:
         ``clamp(floor(x * (1 / scale) + 1/2), qmin, qmax) * scale``, differentiable in ``x``
@@ -265,9 +269,10 @@ def observe_fake_quantize(
         x, min_val, max_val, scale, non_finite, fallback, float(averaging_constant), int(mode),
         int(levels), int(qmin), int(qmax), ch_axis,
     )  # fmt: skip
+    run = _call_kernels if kernels_take_x else _call
     if torch.is_grad_enabled() and x.requires_grad:
-        return _ObserveFakeQuantizeSTE.apply(clip_gradient, *args)
-    return _call(*args)[0]
+        return _ObserveFakeQuantizeSTE.apply(clip_gradient, run, *args)
+    return run(*args)[0]
 
 
 def _call(*args):
@@ -278,3 +283,10 @@ def _call(*args):
     if torch.compiler.is_compiling():
         return _observe_fake_quantize_op(*args)
     return _observe_fake_quantize_impl(*args)
+
+
+def _call_kernels(*args):
+    """``_call`` where the caller checked that the Triton kernels take the input."""
+    if torch.compiler.is_compiling():
+        return _observe_fake_quantize_op(*args)
+    return _triton().observe_fake_quantize(*args)

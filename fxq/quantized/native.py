@@ -403,7 +403,7 @@ def triton_runs_on(x: Tensor) -> bool:
     (``triton_switched_off``). Whether Triton imports is the caller's to ask."""
     if triton_switched_off():
         return False
-    return x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _cuda_kernels():
