@@ -258,17 +258,46 @@ def test_compiled_fake_quants_return_results_not_written_in_place(exact, clip):
     assert _functions_returning_in_place(step, torch.randn(64, requires_grad=True)) == []
 
 
+class _StandaloneBatchNorm(torch.nn.Module):
+    """A BatchNorm after a ReLU: not folded into the convolution, fxq.qat's own BatchNorm
+    (its factor, with a gradient, is fake-quantized as a weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.fc = torch.nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(self.bn(torch.relu(self.conv(x))).mean((2, 3)))
+
+
+def _prepared_standalone_batchnorm():
+    fxq.set_march("bayes")
+    torch.manual_seed(0)
+    model = fxq.prepare_qat_fx(
+        _StandaloneBatchNorm(), {"": default_qat_8bit_fake_quant_qconfig}
+    ).train()
+    assert type(model.bn).__module__ == "fxq.qat.batchnorm"
+    fxq.set_fake_quantize(model, fxq.FakeQuantState.CALIBRATION)
+    model(torch.randn(8, 3, 12, 12))
+    fxq.set_fake_quantize(model, fxq.FakeQuantState.QAT)
+    return model
+
+
+@pytest.mark.parametrize("prepare", [_prepared, _prepared_standalone_batchnorm])
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager_decomp_partition"])
-def test_a_compiled_qat_step_gives_eager_gradients(backend):
+def test_a_compiled_qat_step_gives_eager_gradients(backend, prepare):
     """Inductor's partitioner may recompute in the backward pass what the forward computed
     from a buffer that the step then updates in place (torch 2.14, pytorch/pytorch#197039):
     the BN fold's factors, from ``running_var``, were recomputed after the BatchNorm's update
     and the stem's BatchNorm weight got a gradient 3.4 % off eager's under inductor (with
     inductor's decompositions and partitioner but no code generation, a version-counter
     error). Every gradient of a compiled step equals eager's but for float rounding
-    (measured: 4e-5 relative under inductor)."""
+    (measured: 4e-5 relative under inductor). fxq.qat's own BatchNorm computes its factor
+    from ``running_var`` too."""
     torch._dynamo.reset()
-    model = _prepared()
+    model = prepare()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(8, 3, 12, 12, generator=torch.Generator().manual_seed(0))

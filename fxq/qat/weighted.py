@@ -19,8 +19,6 @@ The math, per forward:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -31,56 +29,39 @@ from fxq.qat.base import QATModule, activate, quantize_bias
 from fxq.qconfig import QConfig
 from fxq.quantized.functional import swap_group_axes
 
-__all__ = ["WeightedQAT", "swap_group_axes", "batchnorm_factor"]
+__all__ = ["WeightedQAT", "swap_group_axes", "batchnorm_factor", "batchnorm_std"]
+
+
+def batchnorm_std(bn: nn.Module) -> Tensor:
+    """``sqrt(running_var + eps)`` per channel.
+
+    In a compiled graph it comes out of one opaque op, which the compiler's partitioner
+    saves for the backward pass rather than recomputes. Recomputed there from
+    ``running_var``, it would read the statistics the BatchNorm has updated in place by
+    then (torch 2.14, pytorch/pytorch#197039): the first layer's folded BatchNorm weight of a
+    small CNN got a gradient 3.4 % off eager's under inductor, and with inductor's
+    decompositions and partitioner alone a step raised a version-counter error.
+    """
+    if torch.compiler.is_compiling():
+        return _batchnorm_std_op(bn.running_var, float(bn.eps))
+    return torch.sqrt(bn.running_var + bn.eps)
+
+
+@torch.library.custom_op("fxq::batchnorm_std", mutates_args=())
+def _batchnorm_std_op(running_var: Tensor, eps: float) -> Tensor:
+    """``batchnorm_std`` as one node of a compiled graph."""
+    return torch.sqrt(running_var + eps)
+
+
+@_batchnorm_std_op.register_fake
+def _(running_var, eps):
+    return torch.empty_like(running_var)
 
 
 def batchnorm_factor(bn: nn.Module) -> Tensor:
     """``gamma / sqrt(running_var + eps)`` per channel (``1 / std`` without affine)."""
-    std = torch.sqrt(bn.running_var + bn.eps)
+    std = batchnorm_std(bn)
     return bn.weight / std if bn.weight is not None else 1.0 / std
-
-
-def _training_fold(running_var: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    """The constant fold factor while BatchNorm trains on batch statistics and its inverse:
-    ``batchnorm_factor`` and its reciprocal, both 1 in a channel whose factor cannot be
-    inverted (0, as timm's zero_init_last makes it, or too small)."""
-    std = torch.sqrt(running_var + eps)
-    factor = weight / std if weight is not None else 1.0 / std
-    inverse = factor.reciprocal()  # ``1.0 / factor`` would add a product by 1
-    # not isfinite, in two kernels instead of four; ``masked_fill`` with a number makes no
-    # scalar tensor per call, as ``where`` does
-    singular = (inverse - inverse) != 0
-    return factor.masked_fill(singular, 1.0), inverse.masked_fill(singular, 1.0)
-
-
-@torch.library.custom_op("fxq::training_fold", mutates_args=())
-def _training_fold_op(
-    running_var: Tensor,
-    weight: Optional[Tensor],  # noqa: UP045 (torch.library reads the annotation)
-    eps: float,
-) -> tuple[Tensor, Tensor]:
-    """``_training_fold`` as one opaque node of a compiled graph (see ``training_fold``)."""
-    return _training_fold(running_var, weight, eps)
-
-
-@_training_fold_op.register_fake
-def _(running_var, weight, eps):
-    return torch.empty_like(running_var), torch.empty_like(running_var)
-
-
-def training_fold(bn: nn.Module) -> tuple[Tensor, Tensor]:
-    """``(factor, inverse)`` of ``_training_fold`` for ``bn``, without gradient.
-
-    In a compiled graph they come out of one opaque op: the compiler saves them for the
-    backward pass. As separate ops, inductor's partitioner may recompute them in the
-    backward pass from ``running_var``, which the BatchNorm has updated in place by then
-    (torch 2.14; pytorch/pytorch#197039), and the backward sees other factors than the
-    forward: the first layer's BatchNorm weight got a gradient 3 % off eager's.
-    """
-    weight = None if bn.weight is None else bn.weight.detach()
-    if torch.compiler.is_compiling():
-        return _training_fold_op(bn.running_var, weight, float(bn.eps))
-    return _training_fold(bn.running_var, weight, bn.eps)
 
 
 class WeightedQAT(QATModule):
@@ -291,7 +272,13 @@ class WeightedQAT(QATModule):
             # invert folds with 1 instead: the BatchNorm still sees the conv's true output (its
             # statistics and gamma's gradient stay right) and outputs beta there, as the folded
             # weight of 0 does at deployment.
-            factor, inverse = training_fold(self.bn)
+            factor = self.bn_factor().detach()
+            inverse = factor.reciprocal()  # ``1.0 / factor`` would add a product by 1
+            # not isfinite, in two kernels instead of four; ``masked_fill`` with a number
+            # makes no scalar tensor per call, as ``where`` does
+            singular = (inverse - inverse) != 0
+            factor = factor.masked_fill(singular, 1.0)
+            inverse = inverse.masked_fill(singular, 1.0)
             w_q = self.weight_from_out_major(self.weight_fake_quant(self._fold_weight(factor)))
             y = self.float_op_forward(x, w_q, None)
             shape = self._channel_shape(y.dim())
