@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from fxq.quantized._triton_launch import Launcher, cdiv
+from fxq.quantized._triton_launch import Launcher, cdiv, raw_stream
 
 __all__ = ["observe_fake_quantize"]
 
@@ -186,11 +186,10 @@ def _scratch(x: Tensor) -> Tensor:
     (the kernel's last program resets it), so no kernel fills it per call. One per device and
     stream: kernels on one stream run one after another."""
     device = x.device
-    # the raw stream: ``torch.cuda.current_stream`` makes a Stream object per call
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if x.is_cuda else 0)
+    key = (device, raw_stream(device.index) if x.is_cuda else 0)
     cache = _SCRATCH.get(key)
     if cache is None:
-        cache = torch.tensor([float("inf"), float("-inf"), 0.0, 0.0], device=x.device)
+        cache = torch.tensor([float("inf"), float("-inf"), 0.0, 0.0], device=device)
         _SCRATCH[key] = cache
     return cache
 

@@ -30,11 +30,11 @@ import torch
 import triton
 from torch import Tensor
 
-__all__ = ["Launcher", "cdiv", "next_power_of_2"]
+__all__ = ["Launcher", "cdiv", "next_power_of_2", "raw_stream"]
 
 #: the current CUDA stream of a device as an address, as Triton and inductor read it (a
 #: ``torch.cuda.Stream`` object per call costs more)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -173,7 +173,7 @@ class Launcher:
         grid_y = grid[1] if len(grid) > 1 else 1
         grid_z = grid[2] if len(grid) > 2 else 1
         compiled.run(
-            grid[0], grid_y, grid_z, _raw_stream(device), compiled.function,
+            grid[0], grid_y, grid_z, raw_stream(device), compiled.function,
             compiled.packed_metadata, None, None, None, *args,
         )  # fmt: skip
 

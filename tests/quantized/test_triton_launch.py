@@ -80,7 +80,7 @@ def test_the_key_tells_apart_what_triton_specialises_on():
 
 
 def test_a_kept_kernel_is_launched_directly_on_the_current_stream(monkeypatch):
-    monkeypatch.setattr(_triton_launch, "_raw_stream", lambda device: 1000 + device)
+    monkeypatch.setattr(_triton_launch, "raw_stream", lambda device: 1000 + device)
     kernel = _Kernel([False, False, False, True])
     launcher = Launcher(kernel, enable_fp_fusion=False)
     x = torch.zeros(64)
@@ -105,7 +105,7 @@ def test_launches_go_through_triton_while_a_launch_hook_is_set(monkeypatch):
     chain = types.SimpleNamespace(calls=[])
     runtime = types.SimpleNamespace(launch_enter_hook=chain, launch_exit_hook=None)
     monkeypatch.setattr(_triton_launch, "_RUNTIME", runtime)
-    monkeypatch.setattr(_triton_launch, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(_triton_launch, "raw_stream", lambda device: 0)
     kernel = _Kernel([False])
     launcher = Launcher(kernel)
     x = torch.zeros(16)
@@ -119,7 +119,7 @@ def test_launches_go_through_triton_while_a_launch_hook_is_set(monkeypatch):
 
 
 def test_a_kernel_without_parameters_or_launcher_is_always_launched_by_triton(monkeypatch):
-    monkeypatch.setattr(_triton_launch, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(_triton_launch, "raw_stream", lambda device: 0)
     x = torch.zeros(16)
     kernel = _Kernel([False])
     del kernel.params
