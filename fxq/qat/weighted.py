@@ -44,13 +44,17 @@ def batchnorm_std(bn: nn.Module) -> Tensor:
     """
     if torch.compiler.is_compiling():
         return _batchnorm_std_op(bn.running_var, float(bn.eps))
-    return torch.sqrt(bn.running_var + bn.eps)
+    return _std(bn.running_var, bn.eps)
+
+
+def _std(running_var: Tensor, eps: float) -> Tensor:
+    return torch.sqrt(running_var + eps)
 
 
 @torch.library.custom_op("fxq::batchnorm_std", mutates_args=())
 def _batchnorm_std_op(running_var: Tensor, eps: float) -> Tensor:
     """``batchnorm_std`` as one node of a compiled graph."""
-    return torch.sqrt(running_var + eps)
+    return _std(running_var, eps)
 
 
 @_batchnorm_std_op.register_fake
