@@ -64,10 +64,10 @@ def test_no_graph_break(name, state):
         assert torch.equal(torch.compile(prepared)(x), expected)
 
 
-def _prepared():
+def _prepared(net: type[torch.nn.Module] = ResidualNet):
     fxq.set_march("bayes")
     torch.manual_seed(0)
-    model = fxq.prepare_qat_fx(ResidualNet(), {"": default_qat_8bit_fake_quant_qconfig})
+    model = fxq.prepare_qat_fx(net(), {"": default_qat_8bit_fake_quant_qconfig})
     fxq.set_fake_quantize(model, fxq.FakeQuantState.CALIBRATION)
     model(torch.randn(8, 3, 12, 12))
     fxq.set_fake_quantize(model, fxq.FakeQuantState.QAT)
@@ -273,15 +273,8 @@ class _StandaloneBatchNorm(torch.nn.Module):
 
 
 def _prepared_standalone_batchnorm():
-    fxq.set_march("bayes")
-    torch.manual_seed(0)
-    model = fxq.prepare_qat_fx(
-        _StandaloneBatchNorm(), {"": default_qat_8bit_fake_quant_qconfig}
-    ).train()
+    model = _prepared(_StandaloneBatchNorm)
     assert type(model.bn).__module__ == "fxq.qat.batchnorm"
-    fxq.set_fake_quantize(model, fxq.FakeQuantState.CALIBRATION)
-    model(torch.randn(8, 3, 12, 12))
-    fxq.set_fake_quantize(model, fxq.FakeQuantState.QAT)
     return model
 
 
