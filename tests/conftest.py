@@ -1,7 +1,19 @@
+import os
+
 import pytest
 import torch
 
 import fxq.march as march_module
+
+# pytest-xdist's workers share the machine's cores: each takes its share of torch's threads
+# (two workers with two threads each on two cores made every test slower than one worker).
+# The processes a test starts inherit the share, so that a float model computes the same
+# bits there as in the test (a convolution's sums are split by thread).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 
 @pytest.fixture(autouse=True)

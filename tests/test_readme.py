@@ -27,7 +27,7 @@ def test_ci_runs_the_readme_commands():
     setup, tests = out
     assert setup in readme and tests in readme
     assert "python3 -m venv .venv" in setup and "pip install -c constraints.txt" in setup
-    assert tests.endswith("python -m pytest -q")
+    assert tests.endswith("python -m pytest -q -n auto --maxprocesses=4")
 
 
 def test_constraints_pin_torch_and_torchvision():
