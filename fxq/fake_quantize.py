@@ -180,15 +180,38 @@ def quantize_in_place(fq: nn.Module, x: Tensor) -> bool:
     ``inplace``), without hooks (a hook may read the input after the call, as the debugging
     tools do), no module hook is registered globally, and nothing records ``x`` for
     autograd."""
+    return not x.requires_grad and _called_plainly(fq)
+
+
+def _called_plainly(fq: nn.Module) -> bool:
+    """Whether calling ``fq`` runs fxq's ``FakeQuantize.forward`` and nothing else: no
+    subclass's own ``forward``, no hook on it or registered globally."""
     return (
         isinstance(fq, FakeQuantize)
         and type(fq).forward is FakeQuantize.forward
-        and not x.requires_grad
         and not fq._forward_hooks
         and not fq._forward_pre_hooks
         and not nn.modules.module._global_forward_hooks
         and not nn.modules.module._global_forward_pre_hooks
     )
+
+
+def fold_qat_forward(fq: nn.Module, w: Tensor, bn: nn.Module) -> tuple[Tensor, Tensor] | None:
+    """QAT training's BatchNorm fold and the weight's fake quant ``fq`` in one Triton launch.
+
+    ``w``: the out-major weight; ``bn``: the BatchNorm folded into it (its factor a
+    constant, the BatchNorm training on batch statistics: ``WeightedQAT.forward``). Returns
+    the rounded folded weight and the inverse folding factor
+    (``fake_quant_ops.fold_observe_fake_quantize``), or None where the fused step does not
+    apply: ``fq`` not called plainly (``_called_plainly``: its hooks would not run), not in
+    QAT, not on the Triton path (``FakeQuantize._fused_statistics``: CUDA, float32, an
+    observer and a march the kernels cover, not compiling), not per output channel, or
+    BatchNorm statistics that are not float32 on ``w``'s device. The caller then folds with
+    torch ops and calls ``fq``: the same results, bit for bit.
+    """
+    if not _called_plainly(fq) or not w.numel():
+        return None
+    return fq._fold_qat_forward(w, bn)
 
 
 class FakeQuantizeFactory:
@@ -808,6 +831,44 @@ class FakeQuantize(nn.Module):
             self.ch_axis,
             clip_gradient=self.__dict__["_fused_cache"][5],  # set by ``_fused_statistics``
             kernels_take_x=True,  # as ``_fused_statistics`` found
+        )
+        obs.count_deferred_check()
+        self._mark_observed()
+        return out
+
+    def _fold_qat_forward(self, w: Tensor, bn: nn.Module) -> tuple[Tensor, Tensor] | None:
+        """``fold_qat_forward`` once the caller found this module called plainly."""
+        if (
+            self.state is not FakeQuantState.QAT
+            or self.ch_axis != 0
+            or self.bypassed
+            or self.is_high_precision
+        ):
+            return None
+        statistics = self._fused_statistics(w)
+        if statistics is None:
+            return None
+        running_var, gamma = bn.running_var, bn.weight
+        if running_var.dtype is not torch.float32 or running_var.device != w.device:
+            return None
+        if gamma is not None and (gamma.dtype is not torch.float32 or gamma.device != w.device):
+            return None
+        obs = self.activation_post_process
+        out = fake_quant_ops.fold_observe_fake_quantize(
+            w,
+            gamma,
+            running_var,
+            bn.eps,
+            obs.min_val,
+            obs.max_val,
+            self.scale,
+            obs.non_finite,
+            getattr(obs, "averaging_constant", 0.0),
+            statistics,
+            self.levels_above_zero,
+            self.dtype.qmin + self.offset,
+            self.dtype.qmax + self.offset,
+            clip_gradient=self.__dict__["_fused_cache"][5],  # set by ``_fused_statistics``
         )
         obs.count_deferred_check()
         self._mark_observed()

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fxq.fake_quantize import FakeQuantState
+from fxq.fake_quantize import FakeQuantState, fold_qat_forward
 from fxq.fused import ACTIVATIONS, Fused
 from fxq.qat.base import QATModule, activate, quantize_bias
 from fxq.qconfig import QConfig
@@ -66,6 +66,11 @@ def batchnorm_factor(bn: nn.Module) -> Tensor:
     """``gamma / sqrt(running_var + eps)`` per channel (``1 / std`` without affine)."""
     std = batchnorm_std(bn)
     return bn.weight / std if bn.weight is not None else 1.0 / std
+
+
+def _scale_rows(w: Tensor, factor: Tensor) -> Tensor:
+    """``w`` (out-major) with each output channel multiplied by its ``factor``."""
+    return w * factor.reshape([-1] + [1] * (w.dim() - 1))
 
 
 class WeightedQAT(QATModule):
@@ -230,9 +235,7 @@ class WeightedQAT(QATModule):
 
     def _fold_weight(self, factor: Tensor | None) -> Tensor:
         w = self.weight_to_out_major(self.weight)
-        if factor is not None:
-            w = w * factor.reshape([-1] + [1] * (w.dim() - 1))
-        return w
+        return w if factor is None else _scale_rows(w, factor)
 
     def folded_bias(self) -> Tensor | None:
         """The BN-folded float bias (None when there is neither bias nor BN)."""
@@ -276,15 +279,22 @@ class WeightedQAT(QATModule):
             # invert folds with 1 instead: the BatchNorm still sees the conv's true output (its
             # statistics and gamma's gradient stay right) and outputs beta there, as the folded
             # weight of 0 does at deployment.
-            factor = self.bn_factor().detach()
-            inverse = factor.reciprocal()  # ``1.0 / factor`` would add a product by 1
-            # not isfinite, in two kernels instead of four; ``masked_fill`` with a number
-            # makes no scalar tensor per call, as ``where`` does
-            singular = (inverse - inverse) != 0
-            factor = factor.masked_fill(singular, 1.0)
-            inverse = inverse.masked_fill(singular, 1.0)
-            w_q = self.weight_from_out_major(self.weight_fake_quant(self._fold_weight(factor)))
-            y = self.float_op_forward(x, w_q, None)
+            # On CUDA the fold and the weight's fake quant are one launch (``fold_qat_forward``,
+            # the same bits as the torch ops below, which run wherever it does not apply).
+            w = self.weight_to_out_major(self.weight)
+            fused = fold_qat_forward(self.weight_fake_quant, w, self.bn)
+            if fused is None:
+                factor = self.bn_factor().detach()
+                inverse = factor.reciprocal()  # ``1.0 / factor`` would add a product by 1
+                # not isfinite, in two kernels instead of four; ``masked_fill`` with a number
+                # makes no scalar tensor per call, as ``where`` does
+                singular = (inverse - inverse) != 0
+                factor = factor.masked_fill(singular, 1.0)
+                inverse = inverse.masked_fill(singular, 1.0)
+                w_q = self.weight_fake_quant(_scale_rows(w, factor))
+            else:
+                w_q, inverse = fused
+            y = self.float_op_forward(x, self.weight_from_out_major(w_q), None)
             shape = self._channel_shape(y.dim())
             y = y * inverse.reshape(shape)
             if self.bias is not None:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from fxq.quantized._triton_launch import Launcher, cdiv, raw_stream
 
-__all__ = ["observe_fake_quantize"]
+__all__ = ["observe_fake_quantize", "fold_observe_fake_quantize"]
 
 _BLOCK = 1024
 #: programs of the per-tensor reduction (each strides over the tensor)
@@ -48,16 +48,17 @@ def _block_minmax(x, valid):
 
 
 @triton.jit
-def _strided_minmax(ptr, first, end, step, BLOCK: tl.constexpr):
+def _strided_minmax(ptr, first, end, step, factor, BLOCK: tl.constexpr):
     """min, max (NaN excluded) and whether a NaN was seen, over the blocks of ``BLOCK``
-    elements starting at ``first``, ``first + step``, ... below ``end``."""
+    elements starting at ``first``, ``first + step``, ... below ``end``, each value
+    multiplied by ``factor`` (a literal 1.0 where there is none: the compiler drops it)."""
     mn = float("inf")
     mx = float("-inf")
     nans = 0
     for start in range(first, end, step):
         offs = start + tl.arange(0, BLOCK)
         valid = offs < end
-        x = tl.load(ptr + offs, mask=valid, other=0.0)
+        x = tl.load(ptr + offs, mask=valid, other=0.0) * factor
         bmn, bmx, bnan = _block_minmax(x, valid)
         mn = tl.minimum(mn, bmn)
         mx = tl.maximum(mx, bmx)
@@ -102,7 +103,7 @@ def _observe_kernel(
     to finish (``scratch[3]`` counts them) updates the statistics, the NaN flag and the scale,
     and resets the scratch to ``[inf, -inf, 0, 0]`` for the next call."""
     first = tl.program_id(0) * BLOCK
-    mn, mx, nans = _strided_minmax(x_ptr, first, n, tl.num_programs(0) * BLOCK, BLOCK)
+    mn, mx, nans = _strided_minmax(x_ptr, first, n, tl.num_programs(0) * BLOCK, 1.0, BLOCK)
     tl.atomic_min(scratch_ptr, mn)
     tl.atomic_max(scratch_ptr + 1, mx)
     tl.atomic_add(scratch_ptr + 2, nans.to(tl.float32), mask=nans > 0)
@@ -140,16 +141,39 @@ def _round(x, s, qmin, qmax):
 
 
 @triton.jit
+def _fold_factor(gamma_ptr, var_ptr, factor_ptr, inverse_ptr, row, eps, HAS_GAMMA: tl.constexpr):
+    """A BatchNorm's folding factor for ``row``, ``gamma / sqrt(running_var + eps)`` (``1 /
+    sqrt(...)`` without ``gamma``), and its inverse, both 1 where the inverse is not finite;
+    stored, and the factor returned (``WeightedQAT``'s fold in QAT training)."""
+    std = tl.sqrt_rn(tl.load(var_ptr + row) + eps)
+    if HAS_GAMMA:
+        factor = tl.math.div_rn(tl.load(gamma_ptr + row), std)
+    else:
+        factor = tl.math.div_rn(1.0, std)
+    inverse = tl.math.div_rn(1.0, factor)
+    singular = (inverse - inverse) != 0.0
+    factor = tl.where(singular, 1.0, factor)
+    tl.store(factor_ptr + row, factor)
+    tl.store(inverse_ptr + row, tl.where(singular, 1.0, inverse))
+    return factor
+
+
+@triton.jit
 def _rows_kernel(
     x_ptr, min_ptr, max_ptr, scale_ptr, flag_ptr, out_ptr, mask_ptr, row_length, c, levels,
-    eps, qmin, qmax, MODE: tl.constexpr, BLOCK: tl.constexpr,
+    eps, qmin, qmax, gamma_ptr, var_ptr, factor_ptr, inverse_ptr, bn_eps,
+    MODE: tl.constexpr, FOLD: tl.constexpr, HAS_GAMMA: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Per channel (rows of a contiguous tensor, channel axis 0), one program a row: the
     row's min / max, its statistics and its scale, then the row rounded with that scale (a
-    weight's whole step in one launch: a row is a few thousand values, read twice)."""
+    weight's whole step in one launch: a row is a few thousand values, read twice). With
+    ``FOLD`` the row is first multiplied by its BatchNorm folding factor (``_fold_factor``)."""
     row = tl.program_id(0)
     offset = row.to(tl.int64) * row_length
-    mn, mx, nans = _strided_minmax(x_ptr + offset, 0, row_length, BLOCK, BLOCK)
+    factor = 1.0
+    if FOLD:
+        factor = _fold_factor(gamma_ptr, var_ptr, factor_ptr, inverse_ptr, row, bn_eps, HAS_GAMMA)
+    mn, mx, nans = _strided_minmax(x_ptr + offset, 0, row_length, BLOCK, factor, BLOCK)
     mn = tl.where(nans > 0, float("nan"), mn)
     mx = tl.where(nans > 0, float("nan"), mx)
     poison = mn * 0.0 + mx * 0.0
@@ -164,7 +188,7 @@ def _rows_kernel(
     for start in range(0, row_length, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         valid = offs < row_length
-        x = tl.load(x_ptr + offset + offs, mask=valid, other=0.0)
+        x = tl.load(x_ptr + offset + offs, mask=valid, other=0.0) * factor
         out, inside = _round(x, s, qmin, qmax)
         tl.store(out_ptr + offset + offs, out, mask=valid)
         tl.store(mask_ptr + offset + offs, inside, mask=valid)
@@ -217,10 +241,10 @@ def observe_fake_quantize(
     out = torch.empty_like(x)
     mask = torch.empty_like(x, dtype=torch.bool)
     if ch_axis is not None:  # axis 0, contiguous: one program per channel does it all
-        channels = x.shape[0]
         _launch_rows(
-            (channels,), x, min_val, max_val, scale, non_finite, out, mask, n // channels, c,
-            float(levels), _EPS, float(qmin), float(qmax), MODE=mode, BLOCK=_BLOCK,
+            (x.shape[0],), x, min_val, max_val, scale, non_finite, out, mask,
+            n // x.shape[0], c, float(levels), _EPS, float(qmin), float(qmax),
+            x, x, x, x, 0.0, MODE=mode, FOLD=False, HAS_GAMMA=False, BLOCK=_BLOCK,
         )  # fmt: skip
         return out, mask
     scratch = _scratch(x)
@@ -234,6 +258,38 @@ def observe_fake_quantize(
         (cdiv(n, _BLOCK),), x, scale, out, mask, n, float(qmin), float(qmax), BLOCK=_BLOCK
     )
     return out, mask
+
+
+def fold_observe_fake_quantize(
+    w: Tensor,
+    gamma: Tensor | None,
+    running_var: Tensor,
+    bn_eps: float,
+    min_val: Tensor,
+    max_val: Tensor,
+    scale: Tensor,
+    non_finite: Tensor,
+    c: float,
+    mode: int,
+    levels: int,
+    qmin: int,
+    qmax: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``observe_fake_quantize`` per output channel (axis 0, contiguous) of ``w`` multiplied
+    by its BatchNorm folding factor (``_fold_factor``), in one launch; returns the rounded
+    folded weight, its in-range mask, the factor and its inverse."""
+    channels = w.shape[0]
+    out = torch.empty_like(w)
+    mask = torch.empty_like(w, dtype=torch.bool)
+    factor = torch.empty_like(running_var)
+    inverse = torch.empty_like(running_var)
+    _launch_rows(
+        (channels,), w, min_val, max_val, scale, non_finite, out, mask, w.numel() // channels,
+        c, float(levels), _EPS, float(qmin), float(qmax), running_var if gamma is None else gamma,
+        running_var, factor, inverse, float(bn_eps), MODE=mode, FOLD=True,
+        HAS_GAMMA=gamma is not None, BLOCK=_BLOCK,
+    )  # fmt: skip
+    return out, mask, factor, inverse
 
 
 _launch_rows = Launcher(_rows_kernel, **_OPTIONS)

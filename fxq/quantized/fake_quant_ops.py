@@ -10,7 +10,9 @@ same step as one ``torch.library`` op:
   statistics and the scale, then the elementwise rounding with its mask); per channel (a
   weight): one, a program per output channel that takes its row's range, updates its
   statistics and scale and rounds the row (each launch costs the host more than a weight's
-  arithmetic costs the GPU);
+  arithmetic costs the GPU); while a BatchNorm folded into the weight trains, the same
+  launch also computes the folding factor and multiplies the rows by it
+  (``fold_observe_fake_quantize``, about ten torch ops fewer per convolution);
 * elsewhere (CPU, or without Triton): the definition, made of the unfused modules' own
   functions (``fxq.observer``'s updates, ``scale_from_amax``, QAT training's rounding).
 
@@ -59,6 +61,7 @@ from fxq.utils.grad_mask import pass_gradient
 __all__ = [
     "Statistics",
     "observe_fake_quantize",
+    "fold_observe_fake_quantize",
     "scale_from_amax",
     "triton_usable",
     "kernels_take",
@@ -273,6 +276,67 @@ def observe_fake_quantize(
     if torch.is_grad_enabled() and x.requires_grad:
         return _ObserveFakeQuantizeSTE.apply(clip_gradient, run, *args)
     return run(*args)[0]
+
+
+class _FoldObserveFakeQuantizeSTE(torch.autograd.Function):
+    """``fold_observe_fake_quantize`` with the straight-through estimator through the fold:
+    the weight's gradient is the output's (masked where clipped) times the factor, as the
+    product ``w * factor`` with a constant factor gives it."""
+
+    @staticmethod
+    def forward(ctx, clip, w, *args):  # type: ignore[override]
+        out, mask, factor, inverse = _triton().fold_observe_fake_quantize(w, *args)
+        ctx.clip = clip
+        ctx.save_for_backward(factor, mask if clip else None)
+        ctx.mark_non_differentiable(inverse)
+        return out, inverse
+
+    @staticmethod
+    def backward(ctx, grad, _):  # type: ignore[override]
+        factor, mask = ctx.saved_tensors
+        if ctx.clip:
+            grad = pass_gradient(grad, mask)
+        grad = grad * factor.reshape([-1] + [1] * (grad.dim() - 1))
+        return (None, grad) + (None,) * 12
+
+
+def fold_observe_fake_quantize(
+    w: Tensor,
+    gamma: Tensor | None,
+    running_var: Tensor,
+    bn_eps: float,
+    min_val: Tensor,
+    max_val: Tensor,
+    scale: Tensor,
+    non_finite: Tensor,
+    averaging_constant: float,
+    mode: Statistics,
+    levels: int,
+    qmin: int,
+    qmax: int,
+    clip_gradient: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """A QAT training step's BatchNorm fold and weight fake quant as one Triton launch.
+
+    ``factor = gamma / sqrt(running_var + eps)`` per output channel (``1 / sqrt(...)``
+    without ``gamma``), set to 1 together with its inverse where the inverse is not finite,
+    then ``observe_fake_quantize(w * factor, ..., ch_axis=0)``: what ``fxq.qat``'s
+    convolutions and linears do with torch ops while their BatchNorm trains
+    (``WeightedQAT.forward``), with the same float32 operations, so the same bits, in one
+    launch instead of about ten. The factor is a constant (no gradient reaches ``gamma`` or
+    ``running_var`` through it).
+
+    The caller checked that the Triton kernels run for ``w`` and take it (``triton_usable``,
+    ``kernels_take(w, 0)``) and that nothing is being compiled; the other arguments are
+    ``observe_fake_quantize``'s, ``running_var`` and ``gamma`` float32 on ``w``'s device.
+
+    Returns:
+        the rounded folded weight (differentiable in ``w``) and the inverse factor.
+    """
+    return _FoldObserveFakeQuantizeSTE.apply(
+        clip_gradient, w, gamma, running_var, float(bn_eps), min_val, max_val, scale,
+        non_finite, float(averaging_constant), int(mode), int(levels), int(qmin), int(qmax),
+    )  # fmt: skip
 
 
 def _call(*args):

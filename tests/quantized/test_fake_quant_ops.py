@@ -131,6 +131,7 @@ from tests.quantized.test_fake_quant_ops import CASES, compare_steps, compare_tr
 for name in CASES:
     compare_steps(name, "cpu")
 compare_training("cpu")
+compare_training("cpu", net="FoldNet")
 print("equal")
 """
 
@@ -187,32 +188,64 @@ def test_a_fused_step_launches_two_kernels_per_tensor_and_one_per_channel_interp
     }
 
 
-def compare_training(device, steps: int = 3) -> None:
+class FoldNet(torch.nn.Module):
+    """BatchNorms to fold of every kind: without affine parameters after a conv with a bias,
+    with a gamma of 0 (a channel that folds with 1), a negative one and a tiny one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(6, affine=False)
+        self.conv2 = torch.nn.Conv2d(6, 6, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(6)
+        with torch.no_grad():
+            self.bn2.weight[:3] = torch.tensor([0.0, -0.7, 1e-39])
+        self.fc = torch.nn.Linear(6, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+def compare_training(device, steps: int = 3, net: str = "ResidualNet") -> None:
     """QAT training steps of a small CNN with the fused op and without: every output, loss
-    and state-dict entry equal, and the NaN / Inf flag raised by the same step."""
-    from tests.helpers import ResidualNet
+    and state-dict entry equal, and the NaN / Inf flag raised by the same step. Each
+    BatchNorm is folded into its conv by the weight's fused step (``fold_qat_forward``)."""
+    from tests import helpers
 
     fxq.set_march("bayes")
     torch.manual_seed(0)
-    model = fxq.prepare_qat_fx(ResidualNet(), {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
+    float_model = FoldNet() if net == "FoldNet" else getattr(helpers, net)()
+    model = fxq.prepare_qat_fx(float_model, {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
     model.to(device).train()
     fxq.set_fake_quantize(model, fxq.FakeQuantState.QAT)
     ref = copy.deepcopy(model)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
     labels = torch.arange(6, device=device) % 10
-    for step in range(steps):
-        x = torch.randn(6, 3, 10, 10, generator=torch.Generator().manual_seed(step)).to(device)
-        losses = []
-        for m, opt, context in zip(
-            (model, ref), optimizers, (contextlib.nullcontext, fake_quant_ops.torch_ops_only)
-        ):
-            opt.zero_grad()
-            with context():
-                loss = torch.nn.functional.cross_entropy(m(x), labels)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        assert torch.equal(losses[0], losses[1]), step
+    kernels = fake_quant_ops._triton()
+    fold = kernels.fold_observe_fake_quantize
+    folds = []
+    kernels.fold_observe_fake_quantize = lambda *args: folds.append(1) or fold(*args)
+    try:
+        for step in range(steps):
+            x = torch.randn(6, 3, 10, 10, generator=torch.Generator().manual_seed(step))
+            x = x.to(device)
+            losses = []
+            for m, opt, context in zip(
+                (model, ref), optimizers, (contextlib.nullcontext, fake_quant_ops.torch_ops_only)
+            ):
+                opt.zero_grad()
+                with context():
+                    loss = torch.nn.functional.cross_entropy(m(x), labels)
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            assert torch.equal(losses[0], losses[1]), step
+    finally:
+        kernels.fold_observe_fake_quantize = fold
+    batchnorms = sum(isinstance(m, torch.nn.BatchNorm2d) for m in float_model.modules())
+    assert len(folds) == batchnorms * steps
     for key, value in ref.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
     fxq.set_fake_quantize(model, fxq.FakeQuantState.VALIDATION)
@@ -237,8 +270,9 @@ def test_the_triton_kernels_equal_the_modules_on_cuda(name):
 
 
 @needs_cuda
-def test_qat_training_with_the_fused_op_equals_the_torch_ops_on_cuda():
-    compare_training(torch.device("cuda"))
+@pytest.mark.parametrize("net", ["ResidualNet", "FoldNet"])
+def test_qat_training_with_the_fused_op_equals_the_torch_ops_on_cuda(net):
+    compare_training(torch.device("cuda"), net=net)
 
 
 @needs_cuda
@@ -303,3 +337,58 @@ def test_the_fused_step_follows_a_new_offset_in_its_gradient_clipping(monkeypatc
         fq(x).sum().backward()
         grads.append(float(x.grad.abs().sum()))
     assert grads[0] == grads[1] == x.numel() and grads[2] == 0.0
+
+
+def test_the_fold_joins_the_weights_launch_only_where_the_fake_quant_runs_as_called(monkeypatch):
+    """``fold_qat_forward`` takes a training BatchNorm's fold into the weight's launch; not
+    for a fake quant with a hook (the hook would not run), under a global module hook, in
+    VALIDATION or once the BatchNorm statistics are frozen: those fold with torch ops and
+    call the fake quant. The Triton kernels are replaced by stubs that count their calls."""
+    import types
+
+    from tests.helpers import ResidualNet
+
+    calls = {"fold": 0, "fake quant": 0}
+
+    def fake_quant(x, *args):
+        calls["fake quant"] += 1
+        return x.detach().clone(), torch.ones_like(x, dtype=torch.bool)
+
+    def fold(w, gamma, running_var, *args):
+        calls["fold"] += 1
+        ones = torch.ones_like(running_var)
+        return w.detach().clone(), torch.ones_like(w, dtype=torch.bool), ones, ones
+
+    stubs = types.SimpleNamespace(observe_fake_quantize=fake_quant, fold_observe_fake_quantize=fold)
+    fxq.set_march("bayes")
+    model = fxq.prepare_qat_fx(ResidualNet(), {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
+    model.train()
+    fxq.set_fake_quantize(model, fxq.FakeQuantState.QAT)
+    monkeypatch.setattr(fake_quant_ops, "triton_usable", lambda x: True)
+    monkeypatch.setattr(fake_quant_ops, "_triton", lambda: stubs)
+    x = torch.randn(2, 3, 8, 8)
+
+    def run() -> tuple[int, int]:
+        calls.update({"fold": 0, "fake quant": 0})
+        model(x).sum().backward()
+        return calls["fold"], calls["fake quant"]
+
+    activations = run()[1]  # each conv's weight folded in its launch: 3 folds
+    assert run() == (3, activations)
+    seen = []
+    hooked = model.stem.weight_fake_quant.register_forward_hook(lambda *a: seen.append(a))
+    assert run() == (2, activations + 1) and len(seen) == 1
+    hooked.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert run() == (0, activations + 3)
+    finally:
+        handle.remove()
+    fxq.qat.freeze_bn_stats(model)
+    assert run() == (0, activations + 3)
+    fxq.qat.update_bn_stats(model)
+    assert run() == (3, activations)
+    fxq.set_fake_quantize(model, fxq.FakeQuantState.VALIDATION)
+    with torch.no_grad():
+        model(x)
+    assert calls["fold"] == 3  # VALIDATION neither observes nor folds in the launch
