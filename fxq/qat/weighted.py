@@ -243,6 +243,8 @@ class WeightedQAT(QATModule):
         if bn is None:
             return self.bias
         factor = self.bn_factor()
+        if self.bias is None and bn.bias is not None:  # ``beta + (0 - mean) * factor``
+            return bn.bias - bn.running_mean * factor  # in two ops fewer
         b = self.bias if self.bias is not None else torch.zeros_like(bn.running_mean)
         beta = bn.bias if bn.bias is not None else torch.zeros_like(bn.running_mean)
         return beta + (b - bn.running_mean) * factor

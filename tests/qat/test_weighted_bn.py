@@ -51,3 +51,27 @@ def test_zero_gamma_in_training_mode_is_finite_and_the_float_batchnorm(bayes):
         p for n, p in qat.named_parameters() if n.endswith("weight") and p.dim() == 4
     )
     assert torch.isfinite(conv_weight.grad).all()
+
+
+def test_the_folded_bias_without_a_conv_bias_is_the_general_formulas(bayes):
+    """A conv without bias folds its BatchNorm's bias as ``beta - mean * factor`` (two ops
+    fewer): the general ``beta + (0 - mean) * factor``'s values, bit for bit, with zero,
+    tiny and huge means and gammas; and the same gradients."""
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, bias=False), nn.BatchNorm2d(64))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        bn = model[1]
+        bn.running_mean.copy_(torch.randn(64, generator=g) * torch.logspace(-30, 30, 64))
+        bn.running_mean[:4] = torch.tensor([0.0, -0.0, 1e-45, -3e38])
+        bn.running_var.copy_(torch.rand(64, generator=g) + 1e-3)
+        bn.weight.copy_(torch.randn(64, generator=g) * torch.logspace(-20, 20, 64))
+        bn.bias.copy_(torch.randn(64, generator=g))
+    qat = fxq.prepare_qat_fx(model.eval(), {"": default_qat_8bit_fake_quant_qconfig})
+    (layer,) = [m for m in qat.modules() if isinstance(m, fxq.qat.weighted.WeightedQAT)]
+    got = layer.folded_bias()
+    bn = layer.bn
+    factor = fxq.qat.weighted.batchnorm_factor(bn)
+    general = bn.bias + (torch.zeros_like(bn.running_mean) - bn.running_mean) * factor
+    assert torch.equal(got, general)
+    grads = [torch.autograd.grad(b.square().sum(), [bn.weight, bn.bias]) for b in (got, general)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
