@@ -392,3 +392,50 @@ def test_the_fold_joins_the_weights_launch_only_where_the_fake_quant_runs_as_cal
     with torch.no_grad():
         model(x)
     assert calls["fold"] == 3  # VALIDATION neither observes nor folds in the launch
+
+
+_PTX = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fxq.quantized import _fake_quant_triton as kernels
+
+def ptx(fn, **constexprs):
+    signature = {}
+    for p in fn.params:
+        name = p.name
+        if p.is_constexpr:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i1" if name == "mask_ptr" else "*fp32"
+        else:
+            signature[name] = "i32" if name in ("n", "row_length") else "fp32"
+    values = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    source = ASTSource(fn=fn, signature=signature, constexprs=values)
+    target = GPUTarget("cuda", 90, 32)
+    return triton.compile(source, target=target, options=kernels._OPTIONS).asm["ptx"]
+
+out = {}
+for fold, gamma in ((True, True), (True, False), (False, False)):
+    out[f"rows fold={fold} gamma={gamma}"] = ptx(
+        kernels._rows_kernel, MODE=0, FOLD=fold, HAS_GAMMA=gamma, BLOCK=1024
+    )
+out["observe"] = ptx(kernels._observe_kernel, MODE=0, HAS_FALLBACK=True, BLOCK=1024)
+out["fake quant"] = ptx(kernels._fake_quant_kernel, BLOCK=1024)
+print(json.dumps({k: [v.count(op) for op in ("fma.", "sqrt.rn.f32", "sqrt.approx", "div.rn.f32", "div.full")] for k, v in out.items()}))
+"""
+
+
+def test_the_kernels_compile_for_a_gpu_with_torchs_float_operations():
+    """Compiled for an sm_90 GPU by Triton (no GPU needed): no fused multiply-add, the
+    fold's square root and every division correctly rounded, as torch's CUDA kernels compute
+    them; the interpreter's tests cannot see this (numpy rounds every operation)."""
+    pytest.importorskip("triton")
+    import json
+
+    counts = json.loads(run_in_fresh_process(_PTX))
+    for name, (fma, sqrt_rn, sqrt_approx, div_rn, div_full) in counts.items():
+        assert fma == 0 and sqrt_approx == 0 and div_full == 0, (name, counts[name])
+        assert div_rn > 0, name
+        assert sqrt_rn == (1 if name.startswith("rows fold=True") else 0), name
