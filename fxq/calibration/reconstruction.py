@@ -708,7 +708,10 @@ def _reconstruct_block(model, sources: _Sources, block, opts) -> tuple[float, fl
 
     def loss_of(weights: list[Tensor], idx: Tensor) -> Tensor:
         for r, w in zip(roundings, weights):  # the block's layers use these weights
-            r.layer.quantized_weight = lambda w=w, r=r: r.layer.weight_from_out_major(w)
+            # (``factor``: ``WeightedQAT.forward`` passes the BatchNorm's; folded into w)
+            r.layer.quantized_weight = lambda factor=None, w=w, r=r: r.layer.weight_from_out_major(
+                w
+            )
         try:  # the samples of idx that lie in the chunk of its first one
             chunk = int(torch.searchsorted(ends, idx[:1], right=True))
             start = 0 if chunk == 0 else int(ends[chunk - 1])

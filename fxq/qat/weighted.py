@@ -237,21 +237,26 @@ class WeightedQAT(QATModule):
         w = self.weight_to_out_major(self.weight)
         return w if factor is None else _scale_rows(w, factor)
 
-    def folded_bias(self) -> Tensor | None:
-        """The BN-folded float bias (None when there is neither bias nor BN)."""
+    def folded_bias(self, factor: Tensor | None = None) -> Tensor | None:
+        """The BN-folded float bias (None when there is neither bias nor BN); ``factor``:
+        ``bn_factor()`` where the caller has it already."""
         bn = self.bn
         if bn is None:
             return self.bias
-        factor = self.bn_factor()
+        if factor is None:
+            factor = self.bn_factor()
         if self.bias is None and bn.bias is not None:  # ``beta + (0 - mean) * factor``
             return bn.bias - bn.running_mean * factor  # in two ops fewer
         b = self.bias if self.bias is not None else torch.zeros_like(bn.running_mean)
         beta = bn.bias if bn.bias is not None else torch.zeros_like(bn.running_mean)
         return beta + (b - bn.running_mean) * factor
 
-    def quantized_weight(self) -> Tensor:
-        """Fake-quantized folded weight in the op's layout (observes in CALIBRATION / QAT)."""
-        return self.weight_from_out_major(self.weight_fake_quant(self.folded_weight()))
+    def quantized_weight(self, factor: Tensor | None = None) -> Tensor:
+        """Fake-quantized folded weight in the op's layout (observes in CALIBRATION / QAT);
+        ``factor``: ``bn_factor()`` where the caller has it already."""
+        if factor is None:
+            factor = self.bn_factor()
+        return self.weight_from_out_major(self.weight_fake_quant(self._fold_weight(factor)))
 
     def _bn_statistics_train(self) -> bool:
         return (
@@ -303,8 +308,9 @@ class WeightedQAT(QATModule):
                 y = y + self.bias.reshape(shape)
             y = self.bn(y)
         else:
-            w_q = self.quantized_weight()
-            b = self.folded_bias()
+            factor = self.bn_factor()  # once for the weight and the bias
+            w_q = self.quantized_weight(factor)
+            b = self.folded_bias(factor)
             if b is not None:
                 b = quantize_bias(
                     b, self.input_scale(0), self.weight_fake_quant.scale, self.state, self.march
