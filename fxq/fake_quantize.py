@@ -812,26 +812,32 @@ class FakeQuantize(nn.Module):
             return Statistics.RUNNING
         return None
 
-    def _fused_qat_forward(self, x: Tensor, statistics: Statistics) -> Tensor:
-        """The QAT step (observe, scale, round) as one ``fxq::observe_fake_quantize``."""
+    def _fused_qat_forward(
+        self, x: Tensor, statistics: Statistics, bn: nn.Module | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The QAT step (observe, scale, round) as one ``fxq::observe_fake_quantize``; with
+        ``bn``, the weight ``x`` folded with it first
+        (``fake_quant_ops.fold_observe_fake_quantize``: the rounded weight and the inverse
+        folding factor)."""
         obs = self.activation_post_process
-        fallback = self._zero_range_scale()
-        out = fake_quant_ops.observe_fake_quantize(
-            x,
-            obs.min_val,
-            obs.max_val,
-            self.scale,
-            obs.non_finite,
-            fallback,
+        state = (obs.min_val, obs.max_val, self.scale, obs.non_finite)
+        step = (
             getattr(obs, "averaging_constant", 0.0),
             statistics,
             self.levels_above_zero,
             self.dtype.qmin + self.offset,
             self.dtype.qmax + self.offset,
-            self.ch_axis,
-            clip_gradient=self.__dict__["_fused_cache"][5],  # set by ``_fused_statistics``
-            kernels_take_x=True,  # as ``_fused_statistics`` found
         )
+        clip = self.__dict__["_fused_cache"][5]  # set by ``_fused_statistics``
+        if bn is None:
+            out = fake_quant_ops.observe_fake_quantize(
+                x, *state, self._zero_range_scale(), *step, self.ch_axis,
+                clip_gradient=clip, kernels_take_x=True,  # as ``_fused_statistics`` found
+            )  # fmt: skip
+        else:
+            out = fake_quant_ops.fold_observe_fake_quantize(
+                x, bn.weight, bn.running_var, bn.eps, *state, *step, clip_gradient=clip
+            )
         obs.count_deferred_check()
         self._mark_observed()
         return out
@@ -853,26 +859,7 @@ class FakeQuantize(nn.Module):
             return None
         if gamma is not None and (gamma.dtype is not torch.float32 or gamma.device != w.device):
             return None
-        obs = self.activation_post_process
-        out = fake_quant_ops.fold_observe_fake_quantize(
-            w,
-            gamma,
-            running_var,
-            bn.eps,
-            obs.min_val,
-            obs.max_val,
-            self.scale,
-            obs.non_finite,
-            getattr(obs, "averaging_constant", 0.0),
-            statistics,
-            self.levels_above_zero,
-            self.dtype.qmin + self.offset,
-            self.dtype.qmax + self.offset,
-            clip_gradient=self.__dict__["_fused_cache"][5],  # set by ``_fused_statistics``
-        )
-        obs.count_deferred_check()
-        self._mark_observed()
-        return out
+        return self._fused_qat_forward(w, statistics, bn)
 
     def _require_observed(self) -> None:
         if self._checked_observed:
