@@ -11,6 +11,8 @@ NaN is carried as torch carries it: a NaN in the input makes the batch's min and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -238,15 +240,10 @@ def observe_fake_quantize(
     """``fxq::observe_fake_quantize`` in Triton; the caller checked the layout
     (``fake_quant_ops.kernels_take``): dense per tensor, contiguous per channel."""
     n = x.numel()
+    if ch_axis is not None:  # axis 0, contiguous: one program per channel does it all
+        return _rows(x, min_val, max_val, scale, non_finite, c, mode, levels, qmin, qmax)[:2]
     out = torch.empty_like(x)
     mask = torch.empty_like(x, dtype=torch.bool)
-    if ch_axis is not None:  # axis 0, contiguous: one program per channel does it all
-        _launch_rows(
-            (x.shape[0],), x, min_val, max_val, scale, non_finite, out, mask,
-            n // x.shape[0], c, float(levels), _EPS, float(qmin), float(qmax),
-            x, x, x, x, 0.0, MODE=mode, FOLD=False, HAS_GAMMA=False, BLOCK=_BLOCK,
-        )  # fmt: skip
-        return out, mask
     scratch = _scratch(x)
     has_fallback = fallback is not None
     _launch_observe(
@@ -261,10 +258,17 @@ def observe_fake_quantize(
 
 
 def fold_observe_fake_quantize(
-    w: Tensor,
-    gamma: Tensor | None,
-    running_var: Tensor,
-    bn_eps: float,
+    w: Tensor, gamma: Tensor | None, running_var: Tensor, bn_eps: float, *step: Any
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``observe_fake_quantize`` per output channel (axis 0, contiguous) of ``w`` multiplied
+    by its BatchNorm folding factor (``_fold_factor``), in one launch; ``step``: from
+    ``min_val`` to ``qmax`` as there. Returns the rounded folded weight, its in-range mask,
+    the factor and its inverse."""
+    return _rows(w, *step, fold=(gamma, running_var, bn_eps))
+
+
+def _rows(
+    x: Tensor,
     min_val: Tensor,
     max_val: Tensor,
     scale: Tensor,
@@ -274,20 +278,28 @@ def fold_observe_fake_quantize(
     levels: int,
     qmin: int,
     qmax: int,
+    fold: tuple[Tensor | None, Tensor, float] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``observe_fake_quantize`` per output channel (axis 0, contiguous) of ``w`` multiplied
-    by its BatchNorm folding factor (``_fold_factor``), in one launch; returns the rounded
-    folded weight, its in-range mask, the factor and its inverse."""
-    channels = w.shape[0]
-    out = torch.empty_like(w)
-    mask = torch.empty_like(w, dtype=torch.bool)
-    factor = torch.empty_like(running_var)
-    inverse = torch.empty_like(running_var)
+    """The per-channel step (``_rows_kernel``): the rounded rows and their mask; with ``fold``
+    (``gamma`` or None, ``running_var``, ``eps``) the rows folded first, and the folding
+    factor and its inverse (without, ``x`` stands in for them, unread by the kernel)."""
+    out = torch.empty_like(x)
+    mask = torch.empty_like(x, dtype=torch.bool)
+    has_gamma = False
+    if fold is None:
+        gamma = running_var = factor = inverse = x
+        bn_eps = 0.0
+    else:
+        gamma, running_var, bn_eps = fold
+        has_gamma = gamma is not None
+        gamma = gamma if has_gamma else running_var
+        factor = torch.empty_like(running_var)
+        inverse = torch.empty_like(running_var)
     _launch_rows(
-        (channels,), w, min_val, max_val, scale, non_finite, out, mask, w.numel() // channels,
-        c, float(levels), _EPS, float(qmin), float(qmax), running_var if gamma is None else gamma,
-        running_var, factor, inverse, float(bn_eps), MODE=mode, FOLD=True,
-        HAS_GAMMA=gamma is not None, BLOCK=_BLOCK,
+        (x.shape[0],), x, min_val, max_val, scale, non_finite, out, mask,
+        x.numel() // x.shape[0], c, float(levels), _EPS, float(qmin), float(qmax), gamma,
+        running_var, factor, inverse, float(bn_eps), MODE=mode, FOLD=fold is not None,
+        HAS_GAMMA=has_gamma, BLOCK=_BLOCK,
     )  # fmt: skip
     return out, mask, factor, inverse
 
