@@ -127,11 +127,11 @@ def test_the_op_is_one_node_for_torch_compile():
 _INTERPRETED = """
 import warnings
 warnings.simplefilter("ignore")
-from tests.quantized.test_fake_quant_ops import CASES, compare_steps, compare_training
+from tests.quantized.test_fake_quant_ops import CASES, FoldNet, compare_steps, compare_training
 for name in CASES:
     compare_steps(name, "cpu")
 compare_training("cpu")
-compare_training("cpu", net="FoldNet")
+compare_training("cpu", FoldNet)
 print("equal")
 """
 
@@ -208,15 +208,16 @@ class FoldNet(torch.nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
-def compare_training(device, steps: int = 3, net: str = "ResidualNet") -> None:
+def compare_training(device, net: type[torch.nn.Module] | None = None, steps: int = 3) -> None:
     """QAT training steps of a small CNN with the fused op and without: every output, loss
     and state-dict entry equal, and the NaN / Inf flag raised by the same step. Each
-    BatchNorm is folded into its conv by the weight's fused step (``fold_qat_forward``)."""
-    from tests import helpers
+    BatchNorm is folded into its conv by the weight's fused step (``fold_qat_forward``).
+    ``net``: the network's class (``tests.helpers.ResidualNet`` by default)."""
+    from tests.helpers import ResidualNet
 
     fxq.set_march("bayes")
     torch.manual_seed(0)
-    float_model = FoldNet() if net == "FoldNet" else getattr(helpers, net)()
+    float_model = (net or ResidualNet)()
     model = fxq.prepare_qat_fx(float_model, {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
     model.to(device).train()
     fxq.set_fake_quantize(model, fxq.FakeQuantState.QAT)
@@ -270,9 +271,9 @@ def test_the_triton_kernels_equal_the_modules_on_cuda(name):
 
 
 @needs_cuda
-@pytest.mark.parametrize("net", ["ResidualNet", "FoldNet"])
+@pytest.mark.parametrize("net", [None, FoldNet], ids=["ResidualNet", "FoldNet"])
 def test_qat_training_with_the_fused_op_equals_the_torch_ops_on_cuda(net):
-    compare_training(torch.device("cuda"), net=net)
+    compare_training(torch.device("cuda"), net)
 
 
 @needs_cuda
