@@ -229,9 +229,10 @@ class WeightedQAT(QATModule):
         """``gamma / sqrt(running_var + eps)`` per output channel, or None without BN."""
         return None if self.bn is None else batchnorm_factor(self.bn)
 
-    def folded_weight(self) -> Tensor:
-        """The BN-folded float weight in out-major layout (before fake quant)."""
-        return self._fold_weight(self.bn_factor())
+    def folded_weight(self, factor: Tensor | None = None) -> Tensor:
+        """The BN-folded float weight in out-major layout (before fake quant); ``factor``:
+        ``bn_factor()`` where the caller has it already."""
+        return self._fold_weight(self.bn_factor() if factor is None else factor)
 
     def _fold_weight(self, factor: Tensor | None) -> Tensor:
         w = self.weight_to_out_major(self.weight)
@@ -253,10 +254,8 @@ class WeightedQAT(QATModule):
 
     def quantized_weight(self, factor: Tensor | None = None) -> Tensor:
         """Fake-quantized folded weight in the op's layout (observes in CALIBRATION / QAT);
-        ``factor``: ``bn_factor()`` where the caller has it already."""
-        if factor is None:
-            factor = self.bn_factor()
-        return self.weight_from_out_major(self.weight_fake_quant(self._fold_weight(factor)))
+        ``factor``: as ``folded_weight``'s."""
+        return self.weight_from_out_major(self.weight_fake_quant(self.folded_weight(factor)))
 
     def _bn_statistics_train(self) -> bool:
         return (
