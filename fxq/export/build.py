@@ -428,8 +428,8 @@ class _Exporter(Interpreter):
     def _check_axis0(self, call: Call, first: str | None) -> None:
         """A call's use of its first input's axis 0 against the dynamic batch."""
         batched = first is not None and self.batched.get(first, False)
-        if call.axis0 == "not_batch" and batched:
-            raise self.error(f"{call.op} over the batch dimension is not exported")
+        if call.axis0 == "not_batch" and batched:  # a sum over samples: as a float op's
+            self.fixed.append(f"{self.fx_node.name}: {call.op} across the batch dimension")
         if call.axis0 == "batch" and not batched:
             raise self.error(f"{call.op} of per-sample groups is exported for batched inputs only")
 

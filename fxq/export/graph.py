@@ -345,8 +345,7 @@ class IntegerGraph:
             for n in self.nodes:
                 for k, v in n.params.items():
                     buf = io.BytesIO()
-                    # (ascontiguousarray makes a 0-d array 1-d: its shape is kept)
-                    np.save(buf, np.ascontiguousarray(v).reshape(v.shape), allow_pickle=False)
+                    np.save(buf, np.asarray(v, order="C"), allow_pickle=False)
                     z.writestr(f"params/{n.name}/{k}.npy", buf.getvalue())
 
 

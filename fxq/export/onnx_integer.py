@@ -87,7 +87,8 @@ class IntegerWriter:
         if key in self.consts:
             return self.consts[key]
         name = self.fresh(hint)
-        self.inits.append(self.nh.from_array(np.ascontiguousarray(arr), name))
+        # (``np.ascontiguousarray`` would make a 0-d constant 1-d, and a scalar output 1-d)
+        self.inits.append(self.nh.from_array(np.asarray(arr, order="C"), name))
         self.consts[key] = name
         return name
 

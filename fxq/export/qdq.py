@@ -107,7 +107,7 @@ class QDQWriter(IntegerWriter):
         point that two ``DequantizeLinear`` nodes share (``Attempt to replace the existing
         tensor``)."""
         name = self.fresh(hint)
-        self.inits.append(self.nh.from_array(np.ascontiguousarray(value), name))
+        self.inits.append(self.nh.from_array(np.asarray(value, order="C"), name))
         return name
 
     def dq_const(

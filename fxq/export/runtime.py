@@ -223,7 +223,7 @@ def _k_reshape(node, inputs):
 
 
 def _k_transpose(node, inputs):
-    return [np.ascontiguousarray(np.transpose(inputs[0], node.attrs["perm"]))]
+    return [np.asarray(np.transpose(inputs[0], node.attrs["perm"]), order="C")]
 
 
 def _k_gather(node, inputs):

@@ -53,7 +53,12 @@ def _requant_by_count(
     def plan() -> tuple[Tensor, Tensor]:
         distinct, inverse = torch.unique(counts, return_inverse=True)
         m, s = _count_plan(module, x.scale, distinct)
-        return (m[inverse], s[inverse]) if distinct.numel() > 1 else (m, s)
+        if distinct.numel() > 1:
+            return m[inverse], s[inverse]
+        # one count: one factor, of no more axes than ``counts`` (a whole-tensor sum's is
+        # 0-d, which keeps its output 0-d, as the float op's)
+        one = [1] * counts.dim()
+        return m.reshape(one), s.reshape(one)
 
     # one factor per output element, kept on the device (no copy to it per call)
     key = ("counts", s_x, str(sums.device), tuple(counts.shape), counts.numpy().tobytes())

@@ -235,16 +235,24 @@ class _SoftmaxOverBatch(nn.Module):
         return torch.softmax(x, dim=0)
 
 
-def test_a_recorded_reduction_over_the_dynamic_batch_is_refused(bayes):
+def test_a_recorded_reduction_over_the_batch_fixes_the_graphs_batch_size(bayes):
     """Softmax over axis 0 mixes the samples of a batch: the graph could not take another
-    batch size, so export refuses it by name (``Call.axis0``)."""
+    batch size, so it is exported with the example's (``Call.axis0``), as a float op across
+    the batch is, and refuses another by name."""
+    from fxq.export import GraphInputError
+    from fxq.export.onnx import graph_to_onnx
+    from tests.export.helpers import assert_exact_in_runtimes
+
     x = torch.randn(2, 3, 8, 8)
     model = nn.Sequential(
         fxq.QuantStub(), nn.Conv2d(3, 4, 3), _SoftmaxOverBatch(), fxq.DeQuantStub()
     )
     gm = _converted(model, x)
-    with pytest.raises(build.ExportError, match="softmax over the batch dimension is not exported"):
-        fxq.export.to_graph(gm, x)
+    graph = fxq.export.to_graph(gm, x)
+    assert not graph.dynamic_batch
+    assert_exact_in_runtimes(gm, graph, graph_to_onnx(graph), (torch.randn(2, 3, 8, 8),))
+    with pytest.raises(GraphInputError, match="exported with a fixed batch size"):
+        graph.run(np.zeros((3, 3, 8, 8), np.float32))
 
 
 class _Moves(nn.Module):
@@ -372,3 +380,37 @@ def test_attention_refusals_and_constant_masks_of_the_batch_size(bayes):
     gm = _converted(SequenceFirst(), x)
     with pytest.raises(fxq.export.ExportError, match=r"'mha'.*batch_first=True only"):
         fxq.export.to_graph(gm, x)
+
+
+class _WholeReductions(nn.Module):
+    """Reductions over every axis: torch gives 0-d tensors (``x.sum()``, ``x.mean()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y.sum(), y.mean(), y.mean((0, 1, 2, 3)), y.sum((1, 2, 3)), torch.amax(y)
+
+
+def test_whole_tensor_reductions_keep_the_float_ops_shapes_and_export_exactly():
+    from fxq.export.onnx import graph_to_onnx
+    from tests.export.helpers import assert_exact_in_runtimes, convert_calibrated
+
+    torch.manual_seed(0)
+    model = _WholeReductions().eval()
+    batches = [(torch.randn(2, 3, 8, 8),) for _ in range(2)]
+    with torch.no_grad():
+        shapes = [tuple(t.shape) for t in model(*batches[0])]
+    assert shapes == [(), (), (), (2,), ()]
+    integer = convert_calibrated(model, batches)
+    with torch.no_grad():
+        got = integer(*batches[0])
+    # a sum or mean of the whole tensor was (1,) in VALIDATION and the integer model
+    assert [tuple(t.shape) for t in got] == shapes
+    graph = fxq.export.to_graph(integer, batches[0])
+    # a sum over the samples exports (it was refused), with the batch size fixed, as a float
+    # op across the batch fixes it
+    assert not graph.dynamic_batch
+    assert_exact_in_runtimes(integer, graph, graph_to_onnx(graph), batches[1])
