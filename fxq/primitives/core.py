@@ -98,7 +98,7 @@ class Call:
             onto the output grid inside a module); a module's results take theirs from the
             QTensors it returns.
         axis0: how the op uses its first input's axis 0: ``"any"``; ``"not_batch"`` (it
-            reduces over it: refused where that axis is the dynamic batch); ``"batch"`` (it
+            reduces over it: where that axis is the batch, the graph's batch size is fixed); ``"batch"`` (it
             needs it to be the batch: GroupNorm's per-sample statistics).
         keeps_batch: for a move, whether the output's axis 0 is the first input's (the
             dynamic batch stays dynamic: a ``reshape`` then writes 0 for it); None: the
