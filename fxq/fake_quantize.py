@@ -660,6 +660,8 @@ class FakeQuantize(nn.Module):
             else:
                 self._adopt_offset(offset)
         saved = state_dict.get(prefix + "scale")
+        if problem := self._saved_scale_problem(saved):
+            errors.append(f"{prefix}scale: {problem}; load with the march it was saved with")
         if saved is not None and saved.shape != self.scale.shape:
             self.scale = torch.empty(saved.shape, dtype=self.scale.dtype, device=self.scale.device)
         super()._load_from_state_dict(
@@ -670,6 +672,27 @@ class FakeQuantize(nn.Module):
         # the state it was compiled for, and the model recompiles at its second step)
         observed = self.observed
         self._observed_set = observed.device.type != "meta" and bool(observed)
+
+    def _saved_scale_problem(self, saved: Any) -> str:
+        """Why a saved scale is not one this module's march can represent ("" when it is): a
+        state dict of a march with any scale loaded into a power-of-two march's model."""
+        constraint = self.spec.scale_constraint
+        if (
+            constraint is ScaleConstraint.ANY
+            or not isinstance(saved, Tensor)
+            or saved.device.type == "meta"
+            or not saved.is_floating_point()
+        ):
+            return ""
+        saved = saved.detach()
+        bad = qf.constrain_scale(saved, constraint) != saved
+        if not bool(bad.any()):
+            return ""
+        first = float(saved.reshape(-1)[bad.reshape(-1)][0])
+        return (
+            f"{int(bad.sum())} of {saved.numel()} saved scales (e.g. {first:.6g}) are not powers "
+            f"of two, which march {self.march.value} requires"
+        )
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> nn.Module:
         # the scale and statistics follow the model's device but stay float32

@@ -12,6 +12,7 @@ output step, or the load failed on unexpected keys.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -149,6 +150,98 @@ def test_a_dtype_the_march_cannot_run_fails_the_load_naming_the_fake_quant(bayes
         r"march bernoulli2 \(it runs: qint8\); load with the march it was saved with",
     ):
         fresh.load_state_dict(state)
+
+
+def _as_it_is(model: nn.Module, x: torch.Tensor) -> tuple:
+    """What a failed load must not change: every state-dict entry, each fake quant's dtype,
+    offset and scale, each parameter's identity, and the model's output."""
+    with torch.no_grad():
+        out = model(x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grids = [
+        (n, m.dtype, m.offset, m.scale)
+        for n, m in model.named_modules()
+        if isinstance(m, fxq.FakeQuantize)
+    ]
+    return state, grids, [id(p) for p in model.parameters()], out
+
+
+def _assert_as_it_was(model: nn.Module, x: torch.Tensor, before: tuple) -> None:
+    state, grids, params, out = _as_it_is(model, x)
+    assert state.keys() == before[0].keys()
+    assert all(torch.equal(state[k], before[0][k]) for k in state)
+    assert [g[:3] for g in grids] == [g[:3] for g in before[1]]
+    assert all(a[3] is b[3] for a, b in zip(grids, before[1]))  # the same scale tensors
+    assert params == before[2] and torch.equal(out, before[3])
+
+
+def test_a_failed_load_leaves_the_model_as_it_was(bayes):
+    """torch copies a state dict's tensors as it goes and raises at the end, and fxq's fake
+    quants adopt a saved dtype while they load: a load that fails puts everything back."""
+    torch.manual_seed(0)
+    net = HandoffNet().eval()
+    data = [torch.randn(IMAGE)]
+    x = torch.randn(IMAGE)
+    int16 = fxq.qconfig.default_calib_8bit_weight_16bit_act_fake_quant_qconfig
+    # the stem's output in int16 (adopted by the load) and the fc in float (unexpected keys)
+    saved = calibrate(
+        fxq.prepare_qat_fx(net, {"": calib_q8, "module_name": [("stem", int16), ("fc", None)]}),
+        data,
+    ).state_dict()
+    saved = {k: v for k, v in saved.items() if not k.startswith("fc.")}
+    saved.update({f"fc.extra{i}": torch.zeros(1) for i in range(2)})
+    saved["stem.weight"] = saved["stem.weight"] + 1  # copied before the failure
+    model = calibrate(fxq.prepare_qat_fx(net, {"": calib_q8}), data)
+    fxq.set_fake_quantize(model, fxq.FakeQuantState.VALIDATION)
+    before = _as_it_is(model, x)
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"fc.extra0"):
+        model.load_state_dict(saved)
+    _assert_as_it_was(model, x, before)
+    # with assign=True torch puts the state dict's tensors in place of the model's
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        model.load_state_dict(saved, assign=True)
+    _assert_as_it_was(model, x, before)
+    # a shape that differs: an error torch records as it goes
+    wrong = dict(model.state_dict(), **{"fc.weight": torch.zeros(5, 9)})
+    wrong["stem.weight"] = wrong["stem.weight"] + 1
+    with pytest.raises(RuntimeError, match="size mismatch for fc.weight"):
+        model.load_state_dict(wrong)
+    _assert_as_it_was(model, x, before)
+    # not strict: the unexpected keys are ignored and the rest loads, as torch's
+    model.load_state_dict(saved, strict=False)
+    assert model.stem.activation_post_process.dtype is fxq.qint16
+    assert torch.equal(model.stem.weight, saved["stem.weight"])
+
+
+def test_a_failed_load_of_an_integer_or_copied_model_leaves_it_as_it_was(bayes):
+    torch.manual_seed(0)
+    net = HandoffNet().eval()
+    qat = calibrate(fxq.prepare_qat_fx(net, {"": calib_q8}), [torch.randn(IMAGE)])
+    fxq.set_march("bernoulli2")  # power-of-two scales
+    other = calibrate(fxq.prepare_qat_fx(net, {"": calib_q8}), [torch.randn(IMAGE)])
+    other = copy.deepcopy(other)  # the hooks are copied
+    x = torch.randn(IMAGE)
+    fxq.set_fake_quantize(other, fxq.FakeQuantState.VALIDATION)
+    before = _as_it_is(other, x)
+    # a bayes state dict's scales are not powers of two: refused, naming them
+    with pytest.raises(
+        RuntimeError,
+        match=r"stem\.weight_fake_quant\.scale: 8 of 8 saved scales \(e\.g\. [0-9.e-]+\) are not "
+        r"powers of two, which march bernoulli2 requires; load with the march it was saved with",
+    ):
+        other.load_state_dict(qat.state_dict())
+    _assert_as_it_was(other, x, before)
+    integer = fxq.convert_fx(other)
+    with torch.no_grad():
+        out = integer(x)
+    state = {k: v.clone() for k, v in integer.state_dict().items()}
+    wrong = dict(state, **{"fc.weight": torch.zeros(2, 2, dtype=state["fc.weight"].dtype)})
+    wrong["stem.weight"] = wrong["stem.weight"] + 1
+    with pytest.raises(RuntimeError, match="size mismatch for fc.weight"):
+        integer.load_state_dict(wrong)
+    assert all(torch.equal(v, state[k]) for k, v in integer.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(integer(x), out)
 
 
 def test_a_state_dict_without_dtypes_keeps_the_qconfigs(bayes):

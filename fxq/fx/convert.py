@@ -24,6 +24,7 @@ from torch.fx.node import map_arg
 from fxq import stubs
 from fxq.fake_quantize import FakeQuantize
 from fxq.fx.graph_utils import set_submodule, unique_name
+from fxq.fx.load_guard import guard_loads
 from fxq.qat.base import QATModule
 from fxq.qat.stubs import QuantStub
 from fxq.quantized.base import QuantizedModule
@@ -76,7 +77,7 @@ def convert_fx(model: GraphModule, dequantize_outputs: bool = True) -> GraphModu
     devices = {t.device for t in (*model.parameters(), *model.buffers())}
     if len(devices) == 1:  # what the integer modules computed on the host follows the model
         gm.to(devices.pop())
-    return gm
+    return guard_loads(gm)  # a failed load_state_dict leaves it as it was
 
 
 def _sharded_parameters(model: nn.Module) -> list[str]:

@@ -50,6 +50,7 @@ from fxq.fx.graph_utils import (
     unique_name,
 )
 from fxq.fx.inplace import functionalize_inplace
+from fxq.fx.load_guard import guard_loads
 from fxq.fx.tracer import (
     is_fx_wrapped,
     is_opaque_call,
@@ -155,7 +156,7 @@ def prepare_qat_fx(
     fuse_norm_inputs(gm, spec)
     _follow_model_device(gm)
     set_fake_quantize(gm, FakeQuantState.QAT)
-    return gm
+    return guard_loads(gm)  # a failed load_state_dict leaves it as it was
 
 
 _FLOAT_OPS_CHOICES = ("warn", "error", "ignore")
