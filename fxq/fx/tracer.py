@@ -67,6 +67,7 @@ __all__ = [
     "SELF",
     "SizeQuestionError",
     "reads_only_sizes",
+    "check_decided",
 ]
 
 T = TypeVar("T")
@@ -356,14 +357,17 @@ class Tracer(torch.fx.Tracer):
         extra_leaf_types: tuple[type, ...] = (),
         example_inputs: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__()
+        # a graph's checks of conditions decided at tracing stay nodes when torch.fx traces
+        # its code again (an unpickled graph module)
+        super().__init__(autowrap_functions=(check_decided,))
         self.extra_leaf_types = extra_leaf_types + _torchvision_leaves()
         self.uses_root_methods = False
         #: fake and constant values of the recorded nodes (``fxq.fx.example_values``)
         self.example_values = ExampleValues(example_inputs or {}, _ACTIVE)
         self.has_example_inputs = bool(example_inputs)
-        #: condition nodes decided in Python (dropped after tracing when nothing else reads them)
-        self.decided: list[torch.fx.Node] = []
+        #: condition nodes decided in Python with the example inputs, and their answers (each
+        #: becomes a check of the answer after tracing: ``_check_decided_conditions``)
+        self.decided: list[tuple[torch.fx.Node, bool]] = []
         #: the result nodes of ``inline_fx_wrapped``
         self.inlined: list[torch.fx.Node] = []
 
@@ -437,7 +441,7 @@ class Tracer(torch.fx.Tracer):
         if known is None:
             self._check_size_question(obj)
             return super().to_bool(obj)
-        self.decided.append(obj.node)
+        self.decided.append((obj.node, bool(known)))
         return known
 
     def iter(self, obj: torch.fx.Proxy) -> Iterator[Any]:
@@ -786,7 +790,7 @@ def symbolic_trace(
     examples = _inputs_by_name(model, example_inputs, concrete_args)
     tracer = Tracer(example_inputs=examples)
     graph = tracer.trace(model, concrete_args)
-    _drop_decided_conditions(graph, tracer.decided)
+    _check_decided_conditions(graph, tracer.decided)
     for node in list(graph.nodes):
         # attributes read only for Python checks (nn.TransformerEncoderLayer's fast-path test
         # of its weights) or by a failed inline_fx_wrapped: a later pass may swap the module
@@ -817,22 +821,49 @@ _PURE_PYTHON = frozenset(
 )
 
 
-def _drop_decided_conditions(graph: torch.fx.Graph, decided: list[torch.fx.Node]) -> None:
-    """Erase conditions decided in Python while tracing, and the size arithmetic only they read.
+def _check_decided_conditions(
+    graph: torch.fx.Graph, decided: list[tuple[torch.fx.Node, bool]]
+) -> None:
+    """Make each condition decided in Python while tracing a check of its answer at run time.
 
-    ``if seq_len > 1:`` records ``gt = getitem > 1`` and decides it from the
-    example inputs; the node would stay in the graph, unused, and read as an op.
+    ``if new_h != H:`` on sizes records ``ne = getitem != getitem`` and is answered from the
+    example inputs: the graph holds the branch taken. A call whose sizes answer otherwise
+    would run that branch silently; ``check_decided(ne, True, ...)`` after the condition
+    raises instead. A condition that reads something other than sizes and Python arithmetic
+    (an attribute such as a dtype decided from the example) is erased with the arithmetic
+    only it read, as before.
     """
-    work = list(decided)
-    while work:
-        node = work.pop()
+    for node, answer in decided:
         if node.graph is not graph or node.users or node.op != "call_function":
             continue
-        if node.target not in _PURE_PYTHON:
+        if reads_only_sizes(node):
+            where = node.meta.get("fxq_source", "an unknown line")
+            with graph.inserting_after(node):
+                check = graph.call_function(check_decided, (node, answer, where))
+            check.meta["fxq_source"] = where
             continue
-        inputs = node.all_input_nodes
-        graph.erase_node(node)
-        work.extend(inputs)
+        work = [node]
+        while work:
+            n = work.pop()
+            if n.graph is not graph or n.users or n.op != "call_function":
+                continue
+            if n.target not in _PURE_PYTHON:
+                continue
+            inputs = n.all_input_nodes
+            graph.erase_node(n)
+            work.extend(inputs)
+
+
+def check_decided(condition: Any, answer: bool, where: str) -> None:
+    """Raise when a condition on sizes that tracing decided from the example inputs answers
+    otherwise at run time (the graph holds only the branch the example took)."""
+    if bool(condition) is not answer:
+        raise RuntimeError(
+            f"{where}: this condition on tensor sizes was {answer} for the example inputs the "
+            f"model was traced with, and is {not answer} for these inputs; the traced graph "
+            "holds only the branch the example took. Trace with example_inputs of the sizes "
+            "you run, or wrap the function with the branch in @fxq.fx_wrap()"
+        )
 
 
 def _defaults_after(

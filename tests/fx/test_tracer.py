@@ -387,3 +387,46 @@ def test_torch_transformer_layers_are_traced_through_and_integer(bayes):
     assert [
         type(plain.get_submodule(n.target)) for n in plain.graph.nodes if n.op == "call_module"
     ] == [nn.TransformerEncoderLayer]
+
+
+class ResizesUnlessSquare16(nn.Module):
+    """A branch on sizes (timm MobileViT's ``if new_h != H or new_w != W``): traced with an
+    example, the graph holds the branch the example took."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        if x.shape[-1] != 16 or x.shape[-2] != 16:
+            x = F.interpolate(x, size=(16, 16), mode="nearest")
+        return self.conv(x)
+
+
+def test_a_branch_decided_from_the_example_sizes_is_checked_at_each_call(bayes, tmp_path):
+    model = ResizesUnlessSquare16().eval()
+    x = torch.randn(1, 3, 16, 16)
+    qat_model = fxq.prepare_qat_fx(model, {"": q8}, example_inputs=(x,))
+    calibrate(qat_model, [x])
+    fxq.set_fake_quantize(qat_model, "validation")
+    integer = fxq.convert_fx(qat_model)
+    torch.save(integer, tmp_path / "integer.pt")
+    unpickled = torch.load(tmp_path / "integer.pt", weights_only=False)  # traced again
+    line = f"{__file__}:{ResizesUnlessSquare16.forward.__code__.co_firstlineno + 1}"
+    for gm in (qat_model, integer, unpickled):
+        with torch.no_grad():
+            assert gm(torch.randn(2, 3, 16, 16)).shape == (2, 4, 16, 16)  # the same answer
+            # the float model resizes a 20 x 20 input; the traced graph would not have
+            with pytest.raises(
+                RuntimeError,
+                match=rf"{line}: this condition on tensor sizes was False for the example inputs "
+                r"the model was traced with, and is True for these inputs",
+            ):
+                gm(torch.randn(1, 3, 20, 20))
+    # traced with a 20 x 20 example, the resizing branch is the graph
+    gm = fxq.symbolic_trace(model, example_inputs=(torch.randn(1, 3, 20, 20),))
+    y = torch.randn(1, 3, 24, 24)
+    with torch.no_grad():
+        assert torch.equal(gm(y), model(y))
+    with pytest.raises(RuntimeError, match="was True for the example inputs"):
+        gm(x)
