@@ -128,6 +128,30 @@ def test_empty_data_and_num_batches_below_one_name_the_argument_and_the_function
         )
 
 
+@pytest.mark.parametrize("who", sorted(RECIPES))
+def test_batches_without_a_sample_are_refused_naming_the_function(bayes, who):
+    """Batches of shape (0, ...) give nothing to observe: a clear error, not a calibration
+    that observed nothing (``calibrate``) or an unrelated complaint later (``ptq``)."""
+    empty = [torch.randn(0, 3, 8, 8), torch.randn(0, 3, 8, 8)]
+    with pytest.raises(ValueError) as info:
+        RECIPES[who](empty)
+    assert str(info.value) == (
+        f"{who}: every batch of `data` holds no sample (e.g. tensor shape (0, 3, 8, 8)); "
+        "nothing can be observed. Pass batches with at least one sample"
+    )
+
+
+def test_an_empty_batch_among_others_is_skipped(bayes):
+    data = _images()
+    mixed = calibrate(_prepared(), [torch.randn(0, 3, 8, 8), *data], show_progress=False)
+    assert _same(mixed, calibrate(_prepared(), data, show_progress=False))
+    # calibrate refuses from a generator too, and leaves the model's modes as they were
+    model = _prepared().train()
+    with pytest.raises(ValueError, match="every batch of `data` holds no sample"):
+        calibrate(model, (torch.randn(0, 3, 8, 8) for _ in range(2)), show_progress=False)
+    assert model.training
+
+
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 

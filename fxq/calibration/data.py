@@ -53,6 +53,8 @@ __all__ = [
     "batch_arguments",
     "batch_list",
     "each_batch",
+    "holds_sample",
+    "no_sample_error",
     "check_data",
     "check_num_batches",
     "no_batch_error",
@@ -292,7 +294,26 @@ def batch_list(
         agree_on_batch_count(len(batches), who, equal=ranks == "equal")
     if not batches:
         raise no_batch_error(data, who, argument)
+    if world_size() < 2 and not any(map(holds_sample, batches)):  # (a rank alone: no hang)
+        raise no_sample_error(batches[0], who, argument)
     return batches
+
+
+def holds_sample(batch: Any) -> bool:
+    """Whether ``batch`` holds a sample: a non-empty tensor, or no tensor at all (inputs
+    that ``input_fn`` makes tensors of)."""
+    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    return not tensors or any(t.numel() for t in tensors)
+
+
+def no_sample_error(batch: Any, who: str, argument: str = "data") -> ValueError:
+    """The error for data whose every batch holds no sample (tensors of shape ``(0, ...)``)."""
+    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    shapes = ", ".join(str(tuple(t.shape)) for t in tensors[:3])
+    return ValueError(
+        f"{who}: every batch of `{argument}` holds no sample (e.g. tensor shape {shapes}); "
+        "nothing can be observed. Pass batches with at least one sample"
+    )
 
 
 def each_batch(

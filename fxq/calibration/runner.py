@@ -19,7 +19,9 @@ from fxq.calibration.data import (
     check_data,
     check_num_batches,
     each_batch,
+    holds_sample,
     no_batch_error,
+    no_sample_error,
 )
 from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
 from fxq.observer import synchronized, world_size
@@ -210,6 +212,28 @@ def float_pass_with_hooks(
             h.remove()
 
 
+class _SampleCount:
+    """``data`` as it is (its ``len`` too), noting a batch without samples while no batch
+    seen so far held one (``empty``: None once one did)."""
+
+    def __init__(self, data: Iterable[Any]) -> None:
+        self.data = data
+        self.empty: Any = None
+        self.seen = False
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.data:
+            if not self.seen:
+                if holds_sample(batch):
+                    self.seen, self.empty = True, None
+                else:
+                    self.empty = batch
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]  # TypeError where it has none
+
+
 def _known_length(data: Any, num_batches: int | None) -> int | None:
     """How many batches ``data`` will yield, when it says (``len``), capped at ``num_batches``."""
     try:
@@ -279,10 +303,11 @@ def calibrate(
         set_fake_quantize(model, FakeQuantState.CALIBRATION)
         model.eval()
         sync = synchronized(model) if sync_ranks else contextlib.nullcontext(model)
+        counted = _SampleCount(data)
         with sync:
             outputs = run_batches(
                 model,
-                data,
+                counted,
                 num_batches,
                 input_fn,
                 "calibrating",
@@ -297,6 +322,8 @@ def calibrate(
                 note="Nothing was observed; the model was left in the mode and fake-quant "
                 "state it had.",
             )
+        if counted.empty is not None and not ranks:  # (on a rank alone: no hang)
+            raise no_sample_error(counted.empty, "calibrate")
     except BaseException:
         saved.restore()
         raise
