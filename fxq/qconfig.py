@@ -26,6 +26,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -382,12 +383,33 @@ class QConfigResolver:
             self.regexes.append(
                 (compiled, self._check(f"module_name_regex {pattern!r}", qc, "module_name_regex"))
             )
+            self._warn_if_unmatched(compiled)
         # qconfig attributes set on modules
         self.attributes: dict[str, QConfig | None] = {}
         for name, module in self._modules.items():
             if "qconfig" in module.__dict__:
                 where = f"attribute {name or '<root>'}.qconfig"
                 self.attributes[name] = self._check(where, module.__dict__["qconfig"], "attribute")
+
+    def _warn_if_unmatched(self, pattern: re.Pattern[str]) -> None:
+        """Warn for a ``module_name_regex`` that matches no module's whole name (it selects
+        nothing; a name it matches in part is the usual cause)."""
+        names = [n for n in self._modules if n]
+        if any(pattern.fullmatch(n) for n in names):
+            return
+        partly = [n for n in names if pattern.search(n)]
+        hint = (
+            f"; it matches part of {partly[0]!r}, and must match a whole name "
+            f"(e.g. {'.*' + pattern.pattern + '.*'!r})"
+            if partly
+            else ""
+        )
+        warnings.warn(
+            f"qconfig_dict['module_name_regex']: {pattern.pattern!r} matches no module of the "
+            f"model, so it selects nothing{hint}",
+            UserWarning,
+            stacklevel=4,
+        )
 
     @staticmethod
     def _pairs(d: Mapping[str, Any], key: str) -> Iterable[tuple[Any, Any]]:

@@ -1,5 +1,6 @@
 import operator
 import re
+import warnings
 
 import pytest
 import torch
@@ -419,3 +420,18 @@ def test_module_type_strings_that_name_nothing_are_refused(bayes, key, hint):
     )
     assert re.search(hint, message), message
     assert "Use the class or function itself (e.g. {torch.nn.Conv2d: qconfig}" in message
+
+
+def test_a_regex_that_matches_no_module_warns(bayes):
+    with pytest.warns(UserWarning) as record:
+        _resolver({"": q8, "module_name_regex": [("conv", None), (r"neck\..*", None)]})
+    assert [str(w.message) for w in record] == [
+        "qconfig_dict['module_name_regex']: 'conv' matches no module of the model, so it "
+        "selects nothing; it matches part of 'backbone.0.conv', and must match a whole name "
+        "(e.g. '.*conv.*')",
+        "qconfig_dict['module_name_regex']: 'neck\\\\..*' matches no module of the model, so it "
+        "selects nothing",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _resolver({"": q8, "module_name_regex": [(r"backbone\..*", None)]})

@@ -127,6 +127,8 @@ def prepare_qat_fx(
         raise ValueError(
             f"prepare_qat_fx: float_ops must be one of {_FLOAT_OPS_CHOICES}, got {float_ops!r}"
         )
+    if isinstance(example_inputs, Tensor):  # one input: (x,), not x's samples
+        example_inputs = (example_inputs,)
     work = copy.deepcopy(model)
     resolver = QConfigResolver(qconfig_dict, work, spec)
     if not resolver.anything_quantized():

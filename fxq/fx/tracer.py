@@ -903,7 +903,16 @@ def _inputs_by_name(
         return dict(example_inputs)
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
-    names = [p.name for p in traced_parameters(type(model).forward, concrete_args)]
+    params = traced_parameters(type(model).forward, concrete_args)
+    names = [p.name for p in params]
+    varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    if not varargs and len(example_inputs) > len(names):
+        raise TypeError(
+            f"example_inputs holds {len(example_inputs)} inputs, but "
+            f"{type(model).__name__}.forward takes {len(names)} ({', '.join(names) or 'none'}"
+            f"{' besides concrete_args' if concrete_args else ''}); pass one example per "
+            "input, in forward's order (a tuple: (x,) for one input)"
+        )
     return dict(zip(names, example_inputs))
 
 

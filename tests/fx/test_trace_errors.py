@@ -220,3 +220,28 @@ def test_a_call_without_a_traced_input_names_it():
     # (an @fx_wrap() function may take None), as in torch.fx
     gm = fxq.symbolic_trace(TwoInputs(), concrete_args={"shift": None})
     assert torch.equal(gm(x, x), x * x)
+
+
+class _ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+def test_one_example_tensor_is_one_input_and_extra_examples_are_refused(bayes):
+    qconfig = fxq.qconfig.default_qat_8bit_fake_quant_qconfig
+    x = torch.randn(2, 3, 8, 8)
+    # a tensor is the one input (it was split into its samples: "expected 4D input")
+    bare = fxq.prepare_qat_fx(_ConvBN().eval(), {"": qconfig}, example_inputs=x)
+    wrapped = fxq.prepare_qat_fx(_ConvBN().eval(), {"": qconfig}, example_inputs=(x,))
+    assert bare.code == wrapped.code
+    with pytest.raises(TypeError) as info:
+        fxq.prepare_qat_fx(_ConvBN().eval(), {"": qconfig}, example_inputs=(x, x))
+    assert str(info.value) == (
+        "example_inputs holds 2 inputs, but _ConvBN.forward takes 1 (x); pass one example per "
+        "input, in forward's order (a tuple: (x,) for one input)"
+    )
