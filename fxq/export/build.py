@@ -56,6 +56,7 @@ from fxq.fx.graph_utils import reads_metadata_only
 from fxq.fx.tracer import SELF, call_wrapped_method
 from fxq.primitives import Call, recording
 from fxq.primitives.core import NotExportable
+from fxq.qat.base import QATModule
 from fxq.qtensor import QTensor
 from fxq.quantized.base import QuantizedModule, Standalone
 from fxq.quantized.stubs import DeQuantize
@@ -97,6 +98,9 @@ class _Exporter(Interpreter):
 
     def __init__(self, gm: GraphModule, stop_at: list[str] | None = None) -> None:
         super().__init__(gm)
+        # fxq's errors name the node and its source line; torch.fx would append the node's
+        # FX form and a pointer to tlparse (other errors get the node in a note: ``_export``)
+        self.extra_traceback = False
         self.stop_at = stop_at  # FX node names whose values are the graph's outputs
         self.values: dict[str, Any] = {}
         self.modules = dict(gm.named_modules())
@@ -474,8 +478,18 @@ class _Exporter(Interpreter):
             "softmax, log_softmax, max / avg / adaptive-avg pooling, interpolate (nearest, "
             "bilinear, linear), mean, sum, amax, amin, cat, stack; on ids and masks also casts, "
             "comparisons, logical and / or / xor / not, where, masked_fill; and ops that move "
-            "values); keep it out of the exported part, or give it a qconfig so that it is "
-            "quantized"
+            "values); " + self._float_op_advice()
+        )
+
+    def _float_op_advice(self) -> str:
+        """What to do about the float op of the node being exported: quantize it where it has
+        an integer form, else leave it out of the graph."""
+        row, _ = registry.row_for(self.fx_node, self.modules)
+        if row.integer is not None:
+            return "give it a qconfig so that it is quantized, or keep it out of the exported part"
+        return (
+            "it has no integer form either: export the network before it "
+            "(to_graph(model, x, outputs=[<the nodes it reads>])) and run it after the graph"
         )
 
 
@@ -576,7 +590,7 @@ def to_graph(
         states (2, "Float regions").
 
     Raises:
-        TypeError: ``quantized`` is not a GraphModule.
+        TypeError: ``quantized`` is not a GraphModule, or is a prepared model (not converted).
         ExportError: a node has no export rule (naming the node, its op and source line),
             a name in ``outputs`` is not a node of the graph, or a declared dynamic dimension
             cannot stay dynamic (naming the node, its source line and the symbol).
@@ -585,6 +599,12 @@ def to_graph(
         raise TypeError(
             f"fxq.export.to_graph expects the GraphModule returned by fxq.convert_fx, got "
             f"{type(quantized).__name__}"
+        )
+    if any(isinstance(m, QATModule) for m in quantized.modules()):
+        raise TypeError(
+            "fxq.export.to_graph expects the integer model from fxq.convert_fx; this is a "
+            "prepared (QAT or calibrated) model, whose ops still compute in float with fake "
+            "quantization. Convert it first: fxq.export.to_graph(fxq.convert_fx(model), ...)"
         )
     if isinstance(example_inputs, Tensor):
         example_inputs = (example_inputs,)
@@ -651,6 +671,9 @@ def _export(
             ex.run(*example_inputs)
         except Exception as e:
             e.fx_node = ex.fx_node  # type: ignore[attr-defined]  # where it failed
+            if not isinstance(e, ExportError) and ex.fx_node is not None:
+                source = ex.fx_node.meta.get("fxq_source", "unknown source")
+                e.add_note(f"while exporting node {ex.fx_node.format_node()} ({source})")
             raise
     if names is not None:
         for name in names:

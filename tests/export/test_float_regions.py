@@ -414,6 +414,26 @@ def test_an_unsupported_float_op_is_refused_with_its_name_and_line(bayes):
         fxq.export.to_graph(integer, torch.randn(2, 3, 8, 8))
     assert f"test_float_regions.py:{line}" in str(e.value)
     assert "float op without an export rule" in str(e.value)
+    # cumsum has no integer form: the advice is to export the network before it
+    assert str(e.value).endswith(
+        "it has no integer form either: export the network before it "
+        "(to_graph(model, x, outputs=[<the nodes it reads>])) and run it after the graph"
+    )
+
+
+def _grid_sample(m, x):
+    return F.grid_sample(x, x[:, :2].permute(0, 2, 3, 1).tanh(), align_corners=False)
+
+
+def test_a_float_op_with_an_integer_form_is_advised_a_qconfig(bayes):
+    integer = _convert(
+        _Tail(_grid_sample), {"": q8, "module_name": [("tail", None)]}, [torch.randn(2, 3, 8, 8)]
+    )
+    with pytest.raises(fxq.export.ExportError, match="grid_sample") as e:
+        fxq.export.to_graph(integer, torch.randn(2, 3, 8, 8))
+    assert str(e.value).endswith(
+        "give it a qconfig so that it is quantized, or keep it out of the exported part"
+    )
 
 
 def test_an_unsupported_argument_is_refused_at_export(bayes):

@@ -342,3 +342,16 @@ def test_detector_heads_export_without_the_host_post_process(bayes):
         fxq.export.to_graph(integer, x)
     with pytest.raises(fxq.export.ExportError, match="no node named"):
         fxq.export.to_graph(integer, x, outputs=["nope"])
+
+
+def test_a_prepared_model_is_refused_with_the_conversion_to_do(bayes):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    qat = fxq.prepare_qat_fx(model, {"": fxq.qconfig.default_qat_8bit_fake_quant_qconfig})
+    with pytest.raises(TypeError) as info:
+        fxq.export.to_graph(qat, x)
+    assert str(info.value) == (
+        "fxq.export.to_graph expects the integer model from fxq.convert_fx; this is a prepared "
+        "(QAT or calibrated) model, whose ops still compute in float with fake quantization. "
+        "Convert it first: fxq.export.to_graph(fxq.convert_fx(model), ...)"
+    )
