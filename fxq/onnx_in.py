@@ -484,13 +484,34 @@ def _gelu(b: _Builder, node: Any, inputs: list[Value], attrs: dict[str, Any]) ->
 
 @_converts("Softmax")
 def _softmax(b: _Builder, node: Any, inputs: list[Value], attrs: dict[str, Any]) -> Value:
-    axis = attrs.get("axis", -1)
-    if b.opset < 13 and axis not in (-1,) and b.rank(node.input[0]) not in (None, axis + 1):
-        raise OnnxImportError(
-            f"ONNX node {node.name!r} (Softmax, opset {b.opset}): softmax over the flattened "
-            f"dimensions from axis {axis} is not supported; re-export with opset 13 or later"
-        )
-    return b.call(F.softmax, inputs[0], dim=axis)
+    """``Softmax``. From opset 13 on it normalizes along ``axis`` (default -1). Before
+    opset 13 the default axis is 1 and the input is coerced to 2-D: the softmax runs over
+    all dimensions from ``axis`` on jointly. fxq computes that exactly: flattened from
+    ``axis``, a softmax over the last dimension, reshaped back (the input's shape read
+    when the model runs where the file leaves it open)."""
+    x = inputs[0]
+    if b.opset >= 13:
+        return b.call(F.softmax, x, dim=attrs.get("axis", -1))
+    axis = attrs.get("axis", 1)
+    shape = b.shape(node.input[0])
+    if shape is not None:
+        if not -len(shape) <= axis < len(shape):
+            raise OnnxImportError(
+                f"ONNX node {node.name!r} (Softmax, opset {b.opset}): axis {axis} is out of "
+                f"range for its {len(shape)}-D input {node.input[0]!r} (shape {shape}); "
+                "the file is malformed: check it with onnx.checker.check_model"
+            )
+        axis %= len(shape)
+        if all(size == 1 for size in shape[axis + 1 :]):  # one dimension: no flattening
+            return b.call(F.softmax, x, dim=axis)
+    elif axis == -1:
+        return b.call(F.softmax, x, dim=-1)
+    if shape is None:
+        sizes = b.call(getattr, x, "shape")
+    else:  # the batch dimension left free where it is not flattened
+        sizes = tuple(shape) if axis == 0 else (-1, *shape[1:])
+    flat = b.call(F.softmax, b.call(torch.flatten, x, axis), dim=-1)
+    return b.call(torch.reshape, flat, sizes)
 
 
 @_converts("LayerNormalization")
@@ -855,6 +876,11 @@ def _as_model(source: str | Path | Any) -> Any:
         path = Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"no ONNX file at {str(path)!r}")
+        if path.stat().st_size == 0:
+            raise OnnxImportError(
+                f"{str(path)!r} is empty (0 bytes): the export or the copy did not finish; "
+                "export or copy it again"
+            )
         try:
             return onnx.load(str(path))
         except Exception as error:
@@ -886,6 +912,75 @@ def _with_input_shapes(model: Any, shapes: Mapping[str, Sequence[int]]) -> Any:
                 )
             dim.dim_value = int(size)
     return model
+
+
+def _node_label(node: Any, index: int) -> str:
+    """``node 'Add_3' (Add)``, or the node's position where the file leaves it unnamed."""
+    if node.name:
+        return f"node {node.name!r} ({node.op_type})"
+    return f"node #{index} ({node.op_type}, unnamed)"
+
+
+def _check_graph(model: Any) -> None:
+    """Refuse a graph that is not well formed: no graph or no outputs, a value produced
+    twice, a node reading a value nothing before it produces (a dangling name, or nodes
+    out of topological order), a graph output declared twice or produced by nothing.
+
+    Raises:
+        OnnxImportError: naming the node or output and what is wrong with it.
+    """
+    check = "check it with onnx.checker.check_model"
+    if not model.HasField("graph"):
+        raise OnnxImportError(f"the ONNX model has no graph (an empty or truncated file?); {check}")
+    graph = model.graph
+    if not graph.output:
+        raise OnnxImportError(
+            f"the ONNX graph {graph.name!r} declares no outputs, so the model would compute "
+            "nothing; list the values it returns in graph.output (re-export it)"
+        )
+    produced = {i.name: "an initializer" for i in graph.initializer}
+    produced.update({i.name: "a graph input" for i in graph.input if i.name not in produced})
+    later = {
+        name: (node, index) for index, node in enumerate(graph.node) for name in node.output if name
+    }
+    for index, node in enumerate(graph.node):
+        for name in node.input:
+            if not name or name in produced:
+                continue
+            if name in later:
+                source, source_index = later[name]
+                raise OnnxImportError(
+                    f"ONNX {_node_label(node, index)} reads {name!r}, which "
+                    f"{_node_label(source, source_index)} produces after it: the nodes are "
+                    f"not in topological order; sort them (re-export the model) and {check}"
+                )
+            raise OnnxImportError(
+                f"ONNX {_node_label(node, index)} reads {name!r}, which no initializer, graph "
+                f"input or earlier node produces: the file is malformed; {check}"
+            )
+        for name in node.output:
+            if not name:
+                continue
+            if name in produced:
+                raise OnnxImportError(
+                    f"ONNX {_node_label(node, index)} produces {name!r}, which "
+                    f"{produced[name]} already produces: every value needs one producer; "
+                    f"rename one of them (re-export the model) and {check}"
+                )
+            produced[name] = _node_label(node, index)
+    declared: set[str] = set()
+    for out in graph.output:
+        if out.name in declared:
+            raise OnnxImportError(
+                f"the ONNX graph declares output {out.name!r} twice; every output needs its "
+                f"own name: re-export the model and {check}"
+            )
+        declared.add(out.name)
+        if out.name not in produced:
+            raise OnnxImportError(
+                f"the ONNX graph's output {out.name!r} is produced by no node, initializer or "
+                f"graph input: the file is malformed; {check}"
+            )
 
 
 def unsupported_ops(source: str | Path | Any) -> dict[str, list[str]]:
@@ -921,11 +1016,15 @@ def load_onnx(
 
     Raises:
         FileNotFoundError: no file at the path.
-        OnnxImportError: op types fxq cannot convert (all listed, with their node
-            names, before any conversion), a subgraph (``If``, ``Loop``), or an
-            attribute no torch op has (asymmetric padding, a ``Resize`` mode).
+        OnnxImportError: an empty or unreadable file; a malformed graph (no outputs,
+            a value produced twice, a node reading a name nothing before it produces,
+            an output declared twice or produced by nothing), named; op types fxq
+            cannot convert (all listed, with their node names, before any
+            conversion), a subgraph (``If``, ``Loop``), or an attribute no torch op
+            has (asymmetric padding, a ``Resize`` mode).
     """
     model = _as_model(source)
+    _check_graph(model)
     if input_shapes:
         model = _with_input_shapes(model, input_shapes)
     missing = unsupported_ops(model)

@@ -175,3 +175,149 @@ def test_a_missing_or_broken_file_is_a_clear_error(tmp_path):
     (tmp_path / "broken.onnx").write_bytes(b"not a protobuf at all")
     with pytest.raises(OnnxImportError, match=r"'.*broken\.onnx' is not a readable ONNX file"):
         load_onnx(tmp_path / "broken.onnx")
+
+
+def _graph_model(nodes, inputs=None, outputs=None, opset=17, initializers=()):
+    """A one-graph ONNX model from ``onnx.helper`` parts: input ``x`` [1, 4], output ``y``."""
+    from onnx import TensorProto, helper
+
+    if inputs is None:
+        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])]
+    if outputs is None:
+        outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8  # one that onnxruntime reads
+    return model
+
+
+@pytest.mark.parametrize(
+    ("opset", "shape", "attrs"),
+    [
+        (11, [2, 3, 4], {}),  # default axis 1: softmax over dims 1 and 2 jointly
+        (11, None, {"axis": 1}),  # rank unknown when the file is read
+        (11, [2, 3, 4], {"axis": 1}),
+        (11, [2, 3, 4], {"axis": 0}),  # over everything
+        (12, ["batch", 3, 4], {"axis": -2}),  # negative, batch left open
+        (12, None, {"axis": -2}),
+        (11, [2, 3, 4, 1], {"axis": 2}),  # the dims after the axis are all 1
+        (11, [2, 3, 4], {"axis": -1}),
+        (13, [2, 3, 4], {}),  # opset 13: default axis -1, no flattening
+        (17, [2, 3, 4], {"axis": 1}),
+    ],
+)
+def test_softmax_follows_the_opset_semantics_as_onnxruntime_does(opset, shape, attrs):
+    """Before opset 13 ONNX's Softmax coerces its input to 2-D at ``axis`` (default 1) and
+    normalizes over every dimension from there on; from 13 on over ``axis`` (default -1)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    model = _graph_model(
+        [helper.make_node("Softmax", ["x"], ["y"], name="sm", **attrs)],
+        inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        opset=opset,
+    )
+    x = torch.randn(2, 3, 4, 1) if shape == [2, 3, 4, 1] else torch.randn(2, 3, 4)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = torch.from_numpy(session.run(None, {"x": x.numpy()})[0])
+    got = load_onnx(model)(x)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max() < 1e-6
+
+
+def test_softmax_before_opset_13_with_an_axis_out_of_range_is_refused():
+    from onnx import helper
+
+    model = _graph_model([helper.make_node("Softmax", ["x"], ["y"], name="sm", axis=2)], opset=11)
+    with pytest.raises(
+        OnnxImportError,
+        match=r"ONNX node 'sm' \(Softmax, opset 11\): axis 2 is out of range for its 2-D input "
+        r"'x' \(shape \[1, 4\]\); the file is malformed: check it with onnx.checker.check_model",
+    ):
+        load_onnx(model)
+
+
+def _relu(inp, out, name):
+    from onnx import helper
+
+    return helper.make_node("Relu", [inp], [out], name=name)
+
+
+_CHECK = r"check it with onnx\.checker\.check_model"
+
+
+@pytest.mark.parametrize(
+    ("nodes", "message"),
+    [
+        (
+            [_relu("x", "a", "Relu_0"), _relu("nope", "y", "Add_3")],
+            r"ONNX node 'Add_3' \(Relu\) reads 'nope', which no initializer, graph input or "
+            r"earlier node produces: the file is malformed; " + _CHECK,
+        ),
+        (
+            [_relu("a", "y", "second"), _relu("x", "a", "first")],
+            r"ONNX node 'second' \(Relu\) reads 'a', which node 'first' \(Relu\) produces after "
+            r"it: the nodes are not in topological order; sort them \(re-export the model\) "
+            r"and " + _CHECK,
+        ),
+        (
+            [_relu("x", "z", "r")],
+            r"the ONNX graph's output 'y' is produced by no node, initializer or graph input: "
+            r"the file is malformed; " + _CHECK,
+        ),
+        (
+            [_relu("x", "y", "r1"), _relu("x", "y", "r2")],
+            r"ONNX node 'r2' \(Relu\) produces 'y', which node 'r1' \(Relu\) already produces: "
+            r"every value needs one producer; rename one of them \(re-export the model\) "
+            r"and " + _CHECK,
+        ),
+        (
+            [_relu("x", "x", "r"), _relu("x", "y", "r1")],
+            r"ONNX node 'r' \(Relu\) produces 'x', which a graph input already produces",
+        ),
+        (
+            [_relu("x", "a", ""), _relu("b", "y", "")],
+            r"ONNX node #1 \(Relu, unnamed\) reads 'b', which no initializer",
+        ),
+    ],
+    ids=[
+        "dangling",
+        "unsorted",
+        "output-unproduced",
+        "produced-twice",
+        "input-shadowed",
+        "unnamed",
+    ],
+)
+def test_a_malformed_graph_is_refused_naming_the_node_or_output(nodes, message):
+    with pytest.raises(OnnxImportError, match=message):
+        load_onnx(_graph_model(nodes))
+
+
+def test_a_graph_without_outputs_or_with_an_output_twice_is_refused():
+    from onnx import TensorProto, helper
+
+    with pytest.raises(
+        OnnxImportError,
+        match=r"the ONNX graph 'g' declares no outputs, so the model would compute nothing; "
+        r"list the values it returns in graph\.output \(re-export it\)",
+    ):
+        load_onnx(_graph_model([_relu("x", "y", "r")], outputs=[]))
+    twice = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)] * 2
+    with pytest.raises(
+        OnnxImportError,
+        match=r"the ONNX graph declares output 'y' twice; every output needs its own name: "
+        r"re-export the model and " + _CHECK,
+    ):
+        load_onnx(_graph_model([_relu("x", "y", "r")], outputs=twice))
+    with pytest.raises(OnnxImportError, match=r"the ONNX model has no graph"):
+        load_onnx(onnx.ModelProto())
+
+
+def test_an_empty_file_is_refused(tmp_path):
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    message = r"'.*empty\.onnx' is empty \(0 bytes\): the export or the copy did not finish"
+    with pytest.raises(OnnxImportError, match=message):
+        load_onnx(tmp_path / "empty.onnx")
+    with pytest.raises(OnnxImportError, match=message):
+        unsupported_ops(tmp_path / "empty.onnx")
