@@ -60,6 +60,7 @@ __all__ = [
     "FakeQuantize",
     "FakeQuantizeFactory",
     "set_fake_quantize",
+    "check_non_finite",
     "fake_quantize_ste",
     "bypass",
 ]
@@ -919,6 +920,83 @@ class FakeQuantize(nn.Module):
         return ", ".join(parts)
 
 
+def check_non_finite(model: nn.Module) -> None:
+    """Raise if NaN or Inf reached a fake quant of ``model`` since the last check.
+
+    On CUDA an eager QAT step checks every 32 steps, and a compiled step (``torch.compile``)
+    never, to make no host sync: its flags are read when the fake-quant state changes or the
+    model is converted. A compiled training loop calls this every few hundred steps, outside
+    the compiled function, to stop within that many steps of a bad batch (one host read for
+    the whole model while nothing is wrong).
+
+    Raises:
+        ValueError: naming the fake quant where the values entered (the first in the
+            graph's order that saw them; the others it reached are listed after it).
+    """
+    quants = [(name, m) for name, m in model.named_modules() if isinstance(m, FakeQuantize)]
+    flags = [
+        flag
+        for _, m in quants
+        for flag in (
+            getattr(m.activation_post_process, "non_finite", None),
+            getattr(m.activation_post_process, "_non_finite", None),
+        )
+        if isinstance(flag, Tensor) and not flag.is_meta
+    ]
+    failed = any(getattr(m.activation_post_process, "_failed", False) for _, m in quants)
+    one_device = flags and len({f.device for f in flags}) == 1
+    if (
+        not failed
+        and one_device
+        and not bool(torch.cat([f.reshape(-1) for f in flags]).isnan().any())
+    ):
+        for _, m in quants:  # all read: the deferred counts start again
+            obs = m.activation_post_process
+            if hasattr(obs, "_non_finite"):
+                obs._non_finite, obs._unchecked = None, 0
+        return
+    errors = []
+    for name, m in quants:
+        try:
+            m.check_non_finite()
+        except ValueError as e:
+            errors.append((name, m.activation_post_process.name or name, e))
+    if not errors:
+        return
+    order = _graph_order(model)
+    errors.sort(key=lambda item: order(item[0]))
+    first = errors[0][2]
+    if len(errors) == 1:
+        raise first
+    others = "; ".join(where for _, where, _ in errors[1:6]) + ("; ..." if len(errors) > 6 else "")
+    raise ValueError(
+        f"{first} It is the first of {len(errors)} fake quants in the graph's order that "
+        f"saw them; the others are after it: {others}"
+    ) from first
+
+
+def _graph_order(model: nn.Module) -> Callable[[str], int]:
+    """A module name's position in ``model``'s graph: that of the first node calling it or
+    a module holding it (models without a graph: their modules' order)."""
+    graph = getattr(model, "graph", None)
+    position: dict[str, int] = {}
+    if isinstance(graph, torch.fx.Graph):
+        for i, node in enumerate(graph.nodes):
+            if node.op == "call_module":
+                position.setdefault(str(node.target), i)
+    names = {name: i for i, (name, _) in enumerate(model.named_modules())}
+
+    def order(name: str) -> int:
+        path = name
+        while path:
+            if path in position:
+                return position[path]
+            path = path.rpartition(".")[0]
+        return len(position) + names.get(name, 0)
+
+    return order
+
+
 @summarises_warnings("fxq.set_fake_quantize")
 def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Module:
     """Put every fake quant (and every fxq.qat module) of ``model`` in ``state``.
@@ -936,9 +1014,7 @@ def set_fake_quantize(model: nn.Module, state: FakeQuantState | str) -> nn.Modul
         ValueError: for an unknown state, or when ``model`` holds no fake quant.
     """
     state = _as_state(state)
-    for module in model.modules():  # every NaN / Inf first, so none is switched on an error
-        if isinstance(module, FakeQuantize):
-            module.check_non_finite()
+    check_non_finite(model)  # every NaN / Inf first, so none is switched on an error
     found = False
     for module in model.modules():
         setter = getattr(module, "set_fake_quant_state", None)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -139,6 +140,17 @@ def test_a_nan_in_a_compiled_qat_step_is_reported_at_the_state_change():
     x = torch.randn(8, 3, 12, 12)
     x[1, 2, 3, 4] = float("nan")
     compiled(x)  # no host sync in the compiled step: nothing raised here
+    # a training loop's periodic check (outside the compiled function) names where the NaN
+    # entered, the input's fake quant, before the layers it reached (the names of torch's
+    # registration order put the input's last)
+    first = next(n for n in model.graph.nodes if n.op == "call_module").target
+    with pytest.raises(ValueError) as info:
+        fxq.fake_quantize.check_non_finite(model)
+    message = str(info.value)
+    assert message.startswith(f"observer of the output of {first!r} saw NaN or Inf values")
+    count = sum(isinstance(m, fxq.FakeQuantize) for m in model.modules())
+    assert re.search(r"It is the first of (\d+) fake quants in the graph's order", message)
+    assert 2 < int(re.search(r"first of (\d+)", message)[1]) <= count
     with pytest.raises(ValueError, match=r"observer of .* saw NaN or Inf"):
         fxq.set_fake_quantize(model, fxq.FakeQuantState.VALIDATION)
 

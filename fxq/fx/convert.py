@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from fxq import stubs
-from fxq.fake_quantize import FakeQuantize
+from fxq.fake_quantize import FakeQuantize, check_non_finite
 from fxq.fx.graph_utils import set_submodule, unique_name
 from fxq.fx.load_guard import guard_loads
 from fxq.qat.base import QATModule
@@ -97,9 +97,9 @@ def _require_observed(model: nn.Module) -> None:
     # a standalone module that never ran (opaque code skipped it, or nothing calls it) stays
     # float in the converted model (see _convert_standalone); every other scale must exist
     skipped: set[int] = set()
+    check_non_finite(model)  # naming where NaN / Inf entered
     for m in model.modules():
         if isinstance(m, FakeQuantize):
-            m.check_non_finite()
             m.finalize()
         if isinstance(m, QATModule) and m.standalone or isinstance(m, QuantStub):
             # standalone modules that never ran stay float; stubs that saw no tensor pass values on
