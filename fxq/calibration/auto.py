@@ -204,7 +204,11 @@ def auto_calibrate(
 
     Returns:
         one row per activation fake quant: ``layer``, ``chosen``, ``scale``,
-        and the output SQNR (dB) each candidate gave when it was tried.
+        and the output SQNR (dB) each candidate gave when it was tried. The choice is
+        judged with QAT's arithmetic (``fxq.debug.float_fake_quant``: activations rounded
+        in float), which is fast to run per candidate; the integer model adds its
+        requantization error, so its SQNR is lower (measure it with
+        ``fxq.debug.featuremap_similarity`` on the model in VALIDATION).
 
     Raises:
         ValueError: for unknown candidates or empty data (a failure part-way
