@@ -5,10 +5,12 @@ output file."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import click
 import numpy as np
 import pytest
 import torch
@@ -415,3 +417,116 @@ def test_int16_budget_runs_mixed_precision(tmp_path, npy_data):
     assert int8["int16"] == [] and mixed["int16"] != []
     assert set(mixed["seconds"]) >= {"mixed precision", "ptq (int16)"}
     assert mixed["metrics"]["sqnr_db"] > int8["metrics"]["sqnr_db"]
+
+
+def test_data_the_float_model_cannot_run_names_the_file_and_how_it_was_read(tmp_path):
+    gray = tmp_path / "gray.npy"  # 2 channels: the model takes 3
+    np.save(gray, np.zeros((6, 2, 16, 16), np.float32))
+    _fails(
+        ["quantize", "tests.cli_models:small_cnn", "--calib", gray, "--batch-size", "4",
+         "--out", tmp_path / "m.fxq"],
+        f"fxq: error: calibration data {gray}, read as 2 batches of shape (4, 2, 16, 16), the "
+        "last of shape (2, 2, 16, 16), fails in the float model (batch 1): RuntimeError: Given "
+        "groups=1, weight of size [8, 3, 3, 3], expected input[4, 2, 16, 16] to have 3 channels, "
+        "but got 2 channels instead; a .npy is one model input with the samples on its first "
+        "axis: save it as (samples, *the input's shape), e.g. (N, 3, H, W) for images",
+        tmp_path,
+    )  # fmt: skip
+
+
+def test_inputs_that_do_not_fit_a_saved_graph_name_the_file(tmp_path, npy_data):
+    graph = tmp_path / "m.fxq"
+    made = fxq_cli(
+        "quantize", "tests.cli_models:small_cnn", "--calib", npy_data, "--method", "calibrate",
+        "--out", graph, "-q",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    big = tmp_path / "big.npy"
+    np.save(big, np.zeros((2, 3, 32, 32), np.float32))
+    _fails(
+        ["compare", "tests.cli_models:small_cnn", graph, "--calib", big],
+        f"fxq: error: calibration data {big}, read as 1 batch of shape (2, 3, 32, 32), does not "
+        f"fit the integer graph {graph}: input 'x': got shape [2, 3, 32, 32], expected "
+        "Nx3x16x16 (dimension 2 is 32, expected 16); this size is fixed at export (declare it "
+        "in dynamic_dims to make it dynamic)",
+        tmp_path,
+    )
+    _fails(
+        ["run", graph, big],
+        f"fxq: error: input {big} does not fit the integer graph {graph}: input 'x': got shape "
+        "[2, 3, 32, 32], expected Nx3x16x16 (dimension 2 is 32, expected 16); this size is "
+        "fixed at export (declare it in dynamic_dims to make it dynamic)",
+        tmp_path,
+    )
+    _fails(
+        ["run", graph, npy_data, "--out", tmp_path / "y"],
+        f"fxq: error: --out {tmp_path / 'y'}: give a .npy file (one output) or .npz (the "
+        "outputs by name)",
+        tmp_path,
+    )
+
+
+def test_weights_that_are_not_a_state_dict(tmp_path, npy_data):
+    from tests.cli_models import small_cnn
+
+    onnx_file = tmp_path / "model.onnx"
+    onnx_file.write_bytes(b"\x08\x07\x12\x07pytorch")  # the start of an ONNX protobuf
+    whole = tmp_path / "whole.pt"
+    torch.save(small_cnn(), whole)  # the model object, not its state dict
+    formats = (
+        "give a file saved with torch.save(model.state_dict(), FILE), or a checkpoint dict "
+        "holding one under 'state_dict' or 'model'"
+    )
+    small = ["quantize", "tests.cli_models:small_cnn", "--calib", npy_data]
+    _fails(
+        [*small, "--weights", onnx_file],
+        f"fxq: error: weights file {onnx_file} is not a torch state dict: an ONNX file is a "
+        f"MODEL of its own (fxq quantize {onnx_file} --calib DATA); {formats}",
+        tmp_path,
+    )
+    _fails(
+        [*small, "--weights", whole],
+        f"fxq: error: weights file {whole} holds a pickled Python object "
+        "(tests.cli_models.SmallCNN; e.g. a whole model saved with torch.save(model)), not a "
+        f"torch state dict; {formats}",
+        tmp_path,
+    )
+
+
+def test_a_misspelt_factory_gets_close_names(tmp_path, npy_data):
+    _fails(
+        ["quantize", "tests.cli_models:small_cn", "--calib", npy_data],
+        "fxq: error: MODEL 'tests.cli_models:small_cn': 'tests.cli_models' has no attribute "
+        "'small_cn' (did you mean 'small_cnn'?)",
+        tmp_path,
+    )
+    _fails(
+        ["quantize", "tests.cli_models:small_cnn", "--calib", "tests.cli_models:random_batch"],
+        "fxq: error: DATA 'tests.cli_models:random_batch': 'tests.cli_models' has no attribute "
+        "'random_batch' (did you mean 'random_batches'?)",
+        tmp_path,
+    )
+
+
+def test_help_and_docs_list_the_same_quantize_options():
+    """Every option of ``fxq quantize --help`` (and every choice of its choices) is in the
+    guide's command-line section and in tutorials/cli.md."""
+    from fxq.cli import cli
+
+    helped = fxq_cli("quantize", "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert re.search(r"^  --debug +on an error, show the traceback$", helped.stdout, re.M)
+    guide = (ROOT / "docs" / "guide.md").read_text().split("## 12. From the command line")[1]
+    tutorial = (ROOT / "tutorials" / "cli.md").read_text()
+    docs = {"guide §12": guide.split("\n## ")[0], "tutorials/cli.md": tutorial}
+    missing = []
+    for param in cli.commands["quantize"].params:
+        if not isinstance(param, click.Option):
+            continue
+        flag = max(param.opts, key=len)
+        words = [flag] + (list(param.type.choices) if isinstance(param.type, click.Choice) else [])
+        for name, text in docs.items():
+            missing += [
+                f"{name}: {w}" for w in words if not re.search(rf"(?<![\w-]){w}(?![\w-])", text)
+            ]
+    assert missing == []

@@ -31,6 +31,7 @@ from fxq.cli.config import (
     qconfig_dict_to_config,
     validate_config,
 )
+from fxq.cli.errors import error_text
 
 __all__ = [
     "main",
@@ -94,8 +95,16 @@ def _json_safe(metrics: dict[str, float]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in metrics.items()}
 
 
+#: ``--debug`` is taken off the command line by ``main`` (it works anywhere on it); the
+#: option is here so that every ``--help`` lists it
+_debug_option = click.option(
+    "--debug", is_flag=True, expose_value=False, help="on an error, show the traceback"
+)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fxq", prog_name="fxq")
+@_debug_option
 def cli() -> None:
     """fxq: quantize PyTorch (and ONNX) models for integer accelerators."""
 
@@ -108,7 +117,12 @@ _DATA_HELP = "a folder of images, a .npy / .npz of inputs, or package.module:fun
 @click.option("--calib", metavar="DATA", help=f"calibration data: {_DATA_HELP}")
 @click.option("--config", "config_path", metavar="FILE", help="a YAML or TOML config; flags win")
 @click.option("--march", type=click.Choice(["bernoulli2", "bayes", "bayes-e"]))
-@click.option("--method", type=click.Choice(["default", "best", "calibrate"]), help="ptq method")
+@click.option(
+    "--method",
+    type=click.Choice(["default", "best", "calibrate"]),
+    help="ptq recipe: default; best (also tries percentile ranges); calibrate (the "
+    "observers alone, no learned rounding: fastest)",
+)
 @click.option("--iters", type=int, help="learned-rounding steps per block (0: none)")
 @click.option("--int16-budget", type=float, help="fraction of activations raised to int16")
 @click.option("--out", metavar="FILE.fxq", help="the integer graph (fxq.export)")
@@ -129,6 +143,7 @@ _DATA_HELP = "a folder of images, a .npy / .npz of inputs, or package.module:fun
 @click.option("--input-scale", type=float, help="a fixed scale for the model input")
 @click.option("--quiet", "-q", is_flag=True, help="no progress or step lines")
 @click.option("--json", "as_json", is_flag=True, help="print the results as one JSON object")
+@_debug_option
 def quantize(config_path: str | None, quiet: bool, as_json: bool, **flags: Any) -> None:
     """Quantize MODEL with calibration DATA and write the integer model.
 
@@ -217,7 +232,12 @@ def _read_inputs(paths: Sequence[str], count: int) -> list[Any]:
 @cli.command()
 @click.argument("graph", metavar="MODEL.fxq")
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT.npy...")
-@click.option("--out", metavar="FILE", help="save the output (.npy; .npz for several outputs)")
+@click.option(
+    "--out",
+    metavar="FILE",
+    help="save the output in FILE.npy (FILE.npz: every output, by name; needed for several)",
+)
+@_debug_option
 def run(graph: str, inputs: tuple[str, ...], out: str | None) -> None:
     """Run a saved integer graph on .npy / .npz inputs with fxq's numpy runtime."""
     import numpy as np
@@ -227,9 +247,19 @@ def run(graph: str, inputs: tuple[str, ...], out: str | None) -> None:
     g = _load_graph(graph)
     if out is not None:
         AtomicOutputs.check(out, "--out")
+        if not out.endswith((".npy", ".npz")):
+            raise CliError(
+                f"--out {out}: give a .npy file (one output) or .npz (the outputs by name)"
+            )
         if len(g.outputs) > 1 and not out.endswith(".npz"):
             raise CliError(f"--out {out}: the graph has {len(g.outputs)} outputs; give a .npz file")
-    results = g.run(*_read_inputs(inputs, len(g.inputs)))
+    from fxq.export import GraphInputError
+
+    try:
+        results = g.run(*_read_inputs(inputs, len(g.inputs)))
+    except GraphInputError as e:
+        files = ", ".join(inputs)
+        raise CliError(f"input {files} does not fit the integer graph {graph}: {e}") from None
     for name, y in zip(g.outputs, results):
         line = f"{name}: {y.dtype}[{'x'.join(map(str, y.shape))}]"
         if y.size:
@@ -251,6 +281,7 @@ def run(graph: str, inputs: tuple[str, ...], out: str | None) -> None:
 
 @cli.command()
 @click.argument("graph", metavar="MODEL.fxq")
+@_debug_option
 def summary(graph: str) -> None:
     """Print the node table of a saved integer graph."""
     _load_graph(graph).print_tabular()
@@ -270,14 +301,16 @@ def summary(graph: str) -> None:
 @click.option("--mean", help="images: normalisation mean (default ImageNet's)")
 @click.option("--std", help="images: normalisation std (default ImageNet's)")
 @click.option("--json", "as_json", is_flag=True, help="print the metrics as JSON")
+@_debug_option
 def compare(model: str, graph: str, calib: str, weights: str | None, **options: Any) -> None:
     """Compare the float MODEL with a saved integer graph on DATA (SQNR, cosine, top-1)."""
     import torch
 
     from fxq.calibration import batch_arguments
     from fxq.cli.config import IMAGENET_MEAN, IMAGENET_STD
-    from fxq.cli.loading import load_data, load_model, parse_json_kwargs
-    from fxq.cli.pipeline import model_outputs, output_metrics
+    from fxq.cli.loading import describe_batches, load_data, load_model, parse_json_kwargs
+    from fxq.cli.pipeline import float_outputs, output_metrics
+    from fxq.export import GraphInputError
 
     g = _load_graph(graph)
     float_model = load_model(
@@ -288,11 +321,17 @@ def compare(model: str, graph: str, calib: str, weights: str | None, **options: 
     batches = load_data(
         calib, options["batch_size"], options["image_size"], mean, std, options["num_batches"]
     )
-    reference = model_outputs(float_model, batches)
+    reference = float_outputs(float_model, batches, calib)
     integer = []
     for batch in batches:
         args, _ = batch_arguments(float_model, batch)
-        outs = g.run(*[a.numpy() for a in args])
+        try:
+            outs = g.run(*[a.numpy() for a in args])
+        except GraphInputError as e:
+            raise CliError(
+                f"calibration data {calib}, read as {describe_batches(batches)}, does not fit "
+                f"the integer graph {graph}: {e}"
+            ) from None
         integer.append(
             torch.from_numpy(outs[0]) if len(outs) == 1 else [torch.from_numpy(o) for o in outs]
         )
@@ -304,13 +343,10 @@ def compare(model: str, graph: str, calib: str, weights: str | None, **options: 
 
 
 def _one_line(error: BaseException) -> str:
-    # torch.fx appends the graph node being executed; the message before it says what failed
-    text = " ".join(str(error).split("\n\nWhile executing")[0].split())
-    if isinstance(error, click.UsageError):
-        text = text.removesuffix(".")
-    if isinstance(error, (CliError, click.ClickException)):
-        return text
-    return f"{type(error).__name__}: {text}"
+    if isinstance(error, click.ClickException):
+        text = " ".join(str(error).split())
+        return text.removesuffix(".") if isinstance(error, click.UsageError) else text
+    return error_text(error)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

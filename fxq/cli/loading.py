@@ -3,11 +3,14 @@ folder of images, a ``.npy`` / ``.npz`` file, or a Python factory of batches).""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import os
+import pickle
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +18,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from fxq.cli.errors import CliError
+from fxq.cli.errors import CliError, error_text
 from fxq.utils.sample_data import IMAGENET_MEAN, IMAGENET_STD
 
-__all__ = ["import_object", "load_model", "load_data", "IMAGE_SUFFIXES", "parse_json_kwargs"]
+__all__ = [
+    "import_object",
+    "load_model",
+    "load_data",
+    "data_error",
+    "describe_batches",
+    "IMAGE_SUFFIXES",
+    "parse_json_kwargs",
+    "WEIGHTS_FORMATS",
+]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -41,9 +53,30 @@ def import_object(spec: str, what: str) -> Any:
         raise CliError(f"cannot import {module_name!r} for {what} {spec!r}: {e}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise CliError(f"{what} {spec!r}: {obj.__name__!r} has no attribute {part!r}")
+            owner = getattr(obj, "__name__", type(obj).__name__)
+            raise CliError(
+                f"{what} {spec!r}: {owner!r} has no attribute {part!r}{_did_you_mean(obj, part)}"
+            )
         obj = getattr(obj, part)
     return obj
+
+
+def _did_you_mean(obj: Any, name: str) -> str:
+    """`` (did you mean 'a' or 'b'?)``: ``obj``'s public callables closest to ``name``."""
+    public = []
+    for candidate in dir(obj):
+        if candidate.startswith("_"):
+            continue
+        try:
+            if callable(getattr(obj, candidate)):
+                public.append(candidate)
+        except Exception:  # a lazy attribute that fails to import is no suggestion
+            continue
+    close = [repr(c) for c in difflib.get_close_matches(name, public, n=3)]
+    if not close:
+        return ""
+    listed = close[0] if len(close) == 1 else f"{', '.join(close[:-1])} or {close[-1]}"
+    return f" (did you mean {listed}?)"
 
 
 def parse_json_kwargs(text: str | None, flag: str) -> dict[str, Any]:
@@ -64,14 +97,44 @@ def _state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise CliError(f"weights file {path} does not exist")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CliError(f"cannot read weights file {path}: {type(e).__name__}: {e}") from None
+    except OSError as e:
+        raise CliError(f"cannot read weights file {path}: {e.strerror or e}") from None
+    except Exception as e:  # torch's message suggests weights_only=False: never do that
+        raise CliError(_not_a_state_dict(path, e)) from None
     for key in ("state_dict", "model"):  # common checkpoint wrappers
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
     if not isinstance(state, dict):
-        raise CliError(f"weights file {path} holds a {type(state).__name__}, not a state dict")
+        raise CliError(
+            f"weights file {path} holds a {type(state).__name__}, not a state dict; {WEIGHTS_FORMATS}"
+        )
     return state
+
+
+#: what ``--weights`` takes (the end of its error messages)
+WEIGHTS_FORMATS = (
+    "give a file saved with torch.save(model.state_dict(), FILE), or a checkpoint dict "
+    "holding one under 'state_dict' or 'model'"
+)
+
+
+def _not_a_state_dict(path: Path, error: Exception) -> str:
+    """Why ``torch.load(path, weights_only=True)`` failed, and what ``--weights`` takes."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+    if isinstance(error, pickle.UnpicklingError) and found:
+        # a whole pickled object (torch.save(model)): unpickling it could run any code
+        what = (
+            f"holds a pickled Python object ({found.group(1)}; e.g. a whole model saved "
+            "with torch.save(model)), not a torch state dict"
+        )
+    else:
+        what = "is not a torch state dict"
+    if path.suffix.lower() == ".onnx":
+        return (
+            f"weights file {path} {what}: an ONNX file is a MODEL of its own "
+            f"(fxq quantize {path} --calib DATA); {WEIGHTS_FORMATS}"
+        )
+    return f"weights file {path} {what}; {WEIGHTS_FORMATS}"
 
 
 def load_model(
@@ -226,3 +289,61 @@ def load_data(
     if not batches:
         raise CliError(f"calibration data {spec} gave no batch")
     return batches
+
+
+# -- a model that fails on the data ---------------------------------------------------------
+def _layout(batch: Any) -> str:
+    """``shape (8, 3, 16, 16)``; tuples, lists and dicts of tensors by their shapes."""
+
+    def shape(x: Any) -> str:
+        return str(tuple(x.shape)) if hasattr(x, "shape") else type(x).__name__
+
+    if isinstance(batch, (tuple, list)):
+        return f"{type(batch).__name__}s of shapes {', '.join(shape(x) for x in batch)}"
+    if isinstance(batch, Mapping):
+        return "dicts of shapes " + ", ".join(f"{k}: {shape(v)}" for k, v in batch.items())
+    return f"shape {shape(batch)}" if hasattr(batch, "shape") else type(batch).__name__
+
+
+def describe_batches(batches: Sequence[Any]) -> str:
+    """How data was read: ``2 batches of shape (8, 3, 16, 16), the last of shape (4, 3, 16, 16)``."""
+    n = len(batches)
+    text = f"{n} batch{'es' if n != 1 else ''} of {_layout(batches[0])}"
+    last = _layout(batches[-1])
+    if n > 1 and last != _layout(batches[0]):
+        middle = {_layout(b) for b in batches[1:-1]}
+        text += f", the last of {last}" if middle <= {_layout(batches[0])} else " and others"
+    return text
+
+
+def _layout_hint(spec: str) -> str:
+    """What the data of ``spec``'s kind must look like (the end of ``data_error``)."""
+    path = Path(spec)
+    if path.is_dir():
+        return (
+            "images are read as RGB batches (N, 3, S, S) with S = --image-size: for a model "
+            "that takes other input, give a .npy in its layout"
+        )
+    if path.suffix == ".npz":
+        return (
+            "a .npz holds one array per model input, in forward's order, each with the "
+            "samples on its first axis"
+        )
+    if path.suffix == ".npy":
+        return (
+            "a .npy is one model input with the samples on its first axis: save it as "
+            "(samples, *the input's shape), e.g. (N, 3, H, W) for images"
+        )
+    return (
+        "DATA must yield batches the model takes: a tensor, a tuple of inputs (e.g. "
+        "(images, labels)) or a dict of keyword arguments"
+    )
+
+
+def data_error(spec: str, batches: Sequence[Any], index: int, error: Exception) -> CliError:
+    """The error for a float model that fails on batch ``index`` of the data ``spec``:
+    the data, how it was read, the model's error, and the layout the data needs."""
+    return CliError(
+        f"calibration data {spec}, read as {describe_batches(batches)}, fails in the float "
+        f"model (batch {index + 1}): {error_text(error)}; {_layout_hint(spec)}"
+    )

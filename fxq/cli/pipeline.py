@@ -19,10 +19,17 @@ from torch import nn
 
 import fxq
 from fxq.cli.config import CliError, QuantizeConfig, config_to_qconfig_dict
-from fxq.cli.loading import load_data, load_model
+from fxq.cli.loading import data_error, load_data, load_model
 from fxq.cli.outputs import AtomicOutputs
 
-__all__ = ["Steps", "QuantizeResult", "quantize", "evaluate", "output_metrics"]
+__all__ = [
+    "Steps",
+    "QuantizeResult",
+    "quantize",
+    "evaluate",
+    "float_outputs",
+    "output_metrics",
+]
 
 
 class Steps:
@@ -88,6 +95,27 @@ def model_outputs(model: nn.Module, batches: list[Any]) -> list[Any]:
     return outs
 
 
+def float_outputs(model: nn.Module, batches: list[Any], data: str) -> list[Any]:
+    """``model_outputs`` of the float model, which also checks the data ``data`` (the spec
+    the batches were read from) fits it.
+
+    Raises:
+        CliError: a batch the model fails on: the data, how it was read, the model's error
+            and the layout the data needs (``fxq.cli.loading.data_error``).
+    """
+    from fxq.calibration import batch_arguments
+
+    outs = []
+    with torch.no_grad():
+        for i, batch in enumerate(batches):
+            try:
+                args, kwargs = batch_arguments(model, batch)
+                outs.append(model(*args, **kwargs))
+            except Exception as e:
+                raise data_error(data, batches, i, e) from e
+    return outs
+
+
 def output_metrics(reference: list[Any], test: list[Any]) -> dict[str, float]:
     """SQNR (dB), cosine and, for classifier logits (one 2-d output with several
     columns), top-1 agreement of ``test`` against ``reference`` (lists of batch outputs)."""
@@ -106,9 +134,17 @@ def output_metrics(reference: list[Any], test: list[Any]) -> dict[str, float]:
     return result
 
 
-def evaluate(float_model: nn.Module, integer: nn.Module, batches: list[Any]) -> dict[str, float]:
-    """``output_metrics`` of the integer model against the float model on ``batches``."""
-    return output_metrics(model_outputs(float_model, batches), model_outputs(integer, batches))
+def evaluate(
+    float_model: nn.Module,
+    integer: nn.Module,
+    batches: list[Any],
+    reference: list[Any] | None = None,
+) -> dict[str, float]:
+    """``output_metrics`` of the integer model against the float model on ``batches``
+    (``reference``: the float model's outputs, when already computed)."""
+    if reference is None:
+        reference = model_outputs(float_model, batches)
+    return output_metrics(reference, model_outputs(integer, batches))
 
 
 def example_inputs(model: nn.Module, batches: list[Any]) -> tuple[torch.Tensor, ...]:
@@ -140,7 +176,8 @@ def quantize(cfg: QuantizeConfig, steps: Steps | None = None) -> QuantizeResult:
         the models and the integer model's metrics against float on the calibration data.
 
     Raises:
-        CliError: missing MODEL / DATA, or what loading them raises.
+        CliError: missing MODEL / DATA, what loading them raises, data the float model
+            fails on (``float_outputs``).
         ValueError and the other errors of the steps (prepare, ptq, convert).
     """
     steps = steps or Steps(quiet=True)
@@ -157,6 +194,8 @@ def quantize(cfg: QuantizeConfig, steps: Steps | None = None) -> QuantizeResult:
         batches = load_data(
             cfg.calib, cfg.batch_size, cfg.image_size, cfg.mean, cfg.std, cfg.num_batches
         )
+    with steps.step("float model"):  # data the model cannot run fails here, named
+        reference = float_outputs(model, batches, cfg.calib)
     qconfig_dict = config_to_qconfig_dict(cfg.qconfig)
     with steps.step("prepare"):
         calib = fxq.prepare_qat_fx(model, qconfig_dict)
@@ -179,7 +218,7 @@ def quantize(cfg: QuantizeConfig, steps: Steps | None = None) -> QuantizeResult:
     with steps.step("convert"):
         integer = fxq.convert_fx(calib)
     with steps.step("evaluate"):
-        metrics = evaluate(model, integer, batches)
+        metrics = evaluate(model, integer, batches, reference)
     if cfg.yuv is not None:
         mean = [255.0 * m for m in cfg.mean]
         std = [255.0 * s for s in cfg.std]
