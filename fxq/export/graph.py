@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -434,13 +435,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary, and save them as ``<out_prefix><i>.npy``."""
     import argparse
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fxq.export.run", description=main.__doc__)
     parser.add_argument("graph")
     parser.add_argument("inputs", nargs="+")
     parser.add_argument("-o", "--out", default=None, help="save outputs as <OUT><i>.npy")
     args = parser.parse_args(argv)
-    graph = load(args.graph)
-    outs = graph.run(*[np.load(p, allow_pickle=False) for p in args.inputs])
+    try:  # what the files hold is the user's to fix: one line, not a traceback
+        graph = load(args.graph)
+        outs = graph.run(*[np.load(p, allow_pickle=False) for p in args.inputs])
+    except (OSError, ValueError) as e:  # GraphInputError, IntegerGraphFormatError among them
+        print(f"{parser.prog}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     for i, y in enumerate(outs):
         print(f"output {i} ({graph.outputs[i]}): {y.dtype} {list(y.shape)}")
         if args.out:

@@ -905,7 +905,8 @@ def _inputs_by_name(
         example_inputs = (example_inputs,)
     params = traced_parameters(type(model).forward, concrete_args)
     names = [p.name for p in params]
-    varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    signature = inspect.signature(type(model).forward).parameters.values()
+    varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in signature)
     if not varargs and len(example_inputs) > len(names):
         raise TypeError(
             f"example_inputs holds {len(example_inputs)} inputs, but "

@@ -158,6 +158,23 @@ def test_command_line_runner(zoo, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "output 0" in r.stdout
     assert_equal_outputs(outputs(zoo, (x,)), [np.load(tmp_path / f"out{i}.npy") for i in range(2)])
+    # an input of the wrong shape: one line naming the problem, no traceback
+    np.save(tmp_path / "bad.npy", np.zeros((2, 3, 8, 8), np.float32))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fxq.export.run",
+            str(tmp_path / "zoo.fxq"),
+            str(tmp_path / "bad.npy"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(ROOT),
+    )
+    assert r.returncode == 2
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("python -m fxq.export.run: error: GraphInputError: input 'x': got shape")
 
 
 def test_unsupported_float_op_names_node_op_and_source_line(bayes):
