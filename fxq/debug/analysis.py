@@ -13,6 +13,7 @@ from fxq.calibration.data import batch_arguments, each_batch, no_batch_error, on
 from fxq.debug.capture import (
     eval_no_grad,
     require_fake_quant_model,
+    validation_state,
     vendor_argument_ignored,
 )
 from fxq.debug.metrics import Similarity, similarity_for
@@ -48,8 +49,9 @@ class QuantAnalysis:
 
     Args:
         baseline_model: the float model (the reference).
-        analysis_model: the calibrated or QAT model from ``prepare_qat_fx``, in the
-            fake-quant state to analyse (usually VALIDATION).
+        analysis_model: the calibrated or QAT model from ``prepare_qat_fx``, in any
+            fake-quant state: it is measured in VALIDATION (see
+            ``fxq.debug.capture.validation_state``) and its states are restored after.
         analysis_model_type: ``"fake_quant"`` (the vendor's name for a calibrated or
             QAT model; the default). ``"quantized"`` (an integer model against its QAT
             model) is refused: compare those with ``compare_qat_quantized`` or
@@ -164,7 +166,10 @@ class QuantAnalysis:
         sim = _metric(metric, custom_metric_func, custom_metric_order_seq)
         rows: list[dict[str, Any]] = []
         samples: dict[tuple[int, int], tuple[tuple, dict]] = {}
-        with eval_no_grad(self.float_model, self.model):
+        with (
+            eval_no_grad(self.float_model, self.model),
+            validation_state(self.float_model, self.model),
+        ):
             for b, batch in enumerate(each_batch(batches, num_steps, who, "batches")):
                 ref, _, _ = self._outputs(self.float_model, batch)
                 out, args, kwargs = self._outputs(self.model, batch)

@@ -41,6 +41,7 @@ __all__ = [
     "snapshot",
     "Recorder",
     "eval_no_grad",
+    "validation_state",
     "node_type",
     "output_scale",
 ]
@@ -141,6 +142,52 @@ def eval_no_grad(*models: nn.Module) -> Iterator[None]:
     finally:
         for m, training in saved:
             m.train(training)
+
+
+@contextlib.contextmanager
+def validation_state(*models: nn.Module) -> Iterator[None]:
+    """Inside the block every fake quant and QAT module of ``models`` is in VALIDATION:
+    the arithmetic the converted model runs, with the scales frozen.
+
+    A debug tool measures the quantized model as it will be deployed, and never changes
+    its numbers: in CALIBRATION state a model computes in float and its observers would
+    record the debug inputs, and in QAT state they would move the scales. Modules already
+    in VALIDATION are left alone. Entering switches the others as ``set_fake_quantize``
+    does (a deferred observer's pending statistics become its scale, as ``state_dict``
+    would make them); on exit each switched module gets its state back directly (the
+    switch back would finalize and warn again). Float and converted models hold no such
+    module and are untouched.
+
+    Raises:
+        ValueError: a fake quant saw NaN or Inf (from ``FakeQuantize.check_non_finite``);
+            nothing is switched then.
+    """
+    found: dict[int, nn.Module] = {}
+    for model in models:
+        for m in model.modules():
+            state = getattr(m, "state", None)
+            if (
+                hasattr(m, "set_fake_quant_state")
+                and isinstance(state, FakeQuantState)
+                and state is not FakeQuantState.VALIDATION
+            ):
+                found.setdefault(id(m), m)
+    for m in found.values():  # every NaN / Inf first, so that none is switched on an error
+        if isinstance(m, FakeQuantize):
+            m.check_non_finite()
+    switched: list[tuple[nn.Module, FakeQuantState]] = []
+    try:
+        for m in found.values():
+            state = m.state
+            m.set_fake_quant_state(FakeQuantState.VALIDATION)
+            switched.append((m, state))
+        yield
+    finally:
+        for m, state in switched:
+            if isinstance(m, FakeQuantize):
+                m.state = state  # the switch back would finalize and warn again
+            else:
+                m.set_fake_quant_state(state)
 
 
 def node_type(gm: GraphModule, node: Node) -> str:

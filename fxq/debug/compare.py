@@ -20,8 +20,13 @@ from tabulate import tabulate
 from torch import Tensor, nn
 
 from fxq.calibration.data import batch_arguments, one_batch
-from fxq.debug.capture import snapshot
-from fxq.fake_quantize import FakeQuantState, set_fake_quantize
+from fxq.debug.capture import (
+    eval_no_grad,
+    is_converted,
+    require_fake_quant_model,
+    snapshot,
+    validation_state,
+)
 from fxq.qat.base import QATModule
 from fxq.qtensor import QTensor
 from fxq.quantized.base import QuantizedModule
@@ -92,18 +97,18 @@ def compare_qat_quantized(
 
     Raises:
         ValueError: ``inputs`` is empty or holds no sample.
+        TypeError: ``qat_model`` is no model from ``prepare_qat_fx``, or
+            ``quantized_model`` is no model from ``convert_fx``.
     """
+    require_fake_quant_model(qat_model, "compare_qat_quantized", "qat_model")
+    if not isinstance(quantized_model, nn.Module) or not is_converted(quantized_model):
+        raise TypeError(
+            "compare_qat_quantized: quantized_model must be the model fxq.convert_fx made "
+            f"from qat_model, got {type(quantized_model).__name__}"
+        )
     one_batch(inputs, "compare_qat_quantized")
-    states = {m: m.state for m in qat_model.modules() if hasattr(m, "state")}
-    training = qat_model.training
-    set_fake_quantize(qat_model, FakeQuantState.VALIDATION)
-    qat_model.eval()
-    try:
+    with eval_no_grad(qat_model), validation_state(qat_model):
         qat_out = _capture(qat_model, QATModule, inputs)
-    finally:
-        for m, s in states.items():
-            m.set_fake_quant_state(s)
-        qat_model.train(training)
     int_out = _capture(quantized_model, QuantizedModule, inputs)
     rows = []
     for name, outs in int_out.items():

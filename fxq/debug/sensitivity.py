@@ -19,12 +19,13 @@ from fxq.debug.capture import (
     eval_no_grad,
     is_fxq_model,
     require_fake_quant_model,
+    validation_state,
 )
 from fxq.debug.compare import float_fake_quant
 from fxq.debug.metrics import Similarity, flat, similarity_for
 from fxq.debug.report import HtmlPage, figure, text_table, write_text
 from fxq.dtypes import QDType, as_qdtype
-from fxq.fake_quantize import FakeQuantize, FakeQuantState, bypass, set_fake_quantize
+from fxq.fake_quantize import FakeQuantize, bypass
 from fxq.qat.base import QATModule
 
 __all__ = ["sensitivity", "SENSITIVITY_MODES", "QuantizedValue", "quantized_values"]
@@ -176,18 +177,9 @@ def _clone(value: Any) -> Any:
 @contextlib.contextmanager
 def _state(gm: GraphModule, mode: str) -> Iterator[None]:
     """The baseline every value is toggled against: all float, or all fake-quantized."""
-    saved = {m: m.state for m in gm.modules() if hasattr(m, "set_fake_quant_state")}
-    try:
-        set_fake_quantize(gm, FakeQuantState.VALIDATION)
-        context = bypass(gm) if mode == "quantize_one" else float_fake_quant(gm)
-        with context:
-            yield
-    finally:
-        for m, s in saved.items():
-            if isinstance(m, FakeQuantize):
-                m.state = s
-            else:
-                m.set_fake_quant_state(s)
+    context = bypass(gm) if mode == "quantize_one" else float_fake_quant(gm)
+    with validation_state(gm), context:
+        yield
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from fxq.debug.capture import (
     node_type,
     output_scale,
     snapshot,
+    validation_state,
     vendor_argument_ignored,
 )
 from fxq.debug.metrics import Similarity, cosine, flat, l1, max_abs, mse, similarity_for, sqnr
@@ -71,10 +72,14 @@ def featuremap_similarity(
     the float model, the calibrated / QAT model and the integer model can be
     compared, in either order; ``model1`` is the reference. A float model is
     compared through its fused graph (``conv+bn+relu`` is one layer, as in the
-    quantized models). Each model runs as it is: put a QAT model in the state you
-    want first (``fxq.set_fake_quantize(model, "validation")``); to compare one
-    model in two states, compare it with a ``copy.deepcopy`` of itself. Both run
-    in eval mode without gradients (their modes are restored).
+    quantized models). A calibrated or QAT model is measured as it will be deployed:
+    fake quants in CALIBRATION or QAT state (which would compute in float, or record
+    the inputs and move their scales) run in VALIDATION for the call and get their
+    states back after (``fxq.debug.capture.validation_state``); the tool never changes
+    a model's numbers. To compare the training-time float fake quantization with the
+    integer computation, compare a ``copy.deepcopy`` of the model inside
+    ``fxq.debug.float_fake_quant(copy)`` with the model. Both run in eval mode
+    without gradients (their modes are restored).
 
     A module called at several places gives one row per call (``head.conv``,
     ``head.conv_1``...); ops inserted by prepare (the quantize at the model input,
@@ -136,7 +141,7 @@ def featuremap_similarity(
     sim = similarity_for(similarity_func)
     one_batch(inputs, "featuremap_similarity")
     g1, g2 = as_graph(model1, "model1"), as_graph(model2, "model2")
-    with eval_no_grad(g1, g2), _Standalone(g1, g2) as standalone:
+    with eval_no_grad(g1, g2), validation_state(g1, g2), _Standalone(g1, g2) as standalone:
         first = Recorder(g1)
         first.run(*model_inputs(g1, inputs, input_fn))
         second = Recorder(g2, reference=first)

@@ -21,6 +21,7 @@ from fxq.debug.capture import (
     model_inputs,
     node_type,
     output_scale,
+    validation_state,
     vendor_argument_ignored,
 )
 from fxq.debug.metrics import flat
@@ -77,8 +78,10 @@ def get_raw_features(
             (or whose type name is one of these strings, e.g. ``"Conv2d"``).
         float_values: for a QAT model, record the float values (fake quants
             bypassed, no statistics updated) so that ``clipped`` / ``to_zero``
-            tell what the scales would do to them; otherwise the model runs as
-            it is (in VALIDATION its outputs already lie on their grids).
+            tell what the scales would do to them; otherwise the values the model
+            computes in VALIDATION, on their grids (a model in CALIBRATION or QAT
+            state runs in VALIDATION for the call and gets its states back: no
+            statistics are updated either way).
         input_fn: maps ``inputs`` to the model's arguments.
         device, preserve_int, use_class_name, skip_identity: the vendor plugin's
             options, accepted and ignored with a warning when set (the model runs where
@@ -120,7 +123,7 @@ def get_raw_features(
         return _selected(gm, node, prefixes, types)
 
     context = bypass(gm) if float_values else contextlib.nullcontext()
-    with eval_no_grad(gm), context:
+    with eval_no_grad(gm), validation_state(gm), context:
         recorder = Recorder(gm, keep=keep)
         recorder.run(*model_inputs(gm, inputs, input_fn))
     for node in gm.graph.nodes:

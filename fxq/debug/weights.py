@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from fxq.debug.capture import as_graph, is_fxq_model, vendor_argument_ignored
-from fxq.debug.metrics import SIMILARITIES, cosine, similarity_for, sqnr
+from fxq.debug.metrics import SIMILARITIES, Similarity, cosine, similarity_for, sqnr
 from fxq.debug.report import HtmlPage, figure, text_table, write_text
 from fxq.fake_quantize import fake_quantize_ste
 from fxq.fused import Fused
@@ -37,13 +39,8 @@ WEIGHT_COLUMNS = (
 def compare_weights(
     float_model: nn.Module,
     qat_or_integer_model: nn.Module,
-    out_dir: str | Path | None = None,
-    show: bool = False,
-    worst_channels: int = 3,
-    *,
-    similarity_func: str | Callable[[Any, Any], float] | None = None,
-    with_tensorboard: bool = False,
-    tensorboard_dir: str | None = None,
+    *args: Any,
+    **options: Any,
 ) -> list[dict[str, Any]]:
     """Per weighted layer, the float weight against its quantized weight, per output channel.
 
@@ -54,6 +51,19 @@ def compare_weights(
     model's int8 weight times its per-channel scale. A module called at several
     places shares one weight and gives one row.
 
+    Two argument orders are accepted after the two models:
+
+    * fxq's: ``compare_weights(float_model, qat_or_integer_model, out_dir=None,
+      show=False, worst_channels=3, *, similarity_func=None, with_tensorboard=False,
+      tensorboard_dir=None)``;
+    * the vendor plugin's: ``compare_weights(float_model, qat_quantized_model,
+      similarity_func="Cosine", with_tensorboard=False, tensorboard_dir=None,
+      out_dir=None)``, recognised by a similarity (a name below or a callable) as the
+      third argument; ``show`` and ``worst_channels`` are then keyword-only.
+
+    Any argument may be passed by keyword in either order
+    (``compare_weights(m, q, "Cosine", out_dir=d)``).
+
     Args:
         float_model: the float model.
         qat_or_integer_model: a model from ``prepare_qat_fx`` (calibrated or trained)
@@ -61,16 +71,12 @@ def compare_weights(
         out_dir: when given, writes ``weight_comparison.txt`` and ``weight_comparison.html``
             (per-channel SQNR of the worst layers).
         show: print the table.
-        worst_channels: how many channels ``worst_channels`` names.
+        worst_channels: how many channels ``worst_channels`` names (a positive integer).
         similarity_func: also measure each whole weight with this (``"cosine"``,
             ``"sqnr"``, ``"mse"``, ``"l1"``, ``"max_abs"`` in any case, or a callable
             ``(reference, test) -> float``): the ``similarity`` key of each row.
         with_tensorboard, tensorboard_dir: the vendor plugin's options, accepted; when
             set they are ignored with a warning (fxq writes no TensorBoard logs).
-
-    The vendor plugin's positional order ``(float_model, qat_quantized_model,
-    similarity_func, with_tensorboard, tensorboard_dir, out_dir)`` is accepted too: a
-    similarity name or callable where ``out_dir`` stands is ``similarity_func``.
 
     Returns:
         one dict per weighted layer, worst layer (lowest ``min_channel_sqnr``) first:
@@ -82,19 +88,20 @@ def compare_weights(
         ``similarity`` when ``similarity_func`` is given.
 
     Raises:
-        TypeError: ``qat_or_integer_model`` is no fxq model.
-        ValueError: no weighted layer in common.
+        TypeError: ``qat_or_integer_model`` is no fxq model; arguments that fit neither
+            order (too many, one given twice, an unknown keyword, or of the wrong type).
+        ValueError: no weighted layer in common; an unknown similarity name; a
+            ``worst_channels`` below 1; a weight whose scale is not set yet (a layer
+            of a prepared model that never ran).
     """
-    if callable(out_dir) or (isinstance(out_dir, str) and out_dir.lower() in SIMILARITIES):
-        similarity_func, out_dir = out_dir, None  # the vendor's positional order
-        with_tensorboard, show = with_tensorboard or bool(show), False
-        if isinstance(worst_channels, str):
-            tensorboard_dir, worst_channels = worst_channels, 3
-    if with_tensorboard:
+    o = _options(args, options)
+    out_dir, show, worst_channels = o["out_dir"], o["show"], o["worst_channels"]
+    similarity_func = o["similarity_func"]
+    if o["with_tensorboard"]:
         vendor_argument_ignored(
             "compare_weights", "with_tensorboard", "fxq writes no TensorBoard logs; pass out_dir"
         )
-    if tensorboard_dir is not None:
+    if o["tensorboard_dir"] is not None:
         vendor_argument_ignored(
             "compare_weights", "tensorboard_dir", "fxq writes no TensorBoard logs; pass out_dir"
         )
@@ -105,6 +112,7 @@ def compare_weights(
             f"fxq.convert_fx, got a float {type(qat_or_integer_model).__name__}"
         )
     reference = dict(as_graph(float_model, "float_model").named_modules())
+    _require_weight_scales(qat_or_integer_model)
     rows = []
     seen: set[int] = set()
     for path, module in qat_or_integer_model.named_modules():
@@ -132,6 +140,117 @@ def compare_weights(
     if out_dir is not None:
         _write(rows, Path(out_dir))
     return rows
+
+
+def _fxq_order(
+    out_dir: str | os.PathLike | None = None,
+    show: bool = False,
+    worst_channels: int = 3,
+    *,
+    similarity_func: str | Callable[[Any, Any], float] | None = None,
+    with_tensorboard: bool = False,
+    tensorboard_dir: str | os.PathLike | None = None,
+) -> None:
+    """fxq's order of ``compare_weights``'s options (a signature to bind, never called)."""
+
+
+def _vendor_order(
+    similarity_func: str | Callable[[Any, Any], float] | None = "Cosine",
+    with_tensorboard: bool = False,
+    tensorboard_dir: str | os.PathLike | None = None,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    show: bool = False,
+    worst_channels: int = 3,
+) -> None:
+    """The vendor plugin's order (``horizon_plugin_pytorch.utils.quant_profiler``)."""
+
+
+_ORDER_NAMES = {"fxq": "fxq's order", "vendor": "the vendor plugin's order"}
+
+_ORDERS = {
+    "fxq": inspect.signature(_fxq_order),
+    "vendor": inspect.signature(_vendor_order),
+}
+
+#: similarity names of the vendor plugin that fxq does not compute: still the vendor's
+#: order (so the name is refused as a similarity, not made a directory)
+_VENDOR_ONLY_SIMILARITIES = ("kl", "atol", "rtol")
+
+
+def _names_similarity(value: Any) -> bool:
+    if isinstance(value, Similarity) or callable(value):
+        return True
+    return isinstance(value, str) and (
+        value.lower() in SIMILARITIES or value.lower() in _VENDOR_ONLY_SIMILARITIES
+    )
+
+
+def _options(args: tuple, options: dict[str, Any]) -> dict[str, Any]:
+    """``compare_weights``'s options from either order, checked.
+
+    Raises:
+        TypeError: arguments that bind to neither order, or an option of the wrong type.
+        ValueError: ``worst_channels`` below 1.
+    """
+    order = "vendor" if args and _names_similarity(args[0]) else "fxq"
+    try:
+        bound = _ORDERS[order].bind(*args, **options)
+    except TypeError as e:
+        raise TypeError(
+            f"compare_weights: {e} (read in {_ORDER_NAMES[order]}); pass "
+            "(float_model, qat_or_integer_model, out_dir=None, show=False, worst_channels=3, "
+            "*, similarity_func=None, with_tensorboard=False, tensorboard_dir=None) or the "
+            "vendor plugin's (float_model, qat_quantized_model, similarity_func='Cosine', "
+            "with_tensorboard=False, tensorboard_dir=None, out_dir=None)"
+        ) from None
+    bound.apply_defaults()
+    o = dict(bound.arguments)
+    for name in ("out_dir", "tensorboard_dir"):
+        if o[name] is not None and not isinstance(o[name], (str, os.PathLike)):
+            raise TypeError(
+                f"compare_weights: {name} must be a path (str or os.PathLike) or None, got "
+                f"{type(o[name]).__name__} {o[name]!r}"
+            )
+    for name in ("show", "with_tensorboard"):
+        if not isinstance(o[name], bool):
+            raise TypeError(
+                f"compare_weights: {name} must be True or False, got {type(o[name]).__name__} "
+                f"{o[name]!r}"
+            )
+    worst = o["worst_channels"]
+    if isinstance(worst, bool) or not isinstance(worst, int):
+        raise TypeError(
+            f"compare_weights: worst_channels must be an int, got {type(worst).__name__} {worst!r}"
+        )
+    if worst < 1:
+        raise ValueError(f"compare_weights: worst_channels must be at least 1, got {worst}")
+    sim = o["similarity_func"]
+    if sim is not None and not isinstance(sim, str) and not _names_similarity(sim):
+        raise TypeError(
+            "compare_weights: similarity_func must be a name (cosine, sqnr, mse, l1, max_abs) "
+            f"or a callable (reference, test) -> float, got {type(sim).__name__} {sim!r}"
+        )
+    return o
+
+
+def _require_weight_scales(model: nn.Module) -> None:
+    """Raise when a QAT module's weight fake quant has no scale yet (it is set by the first
+    forward in CALIBRATION or QAT state): its rows would measure a placeholder scale."""
+    missing = [
+        path
+        for path, m in model.named_modules()
+        if isinstance(m, WeightedQAT)
+        and not m.weight_fake_quant.is_fixed_scale
+        and not bool(m.weight_fake_quant.observed)
+    ]
+    if missing:
+        shown = ", ".join(repr(p) for p in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(
+            f"compare_weights: the weight of {len(missing)} layer(s) ({shown}) has no scale "
+            "yet: the model was prepared but these layers never ran. Calibrate it "
+            "(fxq.calibration.calibrate) or train it first"
+        )
 
 
 def _quantized_weight(module: nn.Module) -> tuple[Tensor, Tensor] | None:

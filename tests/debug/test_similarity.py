@@ -11,6 +11,7 @@ import torch
 
 import fxq
 from fxq.debug import featuremap_similarity
+from fxq.debug.compare import float_fake_quant
 from tests.debug.models import SharedConvNet, batches, calibrated, clip_output, float_chain
 from tests.helpers import sqnr
 
@@ -130,12 +131,29 @@ def test_qat_vs_integer_is_exact_and_float_vs_integer_matches_float_vs_qat(chain
         assert vs_int[layer] == pytest.approx(value, abs=1e-9)
 
 
-def test_the_same_model_in_two_fake_quant_states(chain):
+def test_the_same_model_in_two_arithmetics(chain):
     _, prepared, data = chain
-    calibrating = copy.deepcopy(prepared)
-    fxq.set_fake_quantize(calibrating, "calibration")  # computes in float
-    rows = featuremap_similarity(calibrating, prepared, data[0])
-    assert len(rows) >= 7 and all(20 < r["sqnr"] < math.inf for r in rows[:5])
+    float_quant = copy.deepcopy(prepared)
+    with float_fake_quant(float_quant):  # training's float fake quant, not the integer kernels
+        rows = featuremap_similarity(float_quant, prepared, data[0])
+    # the same input quantize, then a step or two apart where float rounding meets a half
+    assert rows[0]["layer"] == "x_quant" and rows[0]["sqnr"] == math.inf
+    assert len(rows) == 8 and all(40 < r["sqnr"] < math.inf for r in rows[1:])
+    assert all(r["max_lsb"] <= 2 + 1e-5 for r in rows if r["max_lsb"] is not None)
+
+
+def test_a_calibrating_model_is_measured_in_validation(chain):
+    """A model still in CALIBRATION state (as ``calibrate`` leaves it) computes in float;
+    the tool measures it in VALIDATION, leaving its state and its scales as they were."""
+    model, prepared, data = chain
+    calibrating = fxq.set_fake_quantize(copy.deepcopy(prepared), "calibration")
+    scales = {n: b.clone() for n, b in calibrating.named_buffers() if n.endswith("scale")}
+    rows = featuremap_similarity(model, calibrating, data[0] * 10)
+    assert rows == featuremap_similarity(model, prepared, data[0] * 10)
+    assert {m.state for m in calibrating.modules() if hasattr(m, "set_fake_quant_state")} == {
+        fxq.FakeQuantState.CALIBRATION
+    }
+    assert all(torch.equal(b, scales[n]) for n, b in calibrating.named_buffers() if n in scales)
 
 
 def test_a_shared_conv_gives_one_row_per_call(bayes):
