@@ -612,9 +612,19 @@ class FakeQuantize(nn.Module):
             if levels == 0
             else f"values quantize to at most {levels} of the {qmax} levels"
         )
+        head = (
+            f"fxq: fake quant {where}: {what}; {why}, so the scale is clamped there and {result}."
+        )
+        if self.holds_weight:
+            return (
+                f"{head} These weights are (nearly) zero there (e.g. normalization gammas "
+                "that training drove to about 0, or pruned channels); below 2**-23 they change "
+                "the layer's output by less than 2**-23 times its input, which is usually "
+                "harmless. If the model needs them, keep this layer in float with a qconfig "
+                "of None."
+            )
         return (
-            f"fxq: fake quant {where}: {what}; {why}, so the scale is clamped there and "
-            f"{result}. This usually means vanishing activations (e.g. a randomly initialised "
+            f"{head} This usually means vanishing activations (e.g. a randomly initialised "
             "model, or a layer whose inputs are nearly zero). Calibrate with trained weights "
             "and representative data, or keep this layer in float with a qconfig of None."
         )
@@ -700,6 +710,8 @@ class FakeQuantize(nn.Module):
         return super()._apply(keep_dtypes(fn), recurse)
 
     # -- forward -----------------------------------------------------------
+    #: set by ``prepare_qat_fx`` on a layer's weight fake quant (for its messages)
+    holds_weight = False
     #: set by ``bypass``: neither observe nor round (the float model)
     bypassed = False
     #: whether ``observed`` is known to be True (``update_scale`` then writes it no more)

@@ -228,6 +228,20 @@ def test_a_range_below_the_scale_floor_warns_once_with_the_name_and_range(bayes)
         fq(x)
 
 
+def test_a_weight_below_the_scale_floor_gets_advice_about_weights(bayes):
+    """A trained LayerNorm's gammas near 1e-33 (all-MiniLM-L6-v2): no talk of activations."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8)).eval()
+    with torch.no_grad():
+        model[1].weight[:3] = 1e-33
+    qat = fxq.prepare_qat_fx(model, {"": fxq.qconfig.default_calib_8bit_fake_quant_qconfig})
+    with pytest.warns(UserWarning) as record:
+        fxq.calibration.calibrate(qat, [torch.randn(4, 4)], show_progress=False)
+    (message,) = [str(w.message) for w in record if "the weight of '1'" in str(w.message)]
+    assert "3 of its 8 channels saw values of magnitude at most 1e-33" in message
+    assert "These weights are (nearly) zero there" in message
+    assert "vanishing activations" not in message and "randomly initialised" not in message
+
+
 def test_ranges_above_the_floor_and_all_zero_tensors_do_not_warn(bayes):
     for x in (torch.zeros(4), torch.tensor([-1e-3, 2e-3]), torch.tensor([1e-4])):
         fq = _fq()

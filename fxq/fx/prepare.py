@@ -617,6 +617,7 @@ def _name_fake_quants(qat: QATModule, path: str) -> None:
     wfq = getattr(qat, "weight_fake_quant", None)
     if isinstance(wfq, FakeQuantize):
         wfq.set_name(f"the weight of '{path}'")
+        wfq.holds_weight = True
     for i, fq in enumerate(getattr(qat, "input_quant", []) or []):
         fq.set_name(f"input {i} of '{path}'")
 
