@@ -84,25 +84,10 @@ def with_input_stubs(model: nn.Module, scale: float) -> torch.fx.GraphModule:
     return gm
 
 
-def model_outputs(model: nn.Module, batches: list[Any]) -> list[Any]:
-    from fxq.calibration import batch_arguments
-
-    outs = []
-    with torch.no_grad():
-        for batch in batches:
-            args, kwargs = batch_arguments(model, batch)
-            outs.append(model(*args, **kwargs))
-    return outs
-
-
-def float_outputs(model: nn.Module, batches: list[Any], data: str) -> list[Any]:
-    """``model_outputs`` of the float model, which also checks the data ``data`` (the spec
-    the batches were read from) fits it.
-
-    Raises:
-        CliError: a batch the model fails on: the data, how it was read, the model's error
-            and the layout the data needs (``fxq.cli.loading.data_error``).
-    """
+def model_outputs(model: nn.Module, batches: list[Any], data: str | None = None) -> list[Any]:
+    """``model``'s outputs on ``batches``; with ``data`` (the spec the batches were read
+    from), a batch the model fails on raises ``fxq.cli.loading.data_error``: the data, how it
+    was read, the model's error and the layout the data needs."""
     from fxq.calibration import batch_arguments
 
     outs = []
@@ -112,8 +97,19 @@ def float_outputs(model: nn.Module, batches: list[Any], data: str) -> list[Any]:
                 args, kwargs = batch_arguments(model, batch)
                 outs.append(model(*args, **kwargs))
             except Exception as e:
+                if data is None:
+                    raise
                 raise data_error(data, batches, i, e) from e
     return outs
+
+
+def float_outputs(model: nn.Module, batches: list[Any], data: str) -> list[Any]:
+    """The float model's outputs, checking that the data ``data`` fits it (``model_outputs``).
+
+    Raises:
+        CliError: a batch the model fails on (``fxq.cli.loading.data_error``).
+    """
+    return model_outputs(model, batches, data)
 
 
 def output_metrics(reference: list[Any], test: list[Any]) -> dict[str, float]:
