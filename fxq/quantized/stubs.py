@@ -48,11 +48,32 @@ class Quantize(QuantizedModule):
             return x
         if isinstance(x, QTensor):
             return Requantize(self.scale, self.dtype, self.march)(x)
+        if _holds_nan(x):
+            nan = torch.isnan(x)
+            first = tuple(int(i) for i in nan.nonzero()[0])
+            raise ValueError(
+                f"Quantize {getattr(self, 'name', '')!r}: its input holds {int(nan.sum())} NaN "
+                f"value(s) (the first at index {first}), which it cannot quantize: an integer "
+                "has no NaN (the exported graph refuses them too); replace them before running "
+                "(e.g. torch.nan_to_num(x, nan=0.0)), or find the float op that made them. "
+                "+-Inf saturates"
+            )
         q = requant.quantize_values(x, self.scale, self.dtype, self.rounding)
         return QTensor(q, self.scale, self.dtype)
 
     def extra_repr(self) -> str:
         return f"scale={self.scale.item():.6g}, dtype={self.dtype_name}"
+
+
+def _holds_nan(x: Tensor) -> bool:
+    """Whether a plain float CPU tensor holds NaN. Not on an accelerator, where the read
+    would be a host sync per quantize (a CUDA graph could not even be captured), nor while
+    compiling or tracing, where a graph cannot read it, nor for fake or meta tensors."""
+    if not x.is_floating_point() or type(x) is not Tensor or x.device.type != "cpu":
+        return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return bool(torch.isnan(x).any())
 
 
 class DeQuantize(nn.Module):
