@@ -673,7 +673,7 @@ class FakeQuantize(nn.Module):
         saved = state_dict.get(prefix + "scale")
         if problem := self._saved_scale_problem(saved):
             errors.append(f"{prefix}scale: {problem}; load with the march it was saved with")
-        if saved is not None and saved.shape != self.scale.shape:
+        if isinstance(saved, Tensor) and saved.shape != self.scale.shape:
             self.scale = torch.empty(saved.shape, dtype=self.scale.dtype, device=self.scale.device)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing, unexpected, errors

@@ -351,7 +351,7 @@ class ObserverBase(nn.Module):
         for key in ("min_val", "max_val"):
             saved = state_dict.get(prefix + key)
             current = getattr(self, key)
-            if saved is not None and current.shape != saved.shape:
+            if isinstance(saved, torch.Tensor) and current.shape != saved.shape:
                 setattr(
                     self,
                     key,

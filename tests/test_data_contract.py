@@ -150,6 +150,12 @@ def test_an_empty_batch_among_others_is_skipped(bayes):
     with pytest.raises(ValueError, match="every batch of `data` holds no sample"):
         calibrate(model, (torch.randn(0, 3, 8, 8) for _ in range(2)), show_progress=False)
     assert model.training
+    # numpy images with an empty label tensor, made inputs by input_fn: samples, calibrated
+    images = [(d.numpy(), torch.zeros(0, 4)) for d in data]
+    calibrated = calibrate(
+        _prepared(), images, input_fn=lambda b: torch.from_numpy(b[0]), show_progress=False
+    )
+    assert _same(calibrated, calibrate(_prepared(), data, show_progress=False))
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:

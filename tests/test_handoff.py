@@ -213,6 +213,34 @@ def test_a_failed_load_leaves_the_model_as_it_was(bayes):
     assert torch.equal(model.stem.weight, saved["stem.weight"])
 
 
+def test_a_load_a_later_post_hook_forgives_stays_and_a_non_tensor_fails_cleanly(bayes):
+    torch.manual_seed(0)
+    net = HandoffNet().eval()
+    model = calibrate(fxq.prepare_qat_fx(net, {"": calib_q8}), [torch.randn(IMAGE)])
+    x = torch.randn(IMAGE)
+    fxq.set_fake_quantize(model, fxq.FakeQuantState.VALIDATION)
+    before = _as_it_is(model, x)
+    # a value that is not a tensor: torch records the error, the model is put back, and
+    # nothing of the load is left on the model
+    saved = dict(model.state_dict())
+    saved["stem.weight"] = saved["stem.weight"] + 1
+    saved["fc.weight_fake_quant.scale"] = 0.5
+    with pytest.raises(RuntimeError, match="fc.weight_fake_quant.scale"):
+        model.load_state_dict(saved)
+    _assert_as_it_was(model, x, before)
+    assert "_fxq_load_kept" not in model.__dict__
+
+    # a post hook registered after fxq's that forgives the fake quants' missing keys: the
+    # load succeeds and stays (fxq's restore decides after every other hook)
+    def forgive(module, incompatible):
+        incompatible.missing_keys.clear()
+
+    model.register_load_state_dict_post_hook(forgive)
+    weights = {k: model.state_dict()[k] + 1 for k in ("stem.weight", "fc.weight")}
+    model.load_state_dict(weights)  # strict: every other key is missing, then forgiven
+    assert torch.equal(model.stem.weight, weights["stem.weight"])
+
+
 def test_a_failed_load_of_an_integer_or_copied_model_leaves_it_as_it_was(bayes):
     torch.manual_seed(0)
     net = HandoffNet().eval()

@@ -42,6 +42,7 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.fx import GraphModule
@@ -300,10 +301,10 @@ def batch_list(
 
 
 def holds_sample(batch: Any) -> bool:
-    """Whether ``batch`` holds a sample: a non-empty tensor, or no tensor at all (inputs
+    """Whether ``batch`` holds a sample: a non-empty tensor or array, or neither (inputs
     that ``input_fn`` makes tensors of)."""
-    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
-    return not tensors or any(t.numel() for t in tensors)
+    arrays = [t for t in tree_flatten(batch)[0] if isinstance(t, (torch.Tensor, np.ndarray))]
+    return not arrays or any(t.size if isinstance(t, np.ndarray) else t.numel() for t in arrays)
 
 
 def no_sample_error(batch: Any, who: str, argument: str = "data") -> ValueError:

@@ -69,9 +69,14 @@ class _Keep:
         module = None if self.model is None else self.model()
         if module is None:
             return
+        module.__dict__.pop(_KEPT, None)  # left by a load that raised before its end
         if prefix:  # a submodule of the model being loaded: the outer model's load decides
-            module.__dict__.pop(_KEPT, None)
             return
+        # the restore decides last: a post hook registered later may forgive missing keys
+        hooks = module._load_state_dict_post_hooks
+        for key, hook in list(hooks.items()):
+            if hook is _restore_if_failed:
+                hooks.move_to_end(key)
         kept = []
         for m in module.modules():
             values = {}

@@ -857,7 +857,9 @@ def _check_decided_conditions(
 def check_decided(condition: Any, answer: bool, where: str) -> None:
     """Raise when a condition on sizes that tracing decided from the example inputs answers
     otherwise at run time (the graph holds only the branch the example took)."""
-    if bool(condition) is not answer:
+    # branching on the condition itself: under torch.compile with dynamic sizes it is a
+    # SymBool, whose ``bool`` is a guard, not the singleton True or False
+    if (not condition) if answer else condition:
         raise RuntimeError(
             f"{where}: this condition on tensor sizes was {answer} for the example inputs the "
             f"model was traced with, and is {not answer} for these inputs; the traced graph "

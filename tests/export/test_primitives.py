@@ -414,3 +414,33 @@ def test_whole_tensor_reductions_keep_the_float_ops_shapes_and_export_exactly():
     # op across the batch fixes it
     assert not graph.dynamic_batch
     assert_exact_in_runtimes(integer, graph, graph_to_onnx(graph), batches[1])
+
+
+class _ReluForOneSample(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if x.shape[0] == 1:  # decided from the example's batch size
+            y = torch.relu(y)
+        return y
+
+
+def test_a_branch_decided_from_the_batch_size_fixes_it():
+    from tests.export.helpers import convert_calibrated
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 8, 8)
+    integer = convert_calibrated(_ReluForOneSample().eval(), [(x,)])
+    graph = fxq.export.to_graph(integer, (x,))
+    assert not graph.dynamic_batch  # a batch of 3 would take the other branch
+    with torch.no_grad():
+        assert np.array_equal(graph.run(x.numpy())[0], integer(x).numpy())
+    # a branch on the spatial sizes keeps the batch dynamic (ResizesUnlessSquare16's)
+    from tests.fx.test_tracer import ResizesUnlessSquare16
+
+    x = torch.randn(2, 3, 16, 16)
+    integer = convert_calibrated(ResizesUnlessSquare16().eval(), [(x,)])
+    assert fxq.export.to_graph(integer, (x,)).dynamic_batch

@@ -430,3 +430,33 @@ def test_a_branch_decided_from_the_example_sizes_is_checked_at_each_call(bayes, 
         assert torch.equal(gm(y), model(y))
     with pytest.raises(RuntimeError, match="was True for the example inputs"):
         gm(x)
+
+
+class ScalesLongSequences(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):  # (batch, sequence, 8)
+        if x.shape[1] > 1:  # true for every call below
+            x = x * 0.5
+        return self.fc(x)
+
+
+def test_the_check_of_a_decided_branch_compiles_with_dynamic_sizes(bayes):
+    """Under torch.compile with dynamic sizes the condition is a SymBool: the check guards on
+    it (an identity test against True raised for valid calls)."""
+    x = torch.randn(2, 6, 8)
+    qat_model = fxq.prepare_qat_fx(ScalesLongSequences().eval(), {"": q8}, example_inputs=(x,))
+    calibrate(qat_model, [x])
+    fxq.set_fake_quantize(qat_model, "validation")
+    with torch.no_grad():
+        qat_model(x)  # the observed check runs once, outside a graph
+    torch._dynamo.reset()
+    compiled = torch.compile(qat_model, backend="eager", dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for length in (6, 7, 9):
+            y = torch.randn(2, length, 8)
+            assert torch.equal(compiled(y), qat_model(y))
+        with pytest.raises(RuntimeError, match="was True for the example inputs"):
+            qat_model(torch.randn(2, 1, 8))
