@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,7 @@ from fxq.export.moves import (
 )
 from fxq.export.plain import CAST_METHODS, TORCH_DTYPES, cast_rule, materialize, plain_rule
 from fxq.fx.graph_utils import reads_metadata_only
-from fxq.fx.tracer import SELF, call_wrapped_method, check_decided
+from fxq.fx.tracer import SELF, call_wrapped_method, check_decided, is_size_read, size_reads
 from fxq.primitives import Call, recording
 from fxq.primitives.core import NotExportable
 from fxq.qat.base import QATModule
@@ -102,7 +102,7 @@ class _Exporter(Interpreter):
         # FX form and a pointer to tlparse (other errors get the node in a note: ``_export``)
         self.extra_traceback = False
         self.stop_at = stop_at  # FX node names whose values are the graph's outputs
-        #: per FX node of a tensor that an op read: its rank and whether axis 0 is the batch
+        #: per size read (``is_size_read``): its tensor's rank and whether axis 0 is the batch
         self.sized: dict[Node, tuple[int, bool]] = {}
         self.values: dict[str, Any] = {}
         self.modules = dict(gm.named_modules())
@@ -226,13 +226,11 @@ class _Exporter(Interpreter):
     def run_node(self, n: Node) -> Any:
         self.fx_node = n
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        if n.op in ("call_function", "call_method") and args:
-            first = args[0]
-            if isinstance(first, (Tensor, QTensor)) and isinstance(n.args[0], Node):
-                # what a condition decided at tracing may read (``_check_decided_axis0``); the
-                # tensor itself may be freed by then
-                name = self.names.get(id(first))
-                self.sized[n.args[0]] = (first.dim(), bool(name and self.batched.get(name)))
+        if is_size_read(n) and isinstance(args[0], (Tensor, QTensor)):
+            # what a condition decided at tracing may read (``_check_decided_axis0``); the
+            # tensor itself may be freed by then
+            name = self.names.get(id(args[0]))
+            self.sized[n] = (args[0].dim(), bool(name and self.batched.get(name)))
         if n.op == "call_function" and n.target is call_wrapped_method:
             # the generated code passes the GraphModule where the graph says ``self``
             args = tuple(self.module if a is SELF else a for a in args)
@@ -270,9 +268,9 @@ class _Exporter(Interpreter):
     def _check_decided_axis0(self, n: Node) -> None:
         """A branch decided at tracing from the batch size (``if x.shape[0] == 1:``) holds
         for the example's batch only: the graph's batch size is fixed to it."""
-
-        for tensor in _sizes_read_at_axis0(n.args[0], lambda t: self.sized.get(t, (0, False))[0]):
-            if self.sized.get(tensor, (0, False))[1]:
+        for read in size_reads(n.args[0]) or []:
+            rank, batched = self.sized.get(read, (0, False))
+            if batched and _reads_axis0(read, rank):
                 self.fixed.append(f"{n.name}: a branch decided from the batch size")
                 return
 
@@ -514,38 +512,22 @@ class _Exporter(Interpreter):
         )
 
 
-def _sizes_read_at_axis0(condition: Any, rank: Callable[[Node], int]) -> list[Node]:
-    """The tensors whose axis 0 a condition on sizes reads (``x.shape[0]``, ``x.size(0)``,
-    ``len(x)``, ``x.numel()``, ``x.shape`` or ``x.size()`` used whole or sliced through axis
-    0), walking its Python arithmetic back; ``rank``: a tensor node's rank."""
-    found: list[Node] = []
-    work = [condition] if isinstance(condition, Node) else []
-    seen: set[Node] = set()
-    while work:
-        node = work.pop()
-        if node in seen or node.op not in ("call_function", "call_method"):
-            continue
-        seen.add(node)
-        target, args = node.target, node.args
-        if (target is getattr and len(args) > 1 and args[1] == "shape") or (
-            target == "size" and len(args) == 1
-        ):
-            n = max(rank(args[0]), 1)
-            items = [
-                range(n)[u.args[1]] if u.target is operator.getitem else None for u in node.users
-            ]
-            if any(i is None or (0 in i if isinstance(i, range) else i == 0) for i in items):
-                found.append(args[0])
-            continue
-        if (
-            (target == "size" and len(args) > 1 and args[1] % max(rank(args[0]), 1) == 0)
-            or target is len
-            or target in ("numel", "nelement")
-        ):
-            found.append(args[0])
-            continue
-        work.extend(node.all_input_nodes)
-    return [t for t in found if isinstance(t, Node)]
+def _reads_axis0(read: Node, rank: int) -> bool:
+    """Whether a size read (``is_size_read``) of a tensor of ``rank`` reads its axis 0:
+    ``x.shape`` or ``x.size()`` used whole or indexed through axis 0, ``x.size(0)``,
+    ``len(x)``, ``x.numel()``; not ``x.dim()`` or ``x.ndim``."""
+    target, args = read.target, read.args
+    rank = max(rank, 1)
+    if target in ("dim", "ndimension") or (target is getattr and args[1] == "ndim"):
+        return False
+    if (target is getattr and args[1] == "shape") or (target == "size" and len(args) == 1):
+        items = [
+            range(rank)[u.args[1]] if u.target is operator.getitem else None for u in read.users
+        ]
+        return any(i is None or (0 in i if isinstance(i, range) else i == 0) for i in items)
+    if target == "size":
+        return args[1] % rank == 0
+    return True  # len, numel, nelement
 
 
 def record_calls(ex: _Exporter, module: Any, args, kwargs, result) -> None:

@@ -67,6 +67,8 @@ __all__ = [
     "SELF",
     "SizeQuestionError",
     "reads_only_sizes",
+    "size_reads",
+    "is_size_read",
     "check_decided",
 ]
 
@@ -114,7 +116,7 @@ _SIZE_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
 _SIZE_ATTRS = frozenset({"shape", "ndim"})
 
 
-def _is_size_read(node: torch.fx.Node) -> bool:
+def is_size_read(node: torch.fx.Node) -> bool:
     """``x.size()``, ``x.dim()``, ``x.numel()``, ``x.shape``, ``x.ndim`` or ``len(x)``."""
     if node.op == "call_method":
         return node.target in _SIZE_METHODS
@@ -143,21 +145,27 @@ def reads_only_sizes(node: torch.fx.Node) -> bool:
     >>> reads_only_sizes(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     False
     """
+    return bool(size_reads(node))
+
+
+def size_reads(node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The size reads (``is_size_read``) ``node`` is computed from through Python arithmetic,
+    or None where a path reaches a tensor's data."""
     seen: set[torch.fx.Node] = set()
     work = [node]
-    sizes = False
+    reads = []
     while work:
         n = work.pop()
         if n in seen:
             continue
         seen.add(n)
-        if _is_size_read(n):
-            sizes = True
+        if is_size_read(n):
+            reads.append(n)
         elif n.op == "call_function" and _is_python_arithmetic(n.target):
             work.extend(n.all_input_nodes)
         else:
-            return False  # a graph input, a module, a buffer or a tensor op: data
-    return sizes
+            return None  # a graph input, a module, a buffer or a tensor op: data
+    return reads
 
 
 _NO_ARGUMENT: Any = object()  # fx_wrap() called with no argument: the decorator factory
