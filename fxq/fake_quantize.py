@@ -946,26 +946,17 @@ def check_non_finite(model: nn.Module) -> None:
             graph's order that saw them; the others it reached are listed after it).
     """
     quants = [(name, m) for name, m in model.named_modules() if isinstance(m, FakeQuantize)]
-    flags = [
-        flag
-        for _, m in quants
-        for flag in (
-            getattr(m.activation_post_process, "non_finite", None),
-            getattr(m.activation_post_process, "_non_finite", None),
-        )
-        if isinstance(flag, Tensor) and not flag.is_meta
-    ]
-    failed = any(getattr(m.activation_post_process, "_failed", False) for _, m in quants)
+    observers = [m.activation_post_process for _, m in quants]
+    flags = [f for obs in observers for f in getattr(obs, "non_finite_flags", list)()]
+    failed = any(getattr(obs, "failed", False) for obs in observers)
     one_device = flags and len({f.device for f in flags}) == 1
     if (
         not failed
         and one_device
         and not bool(torch.cat([f.reshape(-1) for f in flags]).isnan().any())
     ):
-        for _, m in quants:  # all read: the deferred counts start again
-            obs = m.activation_post_process
-            if hasattr(obs, "_non_finite"):
-                obs._non_finite, obs._unchecked = None, 0
+        for obs in observers:  # all read at once: the deferred counts start again
+            getattr(obs, "found_finite", lambda: None)()
         return
     errors = []
     for name, m in quants:

@@ -234,6 +234,24 @@ class ObserverBase(nn.Module):
         if unchecked >= NON_FINITE_CHECK_EVERY:
             self.check_non_finite()
 
+    def non_finite_flags(self) -> list[Tensor]:
+        """The device flags ``check_non_finite`` reads (NaN where NaN / Inf was seen): the
+        compiled and fused steps' and the deferred updates' (``fxq.fake_quantize.
+        check_non_finite`` reads a whole model's at once)."""
+        flags = [] if self.non_finite.is_meta else [self.non_finite]
+        pending = getattr(self, "_non_finite", None)
+        return flags if pending is None else [*flags, pending]
+
+    @property
+    def failed(self) -> bool:
+        """Whether a check found NaN / Inf (every later check raises until ``reset``)."""
+        return getattr(self, "_failed", False)
+
+    def found_finite(self) -> None:
+        """Note that a read of ``non_finite_flags`` found no NaN: the deferred updates are
+        checked, and their count starts again."""
+        self._non_finite, self._unchecked = None, 0
+
     def check_non_finite(self) -> None:
         """Raise if NaN / Inf reached this observer since its last ``reset`` (one host sync).
 
@@ -241,7 +259,7 @@ class ObserverBase(nn.Module):
         raises again until ``reset()``.
         """
         pending = getattr(self, "_non_finite", None)
-        self._non_finite, self._unchecked = None, 0
+        self.found_finite()  # read now (a NaN makes it raise below)
         if not self.non_finite.is_meta:
             bad = self.non_finite.isnan()  # from compiled and fused steps
             if pending is not None:
@@ -249,7 +267,7 @@ class ObserverBase(nn.Module):
             if bool(bad):  # one host read for both flags
                 self._failed = True
                 self.non_finite.zero_()
-        if getattr(self, "_failed", False):
+        if self.failed:
             self._raise_non_finite()
 
     def _raise_non_finite(self) -> None:

@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxq.calibration.data import batch_arguments, positional_arguments
-from fxq.fake_quantize import FakeQuantize, FakeQuantState, fake_quantize_ste
+from fxq.fake_quantize import FakeQuantize, FakeQuantState, check_non_finite, fake_quantize_ste
 from fxq.fx.fuse import fuse_fx
 from fxq.fx.tracer import bind_root, call_wrapped_method
 from fxq.march import get_march_spec, spec_for
@@ -159,7 +159,7 @@ def validation_state(*models: nn.Module) -> Iterator[None]:
     module and are untouched.
 
     Raises:
-        ValueError: a fake quant saw NaN or Inf (from ``FakeQuantize.check_non_finite``);
+        ValueError: a fake quant saw NaN or Inf (``fxq.fake_quantize.check_non_finite``);
             nothing is switched then.
     """
     found: dict[int, nn.Module] = {}
@@ -172,9 +172,8 @@ def validation_state(*models: nn.Module) -> Iterator[None]:
                 and state is not FakeQuantState.VALIDATION
             ):
                 found.setdefault(id(m), m)
-    for m in found.values():  # every NaN / Inf first, so that none is switched on an error
-        if isinstance(m, FakeQuantize):
-            m.check_non_finite()
+    for model in models:  # every NaN / Inf first, so that none is switched on an error
+        check_non_finite(model)
     switched: list[tuple[nn.Module, FakeQuantState]] = []
     try:
         for m in found.values():
