@@ -309,12 +309,16 @@ def holds_sample(batch: Any) -> bool:
 
 def no_sample_error(batch: Any, who: str, argument: str = "data") -> ValueError:
     """The error for data whose every batch holds no sample (tensors of shape ``(0, ...)``)."""
-    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
-    shapes = ", ".join(str(tuple(t.shape)) for t in tensors[:3])
     return ValueError(
-        f"{who}: every batch of `{argument}` holds no sample (e.g. tensor shape {shapes}); "
-        "nothing can be observed. Pass batches with at least one sample"
+        f"{who}: every batch of `{argument}` holds no sample (e.g. tensor shape "
+        f"{_shapes(batch)}); nothing can be observed. Pass batches with at least one sample"
     )
+
+
+def _shapes(batch: Any) -> str:
+    """The shapes of a batch's first three tensors, for messages."""
+    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    return ", ".join(str(tuple(t.shape)) for t in tensors[:3])
 
 
 def each_batch(
@@ -347,10 +351,9 @@ def one_batch(inputs: Any, who: str, argument: str = "inputs") -> Any:
         )
     tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
     if tensors and all(t.numel() == 0 for t in tensors):
-        shapes = ", ".join(str(tuple(t.shape)) for t in tensors[:3])
         raise ValueError(
-            f"{who}: `{argument}` holds no sample (tensor shape {shapes}); every measure on zero "
-            "values would be meaningless. Pass at least one sample"
+            f"{who}: `{argument}` holds no sample (tensor shape {_shapes(inputs)}); every "
+            "measure on zero values would be meaningless. Pass at least one sample"
         )
     return inputs
 

@@ -309,7 +309,7 @@ def compare(model: str, graph: str, calib: str, weights: str | None, **options: 
     from fxq.calibration import batch_arguments
     from fxq.cli.config import IMAGENET_MEAN, IMAGENET_STD
     from fxq.cli.loading import describe_batches, load_data, load_model, parse_json_kwargs
-    from fxq.cli.pipeline import float_outputs, output_metrics
+    from fxq.cli.pipeline import model_outputs, output_metrics
     from fxq.export import GraphInputError
 
     g = _load_graph(graph)
@@ -321,7 +321,7 @@ def compare(model: str, graph: str, calib: str, weights: str | None, **options: 
     batches = load_data(
         calib, options["batch_size"], options["image_size"], mean, std, options["num_batches"]
     )
-    reference = float_outputs(float_model, batches, calib)
+    reference = model_outputs(float_model, batches, calib)
     integer = []
     for batch in batches:
         args, _ = batch_arguments(float_model, batch)

@@ -27,7 +27,6 @@ __all__ = [
     "QuantizeResult",
     "quantize",
     "evaluate",
-    "float_outputs",
     "output_metrics",
 ]
 
@@ -103,15 +102,6 @@ def model_outputs(model: nn.Module, batches: list[Any], data: str | None = None)
     return outs
 
 
-def float_outputs(model: nn.Module, batches: list[Any], data: str) -> list[Any]:
-    """The float model's outputs, checking that the data ``data`` fits it (``model_outputs``).
-
-    Raises:
-        CliError: a batch the model fails on (``fxq.cli.loading.data_error``).
-    """
-    return model_outputs(model, batches, data)
-
-
 def output_metrics(reference: list[Any], test: list[Any]) -> dict[str, float]:
     """SQNR (dB), cosine and, for classifier logits (one 2-d output with several
     columns), top-1 agreement of ``test`` against ``reference`` (lists of batch outputs)."""
@@ -173,7 +163,7 @@ def quantize(cfg: QuantizeConfig, steps: Steps | None = None) -> QuantizeResult:
 
     Raises:
         CliError: missing MODEL / DATA, what loading them raises, data the float model
-            fails on (``float_outputs``).
+            fails on (``model_outputs``).
         ValueError and the other errors of the steps (prepare, ptq, convert).
     """
     steps = steps or Steps(quiet=True)
@@ -191,7 +181,7 @@ def quantize(cfg: QuantizeConfig, steps: Steps | None = None) -> QuantizeResult:
             cfg.calib, cfg.batch_size, cfg.image_size, cfg.mean, cfg.std, cfg.num_batches
         )
     with steps.step("float model"):  # data the model cannot run fails here, named
-        reference = float_outputs(model, batches, cfg.calib)
+        reference = model_outputs(model, batches, cfg.calib)  # checks the data fits
     qconfig_dict = config_to_qconfig_dict(cfg.qconfig)
     with steps.step("prepare"):
         calib = fxq.prepare_qat_fx(model, qconfig_dict)
